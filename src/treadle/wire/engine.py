@@ -1,0 +1,93 @@
+"""Front end <-> engine core messages: msgspec Structs, array-like, fields only ever appended."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+import torch
+
+from treadle.sampling_params import SamplingParams
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The type byte that leads every front end -> engine core message (after the identity)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+    # Internal sentinels, never sent by a front end.
+    EXECUTOR_FAILED = b"\x04"
+    WAKEUP = b"\x05"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; `str()` gives the OpenAI spelling."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    client_index: int = 0
+    current_wave: int = 0
+    priority: int = 0
+    prompt_embeds: torch.Tensor | None = None
+
+
+class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs of a run of sampled tokens: per token, entry 0 is the sampled token, then top-n."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None
+    wave_complete: int | None = None
+    start_wave: int | None = None
