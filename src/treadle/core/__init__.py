@@ -1,0 +1,1 @@
+"""The engine core floor: requests, the scheduler, KV blocks and the `EngineCore` step."""

@@ -1,0 +1,77 @@
+"""`EngineCore`: the scheduler and the executor, one `step()` at a time. No sockets: the engine
+core process wraps it with IO threads; the offline `LLM` and the tests drive it directly."""
+
+from __future__ import annotations
+
+import time
+
+from treadle.config import EngineConfig
+from treadle.core.request import Request
+from treadle.core.scheduler import Scheduler
+from treadle.executor.uniproc import UniProcExecutor
+from treadle.logger import init_logger
+from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        start = time.monotonic()
+        self.engine_index = engine_index
+        self.executor = UniProcExecutor(config)
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(self.num_blocks)
+        self.max_model_len = self.executor.max_model_len
+        self.vocab_size = self.executor.worker.arch.vocab_size
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        logger.info(
+            "Engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
+            time.monotonic() - start,
+            self.num_blocks,
+            config.cache.block_size,
+            self.max_model_len,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; raises `ValueError` (and changes nothing) if it cannot run."""
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: the prompt has {len(ids)} tokens, but "
+                f"max_model_len is {self.max_model_len} (room for at least one output token needed)"
+            )
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(
+                f"request {request.request_id}: token ids must be in [0, {self.vocab_size})"
+            )
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """schedule -> execute -> update; returns the outputs for each client index."""
+        if not self.scheduler.has_unfinished_requests():
+            return {}
+        sched = self.scheduler.schedule()
+        result = self.executor.execute_model(sched)
+        per_client = self.scheduler.update_from_output(sched, result)
+        stats = self.scheduler.make_stats()
+        now = time.time()
+        return {
+            client: EngineCoreOutputs(
+                engine_index=self.engine_index, outputs=outs, scheduler_stats=stats, timestamp=now
+            )
+            for client, outs in per_client.items()
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,125 @@
+"""KV-cache blocks: allocation per request, automatic prefix caching, LRU reuse.
+
+Invariants:
+- A block is either in use (ref_count > 0, owned by one or more requests) or free (ref_count
+  0, in `free` in LRU order: least recently freed first).
+- A block whose hash is set holds exactly the tokens of that hash; it stays findable in
+  `cached` while free, until it is taken for new tokens (then its hash is dropped).
+- Block hashes are chained: hash(parent hash, this block's token ids), so equal hashes mean
+  equal whole prefixes. Only full blocks are hashed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from treadle.core.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, Block] = {}
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """The longest cached prefix of a new request, as blocks and tokens. At least one
+        token is always left to compute, so the step has logits to sample from."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._hash_full_blocks(req)
+        hits: list[Block] = []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed: list[Block] | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens of `req` (after its computed ones, and
+        after the `computed` prefix hits of a new request). Returns the new block ids, or None
+        (and changes nothing) when there are not enough free blocks."""
+        computed = computed or []
+        owned = self.req_blocks.get(req.request_id, [])
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        needed = -(-total // self.block_size) - len(owned) - len(computed)
+        reusable_free = sum(1 for b in computed if b.ref_count == 0)
+        if needed > len(self.free) - reusable_free:
+            return None
+        for block in computed:
+            if block.ref_count == 0:
+                del self.free[block.block_id]
+            block.ref_count += 1
+        new_blocks = [self._take_free_block() for _ in range(max(0, needed))]
+        self.req_blocks[req.request_id] = owned + computed + new_blocks
+        return [b.block_id for b in computed + new_blocks]
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the blocks that `req` has filled with computed tokens, for later reuse."""
+        if not self.enable_prefix_caching:
+            return
+        self._hash_full_blocks(req)
+        blocks = self.req_blocks.get(req.request_id, [])
+        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        for block, block_hash in zip(blocks[:num_full], req.block_hashes[:num_full], strict=True):
+            if block.hash is None and block_hash not in self.cached:
+                block.hash = block_hash
+                self.cached[block_hash] = block
+
+    def free_request(self, req: Request) -> None:
+        """Give back the blocks of a finished or preempted request (tail first, so that the
+        tail is evicted before the shared prefix)."""
+        for block in reversed(self.req_blocks.pop(req.request_id, [])):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            block.hash = None
+        self.cached.clear()
+
+    def _take_free_block(self) -> Block:
+        _, block = self.free.popitem(last=False)
+        if block.hash is not None:
+            del self.cached[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block
+
+    def _hash_full_blocks(self, req: Request) -> None:
+        hashes, size = req.block_hashes, self.block_size
+        parent = hashes[-1] if hashes else 0
+        for start in range(len(hashes) * size, req.num_tokens - size + 1, size):
+            parent = hash((parent, tuple(req.all_token_ids[start : start + size])))
+            hashes.append(parent)

@@ -1,0 +1,216 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens.
+
+Every request has `num_computed_tokens` (in the KV cache) and `num_tokens` (prompt + output);
+a step gives each running request up to the difference, under a token budget. A prompt is
+thus prefilled in chunks beside the decodes of other requests. When blocks run out, the
+lowest-priority running request is preempted (its blocks are freed and it is recomputed
+later). Waiting requests are admitted FCFS, or by `priority` (lower first) then arrival.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from treadle.config import CacheConfig, SchedulerConfig
+from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.request import Request, RequestStatus
+from treadle.wire.engine import EngineCoreOutput, FinishReason, SchedulerStats
+from treadle.wire.worker import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self._waiting: list[tuple[int, float, int, Request]] = []  # heap
+        self._order = itertools.count()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the workers in the next step
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._push_waiting(req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self._finish(req, FinishReason.ABORT)
+            aborted.append(req)
+        if aborted:
+            self._waiting = [e for e in self._waiting if not e[3].is_finished]
+            heapq.heapify(self._waiting)
+        return aborted
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                budget += self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                continue
+            out.cached_requests.append(
+                CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
+            )
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+
+        while self._waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            req = self._waiting[0][3]
+            computed, num_hit = ([], 0)
+            if req.num_computed_tokens == 0:
+                computed, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+            block_ids = self.kv.allocate_slots(req, n, computed)
+            if block_ids is None:
+                break
+            heapq.heappop(self._waiting)
+            req.num_computed_tokens += num_hit
+            req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.new_requests.append(
+                NewRequestData(
+                    req.request_id,
+                    list(req.all_token_ids),
+                    req.num_prompt_tokens,
+                    req.sampling_params,
+                    self.kv.block_ids(req.request_id),
+                    req.num_computed_tokens,
+                    req.eos_token_id,
+                )
+            )
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        for rid, n in out.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> dict[int, list[EngineCoreOutput]]:
+        """Append the sampled tokens, finish what must stop; outputs grouped by client."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        for rid in sched.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            token = result.sampled.get(rid)
+            if token is None:  # a prefill chunk that did not reach the end of the prompt
+                self.kv.cache_full_blocks(req)
+                continue
+            req.all_token_ids.append(token)
+            reason = self._check_stop(req, token)
+            self.kv.cache_full_blocks(req)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.setdefault(req.client_index, []).append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=[token],
+                    new_logprobs=result.logprobs.get(rid),
+                    finish_reason=reason,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self._waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        params = req.sampling_params
+        num_out = req.num_output_tokens
+        if num_out >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return FinishReason.STOP
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        was_running = req.status is RequestStatus.RUNNING
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if was_running:
+            self.running.remove(req)
+            self._finished_ids.add(req.request_id)
+        self.kv.free_request(req)
+        del self.requests[req.request_id]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Free `req` and send it back to the waiting queue; returns the tokens it had been
+        given in this step (now unscheduled)."""
+        self.running.remove(req)
+        self.kv.free_request(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.num_preemptions += 1
+        out.finished_request_ids.add(req.request_id)
+        out.cached_requests = [c for c in out.cached_requests if c.request_id != req.request_id]
+        self._push_waiting(req)
+        return out.num_scheduled_tokens.pop(req.request_id, 0)
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self._waiting, (req.priority, req.arrival_time, next(self._order), req))

@@ -1,0 +1,1 @@
+"""The entrypoints floor: the offline `LLM` and (later) the HTTP server."""

@@ -1,0 +1,153 @@
+"""`LLM`: the offline Python API, as vLLM's (`generate`, `chat`), over an `EngineCore`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from treadle.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_model,
+)
+from treadle.core.engine_core import EngineCore
+from treadle.frontend.input_processor import InputProcessor, PromptType
+from treadle.frontend.output_processor import OutputProcessor, child_params
+from treadle.frontend.tokenizer import load_tokenizer
+from treadle.outputs import RequestOutput
+from treadle.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        block_size: int = CacheConfig.block_size,
+    ) -> None:
+        source = resolve_model(model)  # fail fast, before any loading, on a bad path
+        self.config = EngineConfig(
+            model=ModelConfig(model=source.path, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+        )
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+            raise NotImplementedError("tensor/pipeline parallelism is not implemented yet: use 1")
+        self.engine_core = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(source)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.engine_core.max_model_len, self.engine_core.vocab_size
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        prompt_list = _as_list(prompts)
+        params_list = self._params_for(prompt_list, sampling_params)
+        priorities = priority or [0] * len(prompt_list)
+        # Validate everything before queueing anything: a bad prompt leaves the engine as it was.
+        tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
+        ids = [str(next(self._ids)) for _ in prompt_list]
+        requests = []
+        for rid, (text, tokens), params, prio in zip(ids, tokenized, params_list, priorities, strict=True):
+            requests.append((rid, text, tokens, params, prio))
+            self.input_processor.process(rid, tokens, params, prio)
+        for rid, text, tokens, params, prio in requests:
+            self._add(rid, text, tokens, params, prio)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            for out in self._run():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = self.input_processor.apply_chat_template(
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already holds the special tokens: do not add them twice.
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the growing output of one prompt after every step (the CLI streams with it)."""
+        params = sampling_params or SamplingParams()
+        text, tokens = self.input_processor.tokenize(prompt)
+        rid = str(next(self._ids))
+        self.input_processor.process(rid, tokens, params)
+        self._add(rid, text, tokens, params, 0)
+        yield from self._run()
+
+    def _add(self, rid: str, text: str | None, tokens: list[int], params: SamplingParams, prio: int) -> None:
+        child_ids = self.output_processor.add_request(rid, text, tokens, params)
+        for index, child_id in enumerate(child_ids):
+            request = self.input_processor.process(child_id, tokens, child_params(params, index), prio)
+            self.engine_core.add_request(request)
+
+    def _run(self) -> Iterator[RequestOutput]:
+        while self.output_processor.has_unfinished():
+            for outputs in self.engine_core.step().values():
+                results, to_abort = self.output_processor.process_outputs(outputs.outputs)
+                if to_abort:
+                    self.engine_core.abort_requests(to_abort)
+                yield from results
+
+    def _params_for(
+        self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        return list(params)
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return list(prompts)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""The executor floor: how the engine core reaches its worker(s)."""

@@ -1,0 +1,35 @@
+"""`UniProcExecutor`: world size 1, so the worker is an object in the engine core process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treadle.config import EngineConfig
+from treadle.worker.worker import Worker
+from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.worker.load_model()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.worker.max_model_len
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def determine_num_blocks(self) -> int:
+        return int(self.collective_rpc("determine_num_blocks")[0])
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks,))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        result: ModelRunnerOutput = self.collective_rpc("execute_model", (sched,))[0]
+        return result
+
+    def shutdown(self) -> None:
+        pass

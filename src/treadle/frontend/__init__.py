@@ -1,0 +1,1 @@
+"""The front-end floor: tokenizing, input validation, detokenizing and output assembly."""

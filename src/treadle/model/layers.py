@@ -1,0 +1,196 @@
+"""Building blocks of a Llama-family decoder; each parameter knows how to load its own shard."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treadle.model.arch import UnsupportedModelError
+from treadle.model.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
+
+
+def _attach_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _attach_loader(nn.Parameter(torch.ones(size)), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b), output dim split across TP ranks; several checkpoint matrices may be
+    packed side by side (`shard_sizes`: their full output sizes, e.g. gate and up)."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.full_sizes = shard_sizes
+        self.local_sizes = [s // self.tp_size for s in shard_sizes]
+        self.weight = _attach_loader(
+            nn.Parameter(torch.empty(sum(self.local_sizes), in_features)), self.weight_loader
+        )
+        self.bias = (
+            _attach_loader(nn.Parameter(torch.zeros(sum(self.local_sizes))), self.weight_loader)
+            if bias
+            else None
+        )
+
+    def _shard_source(self, shard: int) -> tuple[int, int]:
+        """(row offset in the checkpoint matrix, rows) that this rank holds for `shard`."""
+        size = self.local_sizes[shard]
+        return self.tp_rank * size, size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+        shard = 0 if shard is None else shard
+        dest_offset = sum(self.local_sizes[:shard])
+        src_offset, size = self._shard_source(shard)
+        default_weight_loader_slice(param, loaded, dest_offset, src_offset, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def default_weight_loader_slice(
+    param: nn.Parameter, loaded: torch.Tensor, dest_offset: int, src_offset: int, size: int
+) -> None:
+    src = loaded.narrow(0, src_offset, size)
+    dest = param.data.narrow(0, dest_offset, size)
+    if dest.shape != src.shape:
+        raise ValueError(f"shape mismatch: parameter slice {tuple(dest.shape)}, checkpoint {tuple(src.shape)}")
+    dest.copy_(src)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections packed into one matrix; KV heads are replicated across ranks when
+    there are more ranks than KV heads."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        size = tp_size()
+        self.num_kv_heads_full = num_kv_heads
+        self.kv_replicas = max(1, size // num_kv_heads)
+        local_kv = max(1, num_kv_heads // size)
+        kv_full = local_kv * head_dim * size  # so that local_sizes gives local_kv heads per rank
+        super().__init__(hidden, [num_heads * head_dim, kv_full, kv_full], bias)
+        self.head_dim = head_dim
+
+    def _shard_source(self, shard: int) -> tuple[int, int]:
+        size = self.local_sizes[shard]
+        if shard == 0:
+            return self.tp_rank * size, size
+        return (self.tp_rank // self.kv_replicas) * size, size
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with the input dim split across ranks, summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.local_in = in_features // self.tp_size
+        self.weight = _attach_loader(
+            nn.Parameter(torch.empty(out_features, self.local_in)), self.weight_loader
+        )
+        self.bias = _attach_loader(nn.Parameter(torch.zeros(out_features)), default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; also the (tied) LM head."""
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.vocab_size = vocab_size
+        self.local_vocab = math.ceil(vocab_size / self.tp_size)
+        self.start = self.tp_rank * self.local_vocab
+        self.weight = _attach_loader(nn.Parameter(torch.zeros(self.local_vocab, hidden)), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = min(self.local_vocab, self.vocab_size - self.start)
+        param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # matmul, not F.linear: at batch 1 on CPU it is markedly faster for this wide matrix.
+        local = torch.matmul(hidden, self.weight.t())
+        return all_gather_last_dim(local)[..., : self.vocab_size]
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE with cos/sin precomputed in float32 for every position."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cos and sin, shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; treadle supports linear and llama3")

@@ -1,0 +1,141 @@
+"""Weight loading: safetensors and GGUF as two generators of Hugging Face-named tensors."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from treadle.config import ModelSource
+from treadle.logger import init_logger
+from treadle.model.arch import ModelArch, UnsupportedModelError
+from treadle.model.llama import LlamaForCausalLM
+
+logger = init_logger(__name__)
+
+GGUF_SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
+
+# GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`).
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+class ModelLoadError(RuntimeError):
+    """The weights could not be read; the message names the file and the cause."""
+
+
+def read_arch(source: ModelSource) -> ModelArch:
+    if source.is_gguf:
+        reader = open_gguf(source.path)
+        return ModelArch.from_gguf_fields(gguf_fields(reader), {t.name for t in reader.tensors})
+    return ModelArch.from_hf_dir(source.path)
+
+
+def load_model(
+    source: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(arch, max_positions)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    weights = _gguf_weights(source.path, arch) if source.is_gguf else _safetensors_weights(source.path)
+    model.load_weights(weights)
+    return model.eval()
+
+
+def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {path}")
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in tqdm(list(f.keys()), desc=f"Loading {os.path.basename(file)}", leave=False):
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+
+
+def open_gguf(path: str) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+def gguf_fields(reader: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            fields[key] = field.contents()
+        except Exception:  # exotic field types we never need
+            continue
+    return fields
+
+
+def _gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF", leave=False):
+        kind = tensor.tensor_type.name
+        if kind not in GGUF_SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"GGUF tensor {tensor.name} has type {kind}; treadle reads {sorted(GGUF_SUPPORTED_TYPES)}"
+            )
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: tensor {tensor.name} is unreadable (truncated?): {e}") from e
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        array = np.array(array, dtype=np.float32).reshape(shape)  # owned and writable
+        name = _hf_name(tensor.name)
+        if arch.family in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = arch.num_heads if "q_proj" in name else arch.num_kv_heads
+            array = _unpermute_rope_rows(array, heads)
+        yield name, torch.from_numpy(array)
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        layer, base, suffix = parts[1], parts[2], ".".join(parts[3:])
+        if base not in _GGUF_LAYER_NAMES:
+            raise UnsupportedModelError(f"unknown GGUF tensor {gguf_name}")
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{suffix}"
+    if parts[0] not in _GGUF_TOP_NAMES:
+        raise UnsupportedModelError(f"unknown GGUF tensor {gguf_name}")
+    return f"{_GGUF_TOP_NAMES[parts[0]]}.{'.'.join(parts[1:])}"
+
+
+def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its RoPE; restore Hugging Face's half split."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,47 @@
+"""Engine core <-> worker messages: one step's schedule (as a diff) and its sampled tokens.
+
+Workers keep each running request's state between steps, so `SchedulerOutput` carries new
+requests in full and running ones only as deltas. A preempted request is dropped by the
+workers and comes back later as a new request with all its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle.sampling_params import SamplingParams
+from treadle.wire.engine import Logprobs
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # prompt + output so far (outputs only after a preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_request_ids: set[str] = field(default_factory=set)  # finished or preempted
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # Per request that reached the end of its tokens this step: the sampled token.
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)

@@ -1,0 +1,199 @@
+"""`ModelRunner`: keeps the running requests' state on this device, turns one step's schedule
+into model inputs, runs the model and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treadle.model.attention import AttentionMetadata, PrefillChunk
+from treadle.model.llama import LlamaForCausalLM
+from treadle.sampling_params import SamplingParams
+from treadle.worker.sampler import Sampler, SamplingRow
+from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.sampler = Sampler(seed, device)
+        self.requests: dict[str, RequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.model.layers[0].self_attn
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        return per_token * self.block_size * len(self.model.model.layers)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        attn = self.model.model.layers[0].self_attn
+        shape = (num_blocks * self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in self.model.model.layers
+        ]
+
+    # -- per step --------------------------------------------------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            seed = new.sampling_params.seed
+            self.requests[new.request_id] = RequestState(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                eos_token_id=new.eos_token_id,
+                generator=None
+                if seed is None
+                else torch.Generator(device=self.device).manual_seed(seed),
+            )
+        for cached in sched.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if not sched.num_scheduled_tokens:
+            return ModelRunnerOutput()
+        # Decodes (one token) first, then prefill chunks: the layout attention expects.
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] > 1)
+        states = [self.requests[rid] for rid, _ in order]
+        counts = [n for _, n in order]
+        input_ids, positions, meta, logits_rows = self._prepare(states, counts)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        result = ModelRunnerOutput()
+        sampling = [(s, row) for s, row in zip(states, logits_rows, strict=True) if row is not None]
+        if sampling:
+            rows = torch.tensor([row for _, row in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            tokens, logprobs = self.sampler(logits, [self._sampling_row(s) for s, _ in sampling])
+            for (state, _), token, lp in zip(sampling, tokens, logprobs, strict=True):
+                state.token_ids.append(token)
+                result.sampled[state.request_id] = token
+                if lp is not None:
+                    result.logprobs[state.request_id] = lp
+        for state, n in zip(states, counts, strict=True):
+            state.num_computed_tokens += n
+        return result
+
+    def _prepare(
+        self, states: list[RequestState], counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int | None]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int | None] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for state, n in zip(states, counts, strict=True):
+            start = state.num_computed_tokens
+            first = len(ids)
+            ids.extend(state.token_ids[start : start + n])
+            table = state.block_ids
+            new_pos = range(start, start + n)
+            pos.extend(new_pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in new_pos)
+            reaches_end = start + n == len(state.token_ids)
+            logits_rows.append(first + n - 1 if reaches_end else None)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(self._prefill_chunk(first, start, n, table))
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device), prefills=prefills
+        )
+        if decode_tables:
+            meta.num_decodes = len(decode_tables)
+            meta.decode_slots, meta.decode_bias = self._decode_context(decode_tables, decode_lens)
+        return (
+            torch.tensor(ids, device=device),
+            torch.tensor(pos, device=device),
+            meta,
+            logits_rows,
+        )
+
+    def _prefill_chunk(self, first: int, start: int, n: int, table: list[int]) -> PrefillChunk:
+        bs, device = self.block_size, self.device
+        length = start + n
+        ctx = torch.arange(length, device=device)
+        blocks = torch.tensor(table[: -(-length // bs)], device=device)
+        context_slots = blocks[ctx // bs] * bs + ctx % bs
+        q_pos = torch.arange(start, length, device=device)
+        bias = torch.zeros(n, length, device=device)
+        bias.masked_fill_(ctx[None, :] > q_pos[:, None], float("-inf"))
+        return PrefillChunk(first, first + n, context_slots, bias)
+
+    def _decode_context(
+        self, tables: list[list[int]], lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, device = self.block_size, self.device
+        max_len = max(lengths)
+        max_blocks = -(-max_len // bs)
+        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+        block_table = torch.tensor(padded, device=device)
+        ctx = torch.arange(max_len, device=device)
+        slots = block_table[:, ctx // bs] * bs + ctx % bs
+        lens = torch.tensor(lengths, device=device)
+        bias = torch.zeros(len(tables), max_len, device=device)
+        bias.masked_fill_(ctx[None, :] >= lens[:, None], float("-inf"))
+        return slots, bias[:, None, None, :]
+
+    def _sampling_row(self, state: RequestState) -> SamplingRow:
+        p = state.sampling_params
+        outputs = state.token_ids[state.num_prompt_tokens :]
+        banned: list[int] = []
+        if len(outputs) < p.min_tokens:
+            banned = list(p.stop_token_ids)
+            if state.eos_token_id is not None and not p.ignore_eos:
+                banned.append(state.eos_token_id)
+        return SamplingRow(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logprobs=p.logprobs,
+            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            output_token_ids=outputs,
+            banned_token_ids=banned,
+            generator=state.generator,
+        )
