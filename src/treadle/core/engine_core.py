@@ -22,7 +22,11 @@ class EngineCore:
         self.executor = UniProcExecutor(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
-        self.max_model_len = self.executor.max_model_len
+        self.max_model_len = _fit_max_model_len(
+            self.executor.max_model_len,
+            self.num_blocks * config.cache.block_size,
+            explicit=config.model.max_model_len is not None,
+        )
         self.vocab_size = self.executor.worker.arch.vocab_size
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
         logger.info(
@@ -75,3 +79,22 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _fit_max_model_len(max_model_len: int, kv_capacity: int, explicit: bool) -> int:
+    """A request must fit in the KV cache alone, or it could be preempted forever. An explicit
+    max_model_len that does not fit is an error; the model's own limit is lowered instead."""
+    if max_model_len <= kv_capacity:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"max_model_len {max_model_len} does not fit in the KV cache ({kv_capacity} tokens): "
+            "lower --max-model-len or raise --kv-cache-memory"
+        )
+    logger.warning(
+        "The KV cache holds %d tokens, fewer than the model's limit %d: max_model_len is %d",
+        kv_capacity,
+        max_model_len,
+        kv_capacity,
+    )
+    return kv_capacity

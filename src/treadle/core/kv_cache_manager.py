@@ -59,9 +59,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted request's lookup (not the retries of one that had to wait)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, computed: list[Block] | None = None

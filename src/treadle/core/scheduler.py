@@ -109,6 +109,8 @@ class Scheduler:
             if block_ids is None:
                 break
             heapq.heappop(self._waiting)
+            if req.num_computed_tokens == 0:
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens += num_hit
             req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING

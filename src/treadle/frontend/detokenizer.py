@@ -48,13 +48,21 @@ class IncrementalDetokenizer:
         return self._check_stop(start)
 
     def _check_stop(self, start: int) -> str | None:
-        for stop in self.stop:
-            at = self.output_text.find(stop, start)
-            if at != -1:
-                end = at + len(stop) if self.include_stop else at
-                self.output_text = self.output_text[:end]
-                return stop
-        return None
+        """The stop string that occurs first in the new text (the earlier-listed one on a tie)."""
+        found = [(self.output_text.find(stop, start), stop) for stop in self.stop]
+        found = [(at, stop) for at, stop in found if at >= 0]
+        if not found:
+            return None
+        at, stop = min(found, key=lambda f: f[0])
+        end = at + len(stop) if self.include_stop else at
+        self.output_text = self.output_text[:end]
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        """The text so far, less a possible stop-string start while unfinished."""
+        if finished or self.hold_back <= 0:
+            return self.output_text
+        return self.output_text[: max(0, len(self.output_text) - self.hold_back)]
 
     def delta(self, finished: bool) -> str:
         """Text not returned before; while unfinished, holds back a possible stop-string start."""

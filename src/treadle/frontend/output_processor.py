@@ -128,13 +128,13 @@ class OutputProcessor:
                 comp.logprobs.append(dict(zip(ids, values, strict=True)))
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + values[0]
         stop = child.detok.update(out.new_token_ids)
-        comp.text = child.detok.output_text
         if stop is not None:
             comp.finish_reason, comp.stop_reason = str(FinishReason.STOP), stop
             if not out.finished:
                 to_abort.append(out.request_id)
         elif out.finish_reason is not None:
             comp.finish_reason, comp.stop_reason = str(out.finish_reason), out.stop_reason
+        comp.text = child.detok.visible_text(comp.finished)
 
     def _make_output(self, parent: _ParentState) -> RequestOutput:
         completions = sorted((c.completion for c in parent.children.values()), key=lambda c: c.index)

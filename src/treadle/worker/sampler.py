@@ -58,14 +58,19 @@ class Sampler:
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
             if row.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(row.prompt_token_ids + row.output_token_ids)))
+                seen = torch.tensor(
+                    sorted(set(row.prompt_token_ids + row.output_token_ids)),
+                    dtype=torch.long,
+                    device=logits.device,
+                )
                 values = logits[i, seen]
                 logits[i, seen] = torch.where(
                     values > 0, values / row.repetition_penalty, values * row.repetition_penalty
                 )
             if (row.presence_penalty or row.frequency_penalty) and row.output_token_ids:
                 counts = torch.bincount(
-                    torch.tensor(row.output_token_ids), minlength=logits.shape[1]
+                    torch.tensor(row.output_token_ids, device=logits.device),
+                    minlength=logits.shape[1],
                 ).to(logits.dtype)
                 logits[i] -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0)
         return logits

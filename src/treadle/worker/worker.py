@@ -72,15 +72,9 @@ class Worker:
             else:
                 budget = CPU_DEFAULT_KV_CACHE_BYTES
         num_blocks = budget // per_block
-        min_blocks = -(-self.max_model_len // self.config.cache.block_size)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory {budget} bytes holds no KV block (one block needs {per_block} bytes)"
-            )
-        if num_blocks < min_blocks:
-            logger.warning(
-                "The KV cache holds %d tokens, fewer than max_model_len %d: long requests will "
-                "be preempted or fail", num_blocks * self.config.cache.block_size, self.max_model_len
             )
         return int(num_blocks)
 

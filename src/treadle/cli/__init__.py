@@ -1,0 +1,1 @@
+"""The `treadle` command line."""

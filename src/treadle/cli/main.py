@@ -1,0 +1,63 @@
+"""`treadle` CLI: `treadle generate PROMPT` (and, later, `treadle serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from treadle.config import ModelConfig, field_docs
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from treadle import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.input_processor.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = {"prompt": prompt, "prompt_token_ids": llm.tokenizer(prompt, add_special_tokens=False).input_ids}
+        shown = 0
+        for out in llm.stream(prompt, params):
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+        sys.stdout.write("\n")
+        return 0
+    except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
+        print(f"treadle generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treadle", description="treadle: a readable LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    docs = field_docs(ModelConfig)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default=None, help=docs["model"])
+    gen.add_argument("--dtype", default="auto", help=docs["dtype"])
+    gen.add_argument("--max-model-len", type=int, default=None, help=docs["max_model_len"])
+    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

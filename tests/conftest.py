@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random Llama-family checkpoints built on the fly (no hub, no network)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_VOCAB = 49152  # the default model's tokenizer is reused, so the vocab matches it
+
+
+def _tiny_config(family: str):  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0)
+    if family == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+    raise ValueError(family)
+
+
+def build_tiny_model(path: Path, family: str, seed: int = 0) -> Path:
+    """A random model whose every parameter (norms and biases too) differs from its init, so
+    a parameter that fails to load shows up as a wrong output."""
+    from transformers import AutoModelForCausalLM
+
+    from treadle.config import resolve_model
+    from treadle.frontend.tokenizer import load_tokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_tiny_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.05 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    load_tokenizer(resolve_model(None)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    built: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family)
+        return built[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from treadle.config import default_model_path
+
+    return default_model_path()

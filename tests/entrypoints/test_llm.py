@@ -1,0 +1,169 @@
+"""The offline `LLM` as a user meets it: prompt forms, chat, n, bad input, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from treadle import LLM, SamplingParams
+from treadle.model.arch import UnsupportedModelError
+from treadle.model.loader import ModelLoadError
+
+TREADLE = str(Path(sys.executable).parent / "treadle")  # the console script a user runs
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory) -> LLM:  # type: ignore[no-untyped-def]
+    return LLM(str(tiny_model_factory("llama")), dtype="float32", max_model_len=64)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_prompt_forms_give_the_same_tokens(llm: LLM) -> None:
+    ids = llm.get_tokenizer()("Hello world").input_ids
+    by_text = llm.generate("Hello world", GREEDY, use_tqdm=False)[0]
+    by_ids = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    assert by_text.prompt_token_ids == ids
+    assert by_text.prompt == "Hello world"
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert len(by_text.outputs[0].token_ids) == 8
+    assert by_text.outputs[0].finish_reason == "length"
+
+
+def test_outputs_keep_prompt_order_and_n_samples(llm: LLM) -> None:
+    prompts = ["a", "b c d e f g", "h i"]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    out = llm.generate("x", params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per sample
+    again = llm.generate("x", params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_logprobs_and_stop_strings(llm: LLM) -> None:
+    out = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False
+    )[0]
+    comp = out.outputs[0]
+    assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids)
+    for token, entry in zip(comp.token_ids, comp.logprobs, strict=True):
+        assert token in entry and len(entry) <= 3
+        assert max(entry.values()) == entry[token]  # greedy picks the most likely token
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(e[t] for t, e in zip(comp.token_ids, comp.logprobs, strict=True))
+    )
+
+    full = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
+    text = full.outputs[0].text
+    stop = text[3:5]
+    assert stop.strip()
+    cut = llm.generate(
+        "Hello",
+        SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert cut.outputs[0].text == text[: text.index(stop)]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+
+
+def test_chat_applies_the_template(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False)[0]
+    assert "<|im_start|>user\nHi<|im_end|>" in (out.prompt or "")
+    assert len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", GREEDY, "empty"),
+        ({"prompt_token_ids": [5] * 64}, GREEDY, "maximum context length is 64"),
+    ],
+)
+def test_bad_prompts_raise_and_the_engine_keeps_serving(
+    llm: LLM, prompt: object, params: SamplingParams, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["fine prompt", prompt], params, use_tqdm=False)  # type: ignore[list-item]
+    assert not llm.engine_core.has_unfinished_requests()
+    assert len(llm.generate("still fine", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -0.1}, "temperature"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict[str, float], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_unknown_model_path() -> None:
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        LLM("/no/such/model")
+
+
+def test_truncated_and_corrupt_gguf(tmp_path: Path, default_model_path: str) -> None:
+    data = Path(default_model_path).read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        LLM(str(truncated))
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"not a gguf file at all" * 100)
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        LLM(str(corrupt))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        LLM(str(tmp_path))
+
+
+def test_cli_generate_streams_the_default_model() -> None:
+    env = dict(os.environ, TREADLE_LOGGING_LEVEL="WARNING")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "treadle.cli.main",
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_cli_reports_a_bad_model_path() -> None:
+    result = subprocess.run(
+        [TREADLE, "generate", "hi", "--model", "/no/such/model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "not found" in result.stderr

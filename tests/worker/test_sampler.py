@@ -1,0 +1,203 @@
+"""Sampler: greedy, temperature, top-k/top-p/min-p, seeds, penalties, banned ids, logprobs."""
+
+import pytest
+import torch
+
+from treadle.worker.sampler import Sampler, SamplingRow
+
+VOCAB = 32
+CPU = torch.device("cpu")
+
+
+def make_row(**changes: object) -> SamplingRow:
+    fields: dict[str, object] = dict(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logprobs=None,
+        prompt_token_ids=[0],
+        output_token_ids=[],
+        banned_token_ids=[],
+        generator=None,
+    )
+    fields.update(changes)
+    return SamplingRow(**fields)  # type: ignore[arg-type]
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=seeded(seed)) * 3
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int = 0) -> list[int]:
+    tokens, _ = Sampler(seed, CPU)(logits.clone(), rows)
+    return tokens
+
+
+def draws(logits: torch.Tensor, row: SamplingRow, n: int = 200) -> list[int]:
+    """n draws of one row from one sampler, as n decode steps would give them."""
+    sampler = Sampler(0, CPU)
+    return [sampler(logits.clone(), [row])[0][0] for _ in range(n)]
+
+
+def test_greedy_is_argmax_per_row():
+    logits = random_logits(4)
+    assert sample(logits, [make_row(temperature=0.0)] * 4) == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy():
+    logits = random_logits(6)
+    greedy = logits.argmax(-1).tolist()
+    for seed in range(5):
+        assert sample(logits, [make_row(top_k=1)] * 6, seed) == greedy
+        assert sample(logits, [make_row(top_p=1e-6)] * 6, seed) == greedy
+        assert sample(logits, [make_row(min_p=1.0)] * 6, seed) == greedy
+
+
+def test_tiny_temperature_is_greedy():
+    logits = random_logits(4)
+    assert sample(logits, [make_row(temperature=1e-4)] * 4) == logits.argmax(-1).tolist()
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1] + [1e-9] * (VOCAB - 3)]))
+    counts = torch.bincount(torch.tensor(draws(logits, make_row(), 500)), minlength=VOCAB)
+    assert counts[3:].sum() == 0
+    assert 300 < counts[0] < 400 and 60 < counts[1] < 140 and 20 < counts[2] < 80
+
+
+def test_tokens_outside_top_k_never_appear():
+    logits = random_logits(1)
+    top3 = set(logits[0].topk(3).indices.tolist())
+    got = draws(logits, make_row(top_k=3, temperature=2.0))
+    assert set(got) <= top3 and len(set(got)) > 1
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05] + [0.0] * (VOCAB - 4)])
+    logits = torch.log(probs.clamp_min(1e-12))
+    assert set(draws(logits, make_row(top_p=0.75))) == {0, 1}  # 0.5 < 0.75 <= 0.8
+    assert set(draws(logits, make_row(top_p=0.5))) == {0}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05] + [0.0] * (VOCAB - 4)])
+    logits = torch.log(probs.clamp_min(1e-12))
+    assert set(draws(logits, make_row(min_p=0.4))) == {0, 1}  # 0.15 < 0.4 * 0.5
+
+
+def test_top_k_and_top_p_apply_per_row():
+    logits = random_logits(1).repeat(2, 1)
+    rows = [make_row(top_k=1), make_row(temperature=5.0)]
+    sampler = Sampler(0, CPU)
+    second = {sampler(logits.clone(), rows)[0][1] for _ in range(100)}
+    assert len(second) > 5  # the unrestricted row still spreads out
+
+
+def test_same_seed_gives_the_same_tokens_whatever_the_batch():
+    logits = random_logits(3)
+    alone = Sampler(1, CPU)
+    batched = Sampler(2, CPU)
+    gen_alone, gen_batched = seeded(42), seeded(42)
+    for _ in range(20):
+        [a], _ = alone(logits[1:2].clone(), [make_row(generator=gen_alone)])
+        rows = [make_row(), make_row(generator=gen_batched), make_row(temperature=0.0, top_k=4)]
+        b = batched(logits.clone(), rows)[0][1]
+        assert a == b
+
+
+def test_different_seeds_differ_and_unseeded_rows_use_the_sampler_seed():
+    logits = torch.zeros(1, VOCAB)
+    assert draws(logits, make_row(generator=seeded(1)), 20) != draws(
+        logits, make_row(generator=seeded(2)), 20
+    )
+    assert sample(logits, [make_row()], seed=5) == sample(logits, [make_row()], seed=5)
+    assert len({sample(logits, [make_row()], seed=s)[0] for s in range(20)}) > 1
+
+
+def test_banned_ids_are_never_sampled():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 3] = 50.0
+    rows = [make_row(temperature=0.0, banned_token_ids=[3]), make_row(banned_token_ids=[3, 4])]
+    sampler = Sampler(0, CPU)
+    for _ in range(50):
+        tokens, _ = sampler(logits.clone(), rows)
+        assert 3 not in tokens and tokens[1] != 4
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -1.0, 1.9, -1.5] + [-10.0] * (VOCAB - 4)])
+    row = make_row(temperature=0.0, repetition_penalty=2.0, prompt_token_ids=[0], logprobs=0)
+    assert sample(logits, [row]) == [2]  # 2.0 / 2 < 1.9
+    logits = torch.tensor([[-1.0, -1.2] + [-10.0] * (VOCAB - 2)])
+    row = make_row(temperature=0.0, repetition_penalty=1.5, output_token_ids=[0])
+    assert sample(logits, [row]) == [1]  # -1.0 * 1.5 < -1.2
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.tensor([[3.0, 2.5, 2.0] + [0.0] * (VOCAB - 3)])
+    greedy = dict(temperature=0.0, prompt_token_ids=[0, 0, 0])
+    assert sample(logits, [make_row(presence_penalty=1.0, **greedy)]) == [0]
+    assert sample(logits, [make_row(presence_penalty=0.6, output_token_ids=[0], **greedy)]) == [1]
+    # frequency scales with the count: 3.0 - 2 * 0.2 > 2.5, but 3.0 - 3 * 0.2 < 2.5
+    twice = make_row(frequency_penalty=0.2, output_token_ids=[0, 0], **greedy)
+    thrice = make_row(frequency_penalty=0.2, output_token_ids=[0, 0, 0], **greedy)
+    assert sample(logits, [twice]) == [0] and sample(logits, [thrice]) == [1]
+
+
+def test_penalties_apply_only_to_their_row():
+    logits = random_logits(1).repeat(2, 1)
+    top = int(logits[0].argmax())
+    rows = [
+        make_row(
+            temperature=0.0,
+            presence_penalty=2.0,
+            frequency_penalty=2.0,
+            repetition_penalty=10.0,
+            output_token_ids=[top] * 5,
+        ),
+        make_row(temperature=0.0),
+    ]
+    tokens = sample(logits, rows)
+    assert tokens[0] != top and tokens[1] == top
+
+
+def test_logprobs_are_raw_with_rank_and_top_n():
+    logits = random_logits(2)
+    rows = [make_row(temperature=0.0, logprobs=3), make_row(logprobs=None)]
+    tokens, logprobs = Sampler(0, CPU)(logits.clone(), rows)
+    assert logprobs[1] is None
+    lp = logprobs[0]
+    assert lp is not None
+    expected = torch.log_softmax(logits[0], -1)
+    [ids], [values] = lp.token_ids, lp.logprobs
+    assert ids[0] == tokens[0] and lp.ranks == [1]
+    assert ids[1:] == expected.topk(3).indices.tolist()
+    assert values == pytest.approx([expected[i].item() for i in ids], abs=1e-5)
+
+
+def test_logprob_rank_of_a_non_top_token_and_zero_top_n():
+    logits = torch.tensor([[3.0, 2.0, 1.0] + [-20.0] * (VOCAB - 3)])
+    row = make_row(temperature=0.0, logprobs=0, banned_token_ids=[0, 1])
+    tokens, [lp] = Sampler(0, CPU)(logits.clone(), [row])
+    assert tokens == [2] and lp is not None
+    assert lp.token_ids == [[2]] and lp.ranks == [3]  # ranked by the raw logits
+    assert lp.logprobs[0][0] == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())
+
+
+def test_half_precision_logits_are_accepted():
+    logits = random_logits(2).to(torch.bfloat16)
+    assert sample(logits, [make_row(temperature=0.0)] * 2) == logits.float().argmax(-1).tolist()
+
+
+def test_repetition_penalty_with_nothing_seen_is_a_no_op():
+    logits = random_logits(1)
+    row = make_row(temperature=0.0, repetition_penalty=1.3, prompt_token_ids=[])
+    assert sample(logits, [row]) == logits.argmax(-1).tolist()
