@@ -1,14 +1,20 @@
 """Attention over the paged KV cache, in plain PyTorch matmuls (CPU and CUDA alike).
 
+KV cache layout, per layer and for K and V alike: `[num_kv_heads, num_blocks, block_size,
+head_dim]`. Indexing dim 1 with a block table gives `[Hkv, ..., blocks, block_size, d]`
+already contiguous, so a request's context is one gather of whole blocks and a free view,
+never a per-token copy.
+
 Token layout of one step (built by the model runner, shared by every layer):
 
     [ decode tokens: one per decoding request | prefill chunk 0 | prefill chunk 1 | ... ]
 
 Each layer first writes the new tokens' K/V at `slot_mapping` (slot = block * block_size +
-offset), then reads each request's whole context back by its slots. Decodes are batched with
-padding to the longest context; prefill chunks run one by one with a causal mask offset by the
-tokens already in the cache. GQA folds the query heads of a KV head into the rows of one
-matmul, so KV heads are never expanded.
+offset), then reads each request's context back by its blocks. Decodes are batched, padded
+to the longest block table; prefill chunks run one by one with a causal mask offset by the
+tokens already in the cache. Positions past a request's length are masked with -inf. GQA
+folds the query heads of one KV head into the rows of one matmul, so KV heads are never
+expanded.
 """
 
 from __future__ import annotations
@@ -22,24 +28,28 @@ import torch
 class PrefillChunk:
     start: int  # first token of the chunk in the step's token layout
     end: int
-    context_slots: torch.Tensor  # [L] slots of every context token, the chunk's own included
-    bias: torch.Tensor  # [Q, L] additive causal mask (0 or -inf), float32
+    block_ids: torch.Tensor  # [nb] blocks holding the context, the chunk's own tokens included
+    bias: torch.Tensor  # [Q, nb * block_size] additive causal mask (0 or -inf), float32
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [D, Lmax], padded with slot 0
-    decode_bias: torch.Tensor | None = None  # [D, 1, 1, Lmax] additive mask, float32
+    decode_block_table: torch.Tensor | None = None  # [D, nb], padded with block 0
+    decode_bias: torch.Tensor | None = None  # [D, nb * block_size] additive mask, float32
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Gather buffers for the decode context, made by the first layer and reused by the
+    # others: a fresh multi-MB tensor per layer costs more in page faults than the copy.
+    decode_k: torch.Tensor | None = None
+    decode_v: torch.Tensor | None = None
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, d]
     k: torch.Tensor,  # [T, Hkv, d]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_slots, Hkv, d]
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -48,26 +58,34 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     group = num_heads // num_kv
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    k_cache.view(num_kv, -1, head_dim)[:, meta.slot_mapping] = k.transpose(0, 1)
+    v_cache.view(num_kv, -1, head_dim)[:, meta.slot_mapping] = v.transpose(0, 1)
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
 
     d = meta.num_decodes
     if d:
-        assert meta.decode_slots is not None and meta.decode_bias is not None
-        qd = q[:d].view(d, num_kv, group, head_dim)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [D, Hkv, L, d]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * scale + meta.decode_bias
+        assert meta.decode_block_table is not None and meta.decode_bias is not None
+        qd = q[:d].view(d, num_kv, group, head_dim).transpose(0, 1)  # [Hkv, D, g, d]
+        blocks = meta.decode_block_table.flatten()
+        if meta.decode_k is None or meta.decode_v is None:
+            shape = (num_kv, blocks.numel(), k_cache.shape[2], head_dim)
+            meta.decode_k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+            meta.decode_v = torch.empty(shape, dtype=v_cache.dtype, device=v_cache.device)
+        torch.index_select(k_cache, 1, blocks, out=meta.decode_k)
+        torch.index_select(v_cache, 1, blocks, out=meta.decode_v)
+        kd = meta.decode_k.view(num_kv, d, -1, head_dim)  # [Hkv, D, L, d]
+        vd = meta.decode_v.view(num_kv, d, -1, head_dim)
+        scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * scale
+        scores += meta.decode_bias[None, :, None, :]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[:d] = torch.matmul(probs, vd).reshape(d, num_heads * head_dim)
+        out[:d] = torch.matmul(probs, vd).transpose(0, 1).reshape(d, num_heads * head_dim)
 
     for chunk in meta.prefills:
         n = chunk.end - chunk.start
         qp = q[chunk.start : chunk.end].view(n, num_kv, group, head_dim).permute(1, 0, 2, 3)
         qp = qp.reshape(num_kv, n * group, head_dim)
-        kp = k_cache[chunk.context_slots].transpose(0, 1)  # [Hkv, L, d]
-        vp = v_cache[chunk.context_slots].transpose(0, 1)
+        kp = k_cache[:, chunk.block_ids].view(num_kv, -1, head_dim)  # [Hkv, L, d]
+        vp = v_cache[:, chunk.block_ids].view(num_kv, -1, head_dim)
         scores = torch.matmul(qp, kp.transpose(-1, -2)).float() * scale
         scores = scores.view(num_kv, n, group, -1) + chunk.bias[None, :, None, :]
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv, n * group, -1)

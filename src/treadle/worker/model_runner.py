@@ -50,7 +50,7 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         attn = self.model.model.layers[0].self_attn
-        shape = (num_blocks * self.block_size, attn.num_kv_heads, attn.head_dim)
+        shape = (attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -141,7 +141,9 @@ class ModelRunner:
         )
         if decode_tables:
             meta.num_decodes = len(decode_tables)
-            meta.decode_slots, meta.decode_bias = self._decode_context(decode_tables, decode_lens)
+            meta.decode_block_table, meta.decode_bias = self._decode_context(
+                decode_tables, decode_lens
+            )
         return (
             torch.tensor(ids, device=device),
             torch.tensor(pos, device=device),
@@ -151,29 +153,26 @@ class ModelRunner:
 
     def _prefill_chunk(self, first: int, start: int, n: int, table: list[int]) -> PrefillChunk:
         bs, device = self.block_size, self.device
-        length = start + n
-        ctx = torch.arange(length, device=device)
-        blocks = torch.tensor(table[: -(-length // bs)], device=device)
-        context_slots = blocks[ctx // bs] * bs + ctx % bs
-        q_pos = torch.arange(start, length, device=device)
-        bias = torch.zeros(n, length, device=device)
+        num_blocks = -(-(start + n) // bs)
+        ctx = torch.arange(num_blocks * bs, device=device)
+        q_pos = torch.arange(start, start + n, device=device)
+        bias = torch.zeros(n, num_blocks * bs, device=device)
         bias.masked_fill_(ctx[None, :] > q_pos[:, None], float("-inf"))
-        return PrefillChunk(first, first + n, context_slots, bias)
+        blocks = torch.tensor(table[:num_blocks], device=device)
+        return PrefillChunk(first, first + n, blocks, bias)
 
     def _decode_context(
         self, tables: list[list[int]], lengths: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bs, device = self.block_size, self.device
-        max_len = max(lengths)
-        max_blocks = -(-max_len // bs)
+        max_blocks = -(-max(lengths) // bs)
         padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
         block_table = torch.tensor(padded, device=device)
-        ctx = torch.arange(max_len, device=device)
-        slots = block_table[:, ctx // bs] * bs + ctx % bs
+        ctx = torch.arange(max_blocks * bs, device=device)
         lens = torch.tensor(lengths, device=device)
-        bias = torch.zeros(len(tables), max_len, device=device)
+        bias = torch.zeros(len(tables), max_blocks * bs, device=device)
         bias.masked_fill_(ctx[None, :] >= lens[:, None], float("-inf"))
-        return slots, bias[:, None, None, :]
+        return block_table, bias
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
         p = state.sampling_params
