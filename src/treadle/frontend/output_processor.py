@@ -137,7 +137,9 @@ class OutputProcessor:
         comp.text = child.detok.visible_text(comp.finished)
 
     def _make_output(self, parent: _ParentState) -> RequestOutput:
-        completions = sorted((c.completion for c in parent.children.values()), key=lambda c: c.index)
+        completions = sorted(
+            (c.completion for c in parent.children.values()), key=lambda c: c.index
+        )
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,

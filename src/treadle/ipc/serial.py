@@ -40,7 +40,14 @@ import torch
 
 from treadle import envs
 
-__all__ = ["Buffer", "DecodeError", "MsgpackDecoder", "MsgpackEncoder"]
+__all__ = [
+    "Buffer",
+    "DecodeError",
+    "MsgpackDecoder",
+    "MsgpackEncoder",
+    "tensor_from_buffer",
+    "tensor_to_buffer",
+]
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 """One frame of an encoded message."""
@@ -128,12 +135,7 @@ class MsgpackEncoder:
         )
 
     def _encode_tensor(self, tensor: torch.Tensor) -> msgspec.msgpack.Ext:
-        name = _DTYPE_NAMES.get(tensor.dtype)
-        if name is None:
-            raise TypeError(f"cannot serialize a tensor of dtype {tensor.dtype}")
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        raw = _raw_bytes(flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8))
-        return self._encode_array(_EXT_TENSOR, name, tuple(tensor.shape), raw)
+        return self._encode_array(_EXT_TENSOR, *tensor_to_buffer(tensor))
 
     def _encode_array(
         self, code: int, dtype: str, shape: tuple[int, ...], raw: memoryview
@@ -199,7 +201,7 @@ class MsgpackDecoder:
         else:
             mem = memoryview(payload)
         if code == _EXT_TENSOR:
-            return _tensor_from(mem, dtype_name, shape)
+            return tensor_from_buffer(mem, dtype_name, shape)
         return _ndarray_from(mem, dtype_name, shape)
 
 
@@ -211,7 +213,7 @@ def _dec_hook(t: type, obj: Any) -> Any:
 
 def _raw_bytes(arr: np.ndarray) -> memoryview:
     """A flat, writable-or-not byte view of a C-contiguous array's memory (no copy)."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def _check_size(mem: memoryview, shape: tuple[int, ...], itemsize: int) -> None:
@@ -222,7 +224,23 @@ def _check_size(mem: memoryview, shape: tuple[int, ...], itemsize: int) -> None:
         )
 
 
-def _tensor_from(mem: memoryview, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def tensor_to_buffer(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
+    """`(dtype name, shape, raw bytes)` of a tensor; the bytes are a view of its memory when it is
+    a contiguous CPU tensor (otherwise of a contiguous CPU copy). `TypeError` for an unknown dtype.
+    """
+    name = _DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise TypeError(f"cannot serialize a tensor of dtype {tensor.dtype}")
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+    return name, tuple(tensor.shape), _raw_bytes(raw)
+
+
+def tensor_from_buffer(mem: memoryview, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of `tensor_to_buffer`: a tensor over `mem` (copied only if `mem` is read-only).
+
+    Raises `DecodeError` for an unknown dtype or a size that does not match the shape.
+    """
     dtype = _TORCH_DTYPES.get(dtype_name)
     if dtype is None:
         raise DecodeError(f"unknown tensor dtype {dtype_name!r}")

@@ -96,7 +96,10 @@ def split_zmq_path(path: str) -> tuple[str, str, str]:
 
 def get_ip() -> str:
     """This host's address as other hosts would reach it (no packet is sent); 127.0.0.1 if none."""
-    for family, probe in ((socket.AF_INET, ("8.8.8.8", 80)), (socket.AF_INET6, ("2001:4860::", 80))):
+    for family, probe in (
+        (socket.AF_INET, ("8.8.8.8", 80)),
+        (socket.AF_INET6, ("2001:4860::", 80)),
+    ):
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect(probe)

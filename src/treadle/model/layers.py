@@ -20,7 +20,9 @@ def _attach_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -60,7 +62,9 @@ class ColumnParallelLinear(nn.Module):
         size = self.local_sizes[shard]
         return self.tp_rank * size, size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None
+    ) -> None:
         shard = 0 if shard is None else shard
         dest_offset = sum(self.local_sizes[:shard])
         src_offset, size = self._shard_source(shard)
@@ -76,7 +80,9 @@ def default_weight_loader_slice(
     src = loaded.narrow(0, src_offset, size)
     dest = param.data.narrow(0, dest_offset, size)
     if dest.shape != src.shape:
-        raise ValueError(f"shape mismatch: parameter slice {tuple(dest.shape)}, checkpoint {tuple(src.shape)}")
+        raise ValueError(
+            f"shape mismatch: parameter slice {tuple(dest.shape)}, checkpoint {tuple(src.shape)}"
+        )
     dest.copy_(src)
 
 
@@ -84,7 +90,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections packed into one matrix; KV heads are replicated across ranks when
     there are more ranks than KV heads."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
         size = tp_size()
         self.num_kv_heads_full = num_kv_heads
         self.kv_replicas = max(1, size // num_kv_heads)
@@ -110,7 +118,11 @@ class RowParallelLinear(nn.Module):
         self.weight = _attach_loader(
             nn.Parameter(torch.empty(out_features, self.local_in)), self.weight_loader
         )
-        self.bias = _attach_loader(nn.Parameter(torch.zeros(out_features)), default_weight_loader) if bias else None
+        self.bias = (
+            _attach_loader(nn.Parameter(torch.zeros(out_features)), default_weight_loader)
+            if bias
+            else None
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
@@ -129,7 +141,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.local_vocab = math.ceil(vocab_size / self.tp_size)
         self.start = self.tp_rank * self.local_vocab
-        self.weight = _attach_loader(nn.Parameter(torch.zeros(self.local_vocab, hidden)), self.weight_loader)
+        self.weight = _attach_loader(
+            nn.Parameter(torch.zeros(self.local_vocab, hidden)), self.weight_loader
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rows = min(self.local_vocab, self.vocab_size - self.start)
@@ -152,20 +166,29 @@ class VocabParallelEmbedding(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE with cos/sin precomputed in float32 for every position."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         inv_freq = _scale_inv_freq(inv_freq, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cos and sin, shaped [T, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(
+            1
+        )
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -193,4 +216,6 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> t
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; treadle supports linear and llama3")
+    raise UnsupportedModelError(
+        f"unsupported rope scaling type {kind!r}; treadle supports linear and llama3"
+    )

@@ -116,6 +116,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
+        # This rank's share of the KV cache shape (KV heads replicate when TP > KV heads).
+        self.num_kv_heads = max(1, arch.num_kv_heads // tp_size())
+        self.head_dim = arch.head_dim
+        self.num_layers = arch.num_layers
         self.model = LlamaModel(arch, max_positions)
         self.lm_head = (
             self.model.embed_tokens
@@ -155,7 +159,9 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(name)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {self.arch.architecture}"
+                )
             loader = param.weight_loader  # type: ignore[attr-defined]
             if shard is None:
                 loader(param, tensor)

@@ -53,7 +53,11 @@ def read_arch(source: ModelSource) -> ModelArch:
 
 
 def load_model(
-    source: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int
+    source: ModelSource,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
 ) -> LlamaForCausalLM:
     torch.set_default_dtype(dtype)
     try:
@@ -61,7 +65,9 @@ def load_model(
             model = LlamaForCausalLM(arch, max_positions)
     finally:
         torch.set_default_dtype(torch.float32)
-    weights = _gguf_weights(source.path, arch) if source.is_gguf else _safetensors_weights(source.path)
+    weights = (
+        _gguf_weights(source.path, arch) if source.is_gguf else _safetensors_weights(source.path)
+    )
     model.load_weights(weights)
     return model.eval()
 
@@ -75,7 +81,9 @@ def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                for name in tqdm(list(f.keys()), desc=f"Loading {os.path.basename(file)}", leave=False):
+                for name in tqdm(
+                    list(f.keys()), desc=f"Loading {os.path.basename(file)}", leave=False
+                ):
                     yield name, f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types
             raise ModelLoadError(f"cannot read {file}: {e}") from e
@@ -87,7 +95,9 @@ def open_gguf(path: str) -> Any:
     try:
         return gguf.GGUFReader(path)
     except Exception as e:
-        raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file (truncated or corrupt?): {e}"
+        ) from e
 
 
 def gguf_fields(reader: Any) -> dict[str, Any]:
@@ -113,11 +123,15 @@ def _gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:
-            raise ModelLoadError(f"{path}: tensor {tensor.name} is unreadable (truncated?): {e}") from e
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name} is unreadable (truncated?): {e}"
+            ) from e
         shape = tuple(int(n) for n in reversed(tensor.shape))
         array = np.array(array, dtype=np.float32).reshape(shape)  # owned and writable
         name = _hf_name(tensor.name)
-        if arch.family in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch.family in ("llama", "mistral") and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
             heads = arch.num_heads if "q_proj" in name else arch.num_kv_heads
             array = _unpermute_rope_rows(array, heads)
         yield name, torch.from_numpy(array)

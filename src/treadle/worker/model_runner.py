@@ -10,8 +10,8 @@ import torch
 from treadle.model.attention import AttentionMetadata, PrefillChunk
 from treadle.model.llama import LlamaForCausalLM
 from treadle.sampling_params import SamplingParams
-from treadle.worker.sampler import Sampler, SamplingRow
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.sampler import Sampler, SamplingRow
 
 
 @dataclass(slots=True, eq=False)
@@ -44,19 +44,19 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def kv_bytes_per_block(self) -> int:
-        attn = self.model.model.layers[0].self_attn
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
-        return per_token * self.block_size * len(self.model.model.layers)
+        m = self.model
+        per_token = 2 * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return per_token * self.block_size * m.num_layers
 
     def initialize_cache(self, num_blocks: int) -> None:
-        attn = self.model.model.layers[0].self_attn
-        shape = (attn.num_kv_heads, num_blocks, self.block_size, attn.head_dim)
+        m = self.model
+        shape = (m.num_kv_heads, num_blocks, self.block_size, m.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in self.model.model.layers
+            for _ in range(m.num_layers)
         ]
 
     # -- per step --------------------------------------------------------------------------
@@ -136,9 +136,7 @@ class ModelRunner:
             else:
                 prefills.append(self._prefill_chunk(first, start, n, table))
         device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=device), prefills=prefills
-        )
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), prefills=prefills)
         if decode_tables:
             meta.num_decodes = len(decode_tables)
             meta.decode_block_table, meta.decode_bias = self._decode_context(

@@ -9,8 +9,8 @@ from treadle.config import EngineConfig, resolve_model
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.model.loader import load_model, read_arch
-from treadle.worker.model_runner import ModelRunner
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
@@ -39,7 +39,9 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     if requested is None:
         return limit
     if requested < 1 or requested > limit:
-        raise ValueError(f"max_model_len {requested} must be between 1 and the model's limit {limit}")
+        raise ValueError(
+            f"max_model_len {requested} must be between 1 and the model's limit {limit}"
+        )
     return requested
 
 
