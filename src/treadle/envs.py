@@ -53,3 +53,9 @@ def enable_multiprocessing() -> bool:
 
 def logging_level() -> str:
     return os.environ.get("TREADLE_LOGGING_LEVEL", "INFO").upper()
+
+
+def ringbuffer_warning_interval() -> float:
+    """Seconds between the warnings of a writer that finds no free chunk."""
+    value = os.environ.get("TREADLE_RINGBUFFER_WARNING_INTERVAL")
+    return 60.0 if value in (None, "") else float(value)

@@ -35,6 +35,27 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        # One cheap test for the common case; the detailed checks only run to name a failure
+        # (decoding a request runs this too, so it is on the engine's input path).
+        ok = (
+            self.n >= 1
+            and self.temperature >= 0.0
+            and 0.0 < self.top_p <= 1.0
+            and self.top_k >= 0
+            and 0.0 <= self.min_p <= 1.0
+            and -2.0 <= self.presence_penalty <= 2.0
+            and -2.0 <= self.frequency_penalty <= 2.0
+            and self.repetition_penalty > 0.0
+            and (self.max_tokens is None or self.max_tokens >= 1)
+            and self.min_tokens >= 0
+            and (self.max_tokens is None or self.min_tokens <= self.max_tokens)
+            and (self.logprobs is None or self.logprobs >= 0)
+            and all(self.stop)
+        )
+        if not ok:
+            self._raise_invalid()
+
+    def _raise_invalid(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -50,13 +71,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         )
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,
                 "min_tokens",
                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None:
             _check(self.logprobs >= 0, "logprobs", f"must be >= 0, got {self.logprobs}")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")

@@ -1,0 +1,490 @@
+"""`MessageQueue`: one writer broadcasts Python objects to n readers (channel 3, ARCHITECTURE §4).
+
+Local readers share one `ShmRingBuffer` (`treadle.ipc.shm_ring`), a POSIX shared-memory segment:
+
+    +---------+---------+-----+-------------+-------------+-----+-------------+
+    | chunk 0 | chunk 1 | ... | chunk N-1   | metadata 0  | ... | metadata N-1|
+    +---------+---------+-----+-------------+-------------+-----+-------------+
+    |<---- max_chunks x max_chunk_bytes --->|<- max_chunks x (1 + n_reader) ->|
+
+    metadata i = | written | read by reader 0 | ... | read by reader n-1 |   (one byte each)
+
+    written=0, any read flags  -> the writer may write the chunk; readers wait
+    written=1, my flag 0       -> I (a reader) may read it
+    written=1, my flag 1       -> I have read it; I wait for the writer
+    written=1, all flags 1     -> every reader is done; the writer may write it again
+
+The writer sets written=0, writes, clears every read flag, then sets written=1 (fences between);
+a reader sets only its own flag, in a `finally`, after copying out what it keeps. Writer and
+readers walk the chunks in order, so the ring is also the message order. A chunk holds
+
+    | overflow: u8 | n buffers: u32 | n x length: u64 | buffer 0 | buffer 1 | ... |
+
+Buffer 0 is a protocol-5 pickle; pickle buffers of 1 MiB or more (numpy arrays, and CPU tensors,
+which are reduced to their raw bytes) follow out of band (`treadle.ipc.shm_message`). A message
+too large for a chunk writes only overflow=1 there, keeping its place in the order, and goes as
+frames over a ZMQ XPUB socket.
+Readers on another host (`n_local_reader < n_reader`) get every message over a tcp XPUB.
+
+Waiting. A reader spins (`sched_yield`) for `YIELD_S`, naps in `NAP_S` sleeps until it has
+waited `PARK_AFTER_S`, then parks on a notify socket (XPUB with SNDHWM=1 -> SUB with CONFLATE=1,
+so at most one wake-up is ever queued), re-checking the flags at least every `RECHECK_S`: an
+idle reader burns no CPU and a lost wake-up costs one re-check. (Naps rather than a longer spin:
+on two cores a writer and two readers share the CPUs, and a spinning waiter takes them from the
+process it waits for.) A reader parks only after waiting `PARK_AFTER_S` since the previous message
+was published, so the writer sends a wake-up only when the previous publish is at least half that
+old: hot traffic costs no socket work. A writer that finds no free chunk spins for `YIELD_S`,
+then sleeps in growing steps, and logs a warning every `TREADLE_RINGBUFFER_WARNING_INTERVAL`
+seconds (60) naming the readers that hold it up. Both sides take timeouts, and `shutdown()`
+wakes whatever waits on this object.
+
+Set-up: the creator (writer) makes the queue and passes `export_handle()` to the readers, who
+call `MessageQueue.create_from_handle(handle, rank)`; then every party calls `wait_until_ready()`
+(the writer collects one subscription per reader, then sends READY), in the same order on every
+queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from treadle import envs
+from treadle.ipc.shm_message import Serializer, is_overflow, loads_frames, read_chunk, write_chunk
+from treadle.ipc.shm_ring import MiB, ShmRingBuffer, memory_fence
+from treadle.ipc.zmq_utils import (
+    get_bound_address,
+    get_ip,
+    get_open_zmq_ipc_path,
+    get_tcp_uri,
+    make_zmq_socket,
+    split_zmq_path,
+)
+from treadle.logger import init_logger
+
+__all__ = ["Handle", "MessageQueue", "MessageQueueShutdown", "ShmRingBuffer"]
+
+logger = init_logger(__name__)
+
+YIELD_S = 100e-6
+"""A waiter spins with `sched_yield` this long: the hot path of small messages."""
+NAP_S = 50e-6
+"""Then a reader sleeps in steps this short, leaving the CPU to the writer it waits for."""
+PARK_AFTER_S = 0.002
+"""A reader parks after waiting this long (a protocol constant: the writer's wake-ups rely on it)."""
+RECHECK_S = 1.0
+"""A parked reader re-checks the flags at least this often."""
+_WRITER_SLEEP_S = (20e-6, 500e-6)  # a writer facing a full ring sleeps from .. to, doubling
+_READY = b"READY"
+_LINGER_MS = 1000  # writer sockets: time for queued overflow frames to leave at close
+
+
+class MessageQueueShutdown(RuntimeError):
+    """Raised by a wait on a queue whose `shutdown()` was called."""
+
+
+@dataclass
+class Handle:
+    """Everything a reader needs to attach; picklable."""
+
+    local_reader_ranks: list[int] = field(default_factory=list)
+    buffer_handle: tuple[int, int, int, str] | None = None
+    local_subscribe_addr: str | None = None
+    local_notify_addr: str | None = None
+    remote_subscribe_addr: str | None = None
+    remote_addr_ipv6: bool = False
+
+
+def _warning_interval() -> float:
+    return envs.ringbuffer_warning_interval()
+
+
+class MessageQueue:
+    """Broadcast queue: `enqueue` on the writer, `dequeue` on each reader (module docstring)."""
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int | None = None,
+        local_reader_ranks: list[int] | None = None,
+        max_chunk_bytes: int | None = None,
+        max_chunks: int = 10,
+        connect_ip: str | None = None,
+    ):
+        if n_local_reader is None:
+            n_local_reader = n_reader
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        if not 0 <= n_local_reader <= n_reader or len(local_reader_ranks) != n_local_reader:
+            raise ValueError(
+                f"bad reader counts: n_reader={n_reader}, n_local_reader={n_local_reader}, "
+                f"local_reader_ranks={local_reader_ranks}"
+            )
+        if max_chunk_bytes is None:
+            max_chunk_bytes = envs.mq_max_chunk_bytes_mb() * MiB
+        self.n_reader = n_reader
+        self.n_local_reader = n_local_reader
+        self.n_remote_reader = n_reader - n_local_reader
+        self._init_state(is_writer=True)
+        self._serializer = Serializer()
+        self.buffer: ShmRingBuffer | None = None
+        self.local_socket: zmq.Socket[Any] | None = None
+        self.notify_socket: zmq.Socket[Any] | None = None
+        self.remote_socket: zmq.Socket[Any] | None = None
+        self.handle = Handle(local_reader_ranks=list(local_reader_ranks))
+        try:
+            if n_local_reader:
+                self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
+                self.handle.buffer_handle = self.buffer.handle()
+                self.handle.local_subscribe_addr = get_open_zmq_ipc_path()
+                self.local_socket = self._bind_xpub(self.handle.local_subscribe_addr, hwm=0)
+                self.handle.local_notify_addr = get_open_zmq_ipc_path()
+                self.notify_socket = self._bind_xpub(self.handle.local_notify_addr, hwm=1)
+            if self.n_remote_reader:
+                ip = connect_ip or get_ip()
+                self.remote_socket = self._bind_xpub(get_tcp_uri(ip, 0), hwm=0)
+                port = split_zmq_path(get_bound_address(self.remote_socket))[2]
+                self.handle.remote_subscribe_addr = get_tcp_uri(ip, int(port))
+                self.handle.remote_addr_ipv6 = ":" in ip
+        except BaseException:
+            self.close()
+            raise
+        self._all_read = b"\x01" * n_local_reader
+        self._no_reads = bytes(n_local_reader)
+        logger.debug("MessageQueue handle: %s", self.handle)
+
+    def _init_state(self, is_writer: bool) -> None:
+        self._is_writer = is_writer
+        self._is_local_reader = False
+        self._is_remote_reader = False
+        self.local_reader_rank = -1
+        self.current_idx = 0
+        self._last_publish = -float("inf")
+        self._shutting_down = False
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()  # shutdown() writes a byte: wakes poll()
+        os.set_blocking(self._wake_w, False)
+        self._close_pipe = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._sockets: list[zmq.Socket[Any]] = []
+
+    def _bind_xpub(self, addr: str, hwm: int) -> zmq.Socket[Any]:
+        sock = make_zmq_socket(self._ctx, addr, zmq.XPUB, bind=True, linger=_LINGER_MS)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sockets.append(sock)
+        return sock
+
+    def _connect_sub(
+        self, addr: str, conflate: bool = False, ipv6: bool = False
+    ) -> zmq.Socket[Any]:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        if conflate:
+            sock.setsockopt(zmq.CONFLATE, 1)
+        else:
+            sock.setsockopt(zmq.RCVHWM, 0)
+        if ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(addr)
+        self._sockets.append(sock)
+        return sock
+
+    def export_handle(self) -> Handle:
+        return self.handle
+
+    @staticmethod
+    def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
+        """Attach as reader `rank` (local when `rank` is in `handle.local_reader_ranks`)."""
+        self = MessageQueue.__new__(MessageQueue)
+        self._init_state(is_writer=False)
+        self.handle = handle
+        self.buffer = None
+        self.local_socket = self.notify_socket = self.remote_socket = None
+        try:
+            if rank in handle.local_reader_ranks:
+                assert handle.buffer_handle and handle.local_subscribe_addr
+                assert handle.local_notify_addr
+                self._is_local_reader = True
+                self.local_reader_rank = handle.local_reader_ranks.index(rank)
+                self.buffer = ShmRingBuffer(*handle.buffer_handle)
+                self.notify_socket = self._connect_sub(handle.local_notify_addr, conflate=True)
+                self.local_socket = self._connect_sub(handle.local_subscribe_addr)
+                self.n_local_reader = self.buffer.n_reader
+            else:
+                assert handle.remote_subscribe_addr, "this queue has no remote readers"
+                self._is_remote_reader = True
+                self.remote_socket = self._connect_sub(
+                    handle.remote_subscribe_addr, ipv6=handle.remote_addr_ipv6
+                )
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    # -- set-up and tear-down -----------------------------------------------------------------
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Collective: the writer waits for every reader's subscription, then sends READY."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._is_writer:
+            for sock, count in (
+                (self.local_socket, self.n_local_reader),
+                (self.notify_socket, self.n_local_reader),
+                (self.remote_socket, self.n_remote_reader),
+            ):
+                for got in range(count):
+                    if not self._poll(sock, deadline):
+                        raise TimeoutError(
+                            f"MessageQueue: {got} of {count} readers connected in {timeout} s"
+                        )
+                    sock.recv()  # type: ignore[union-attr]
+            for sock in (self.local_socket, self.remote_socket):
+                if sock is not None:
+                    sock.send(_READY)
+        else:
+            sock = self.local_socket or self.remote_socket
+            if not self._poll(sock, deadline):
+                raise TimeoutError(f"MessageQueue: no READY from the writer in {timeout} s")
+            msg = sock.recv()  # type: ignore[union-attr]
+            if msg != _READY:
+                raise RuntimeError(f"MessageQueue: expected READY from the writer, got {msg!r}")
+
+    def shutdown(self) -> None:
+        """Make every current and later wait on this object raise `MessageQueueShutdown`.
+
+        Safe from any thread (e.g. a signal handler or a death-pipe watcher).
+        """
+        self._shutting_down = True
+        if not self._closed:
+            # OSError: already signalled (the pipe is full), or closing.
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        """Shut down, close the sockets (removing their ipc files) and the ring (unlinking it
+        in the writer). Idempotent."""
+        if self._closed:
+            return
+        self.shutdown()
+        self._closed = True
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
+        self._ctx.term()
+        if self.buffer is not None:
+            self.buffer.close()
+        self._close_pipe()
+
+    def __enter__(self) -> MessageQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Broadcast `obj` to every reader; `TimeoutError` if no chunk frees up in `timeout`."""
+        assert self._is_writer, "only the writer enqueues"
+        bufs = self._serializer.dumps(obj)
+        try:
+            if self.buffer is not None:
+                self._write_local(bufs, timeout)
+            if self.remote_socket is not None:
+                self.remote_socket.send_multipart(bufs)  # copies: the views may be released
+        finally:
+            bufs[0].release()
+
+    def _write_local(self, bufs: list[memoryview], timeout: float | None) -> None:
+        assert self.buffer is not None
+        idx = self._acquire_write(timeout)
+        if not write_chunk(self.buffer.chunks[idx], bufs):
+            assert self.local_socket is not None
+            self.local_socket.send_multipart(bufs)  # copies: the views may be released
+        self._publish(idx)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """The writer sends `obj` and returns it; a reader returns what it receives."""
+        if self._is_writer:
+            self.enqueue(obj)
+            return obj
+        return self.dequeue()
+
+    def _acquire_write(self, timeout: float | None) -> int:
+        """Wait until the next chunk is free (never written, or read by all) and claim it."""
+        assert self.buffer is not None
+        idx = self.current_idx
+        meta = self.buffer.metadata
+        base = idx * self.buffer.metadata_size
+        flags = slice(base + 1, base + 1 + self.n_local_reader)
+        if meta[base] and meta[flags] != self._all_read:
+            start = time.monotonic()
+            deadline = None if timeout is None else start + timeout
+            interval = _warning_interval()
+            next_warning = start + interval
+            sleep_s = 0.0
+            while meta[base] and meta[flags] != self._all_read:
+                self._check_shutdown()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(
+                        f"MessageQueue.enqueue: no free chunk in {timeout} s; "
+                        f"{self._laggards(meta[flags])}"
+                    )
+                if now >= next_warning:
+                    logger.warning(
+                        "No free chunk in the shared-memory MessageQueue for %.0f s: %s",
+                        now - start,
+                        self._laggards(meta[flags]),
+                    )
+                    next_warning = now + interval
+                if now - start < YIELD_S:
+                    os.sched_yield()
+                else:
+                    sleep_s = min(max(2 * sleep_s, _WRITER_SLEEP_S[0]), _WRITER_SLEEP_S[1])
+                    time.sleep(sleep_s)
+        meta[base] = 0
+        memory_fence()
+        return idx
+
+    def _laggards(self, flags: memoryview) -> str:
+        ranks = self.handle.local_reader_ranks
+        behind = [ranks[i] for i, f in enumerate(flags) if not f]
+        return (
+            f"reader rank(s) {behind} have not read chunk {self.current_idx} "
+            "(blocked, busy elsewhere, or dead?)"
+        )
+
+    def _publish(self, idx: int) -> None:
+        """Mark chunk `idx` written; wake the readers unless none can be parked.
+
+        A reader parks only `PARK_AFTER_S` after it started waiting, which is after it saw the
+        previous message, which is after `_last_publish` (read before that publish). So if this
+        publish follows the previous one by less than that, no reader had parked before it,
+        and a reader about to park sees it in its last check before parking.
+        """
+        assert self.buffer is not None
+        meta = self.buffer.metadata
+        base = idx * self.buffer.metadata_size
+        started = time.monotonic()
+        memory_fence()
+        meta[base + 1 : base + 1 + self.n_local_reader] = self._no_reads
+        memory_fence()
+        meta[base] = 1
+        memory_fence()
+        self.current_idx = (idx + 1) % self.buffer.max_chunks
+        if time.monotonic() - self._last_publish >= PARK_AFTER_S / 2:  # half: a safety margin
+            assert self.notify_socket is not None
+            self.notify_socket.send(b"", zmq.NOBLOCK)
+        self._last_publish = started
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def dequeue(self, timeout: float | None = None) -> Any:
+        """The next message, in order; `TimeoutError` if none comes in `timeout` seconds."""
+        if self._is_local_reader:
+            assert self.buffer is not None
+            idx = self._acquire_read(timeout)
+            chunk = self.buffer.chunks[idx]
+            try:
+                overflow = is_overflow(chunk)
+                if not overflow:
+                    return read_chunk(chunk)
+            finally:
+                memory_fence()
+                self.buffer.metadata[
+                    idx * self.buffer.metadata_size + 1 + self.local_reader_rank
+                ] = 1
+                self.current_idx = (idx + 1) % self.buffer.max_chunks
+            return self._recv_frames(self.local_socket, timeout)
+        if self._is_remote_reader:
+            return self._recv_frames(self.remote_socket, timeout)
+        raise RuntimeError("only readers dequeue")
+
+    def _acquire_read(self, timeout: float | None) -> int:
+        """Wait (spin, nap, park) until the next chunk is written and unread by this reader."""
+        assert self.buffer is not None
+        idx = self.current_idx
+        meta = self.buffer.metadata
+        base = idx * self.buffer.metadata_size
+        mine = base + 1 + self.local_reader_rank
+        if meta[base] and not meta[mine]:
+            memory_fence()
+            return idx
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while not (meta[base] and not meta[mine]):
+            self._check_shutdown()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"MessageQueue.dequeue: nothing arrived in {timeout} s")
+            if now - start < PARK_AFTER_S:
+                if now - start < YIELD_S:
+                    os.sched_yield()
+                else:
+                    time.sleep(NAP_S)
+                continue
+            # Park: drop stale wake-ups, re-check, then sleep until a wake-up, shutdown, the
+            # deadline or the re-check interval. A wake-up sent after the drain stays queued.
+            self._drain_notify()
+            memory_fence()
+            if meta[base] and not meta[mine]:
+                break
+            wait = RECHECK_S if deadline is None else min(RECHECK_S, deadline - now)
+            self._poll(self.notify_socket, now + wait)
+        memory_fence()
+        return idx
+
+    def _drain_notify(self) -> None:
+        assert self.notify_socket is not None
+        try:
+            while True:
+                self.notify_socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _recv_frames(self, sock: zmq.Socket[Any] | None, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._poll(sock, deadline):
+            raise TimeoutError(f"MessageQueue.dequeue: nothing arrived in {timeout} s")
+        assert sock is not None
+        return loads_frames(sock.recv_multipart(copy=False))
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    def _check_shutdown(self) -> None:
+        if self._shutting_down:
+            raise MessageQueueShutdown("the MessageQueue was shut down")
+
+    def _poll(self, sock: zmq.Socket[Any] | None, deadline: float | None) -> bool:
+        """Wait until `sock` is readable (True) or `deadline` passes (False); raises
+        `MessageQueueShutdown` if `shutdown()` is called meanwhile."""
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while True:
+            self._check_shutdown()
+            if deadline is None:
+                wait_ms = int(RECHECK_S * 1000)
+            else:
+                wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            events = dict(poller.poll(wait_ms))
+            self._check_shutdown()
+            if sock in events:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
