@@ -25,6 +25,14 @@ def llm(tiny_model_factory) -> LLM:  # type: ignore[no-untyped-def]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+def test_llm_runs_its_engine_core_in_one_child_process(llm: LLM) -> None:
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    engines = [p for p in children if p.cmdline() and p.cmdline()[0] == "treadle::EngineCore_DP0"]
+    assert len(engines) == 1
+
+
 def test_prompt_forms_give_the_same_tokens(llm: LLM) -> None:
     ids = llm.get_tokenizer()("Hello world").input_ids
     by_text = llm.generate("Hello world", GREEDY, use_tqdm=False)[0]
@@ -94,7 +102,8 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate(["fine prompt", prompt], params, use_tqdm=False)  # type: ignore[list-item]
-    assert not llm.engine_core.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)
     assert len(llm.generate("still fine", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
 
 

@@ -64,6 +64,12 @@ def _capture_logits(llm: LLM) -> list[torch.Tensor]:
     return captured
 
 
+@pytest.fixture(autouse=True)
+def _engine_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The logits spy needs the model in this process."""
+    monkeypatch.setenv("TREADLE_ENABLE_MULTIPROCESSING", "0")
+
+
 def _check_against_hf(model_path: str, gguf_file: str | None, **llm_kwargs: object) -> None:
     ref_tokens, ref_logits = _hf_greedy(model_path, gguf_file)
     path = os.path.join(model_path, gguf_file) if gguf_file else model_path

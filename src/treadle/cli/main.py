@@ -1,10 +1,11 @@
-"""`treadle` CLI: `treadle generate PROMPT` (and, later, `treadle serve`)."""
+"""`treadle` CLI: `treadle generate PROMPT`, `treadle serve [MODEL]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from treadle.cli.serve import add_serve_parser
 from treadle.config import ModelConfig, field_docs
 
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_generate)
+    add_serve_parser(sub)
     return parser
 
 

@@ -3,6 +3,7 @@ core process wraps it with IO threads; the offline `LLM` and the tests drive it 
 
 from __future__ import annotations
 
+import queue
 import time
 
 from treadle.config import EngineConfig
@@ -10,7 +11,7 @@ from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
-from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest
+from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 logger = init_logger(__name__)
 
@@ -31,6 +32,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len
         )
+        # Set by the engine core process: aborts that arrive during a forward pass are applied
+        # before its tokens are added, so an aborted request gets no more outputs.
+        self.aborts_queue: queue.Queue[list[str]] | None = None
         logger.info(
             "Engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
             time.monotonic() - start,
@@ -69,6 +73,7 @@ class EngineCore:
             return {}
         sched = self.scheduler.schedule()
         result = self.executor.execute_model(sched)
+        self._apply_eager_aborts()
         per_client = self.scheduler.update_from_output(sched, result)
         stats = self.scheduler.make_stats()
         now = time.time()
@@ -78,6 +83,22 @@ class EngineCore:
             )
             for client, outs in per_client.items()
         }
+
+    def _apply_eager_aborts(self) -> None:
+        if self.aborts_queue is None:
+            return
+        while True:
+            try:
+                self.scheduler.abort_requests(self.aborts_queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        self.scheduler.kv.reset_prefix_cache()
+        return True
 
     def shutdown(self) -> None:
         self.executor.shutdown()

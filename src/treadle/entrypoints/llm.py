@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from treadle import envs
 from treadle.config import (
     CacheConfig,
     EngineConfig,
@@ -16,12 +17,14 @@ from treadle.config import (
     SchedulerConfig,
     resolve_model,
 )
-from treadle.core.engine_core import EngineCore
+from treadle.frontend.core_client import InprocClient, SyncMPClient
 from treadle.frontend.input_processor import InputProcessor, PromptType
 from treadle.frontend.output_processor import OutputProcessor, child_params
 from treadle.frontend.tokenizer import load_tokenizer
+from treadle.model.loader import read_arch
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
+from treadle.wire.engine import SchedulerStats
 
 Conversation = list[dict[str, Any]]
 
@@ -42,6 +45,7 @@ class LLM:
         block_size: int = CacheConfig.block_size,
     ) -> None:
         source = resolve_model(model)  # fail fast, before any loading, on a bad path
+        read_arch(source)  # and on a checkpoint that is corrupt or of an unsupported kind
         self.config = EngineConfig(
             model=ModelConfig(
                 model=source.path, dtype=dtype, max_model_len=max_model_len, seed=seed
@@ -52,13 +56,38 @@ class LLM:
         )
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
             raise NotImplementedError("tensor/pipeline parallelism is not implemented yet: use 1")
-        self.engine_core = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(source)
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.engine_core.max_model_len, self.engine_core.vocab_size
+        self.engine: SyncMPClient | InprocClient = (
+            SyncMPClient(self.config)
+            if envs.enable_multiprocessing()
+            else InprocClient(self.config)
         )
+        self.tokenizer = load_tokenizer(source)
+        info = self.engine.info
+        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    @property
+    def engine_core(self) -> Any:
+        """The in-process `EngineCore` (only with TREADLE_ENABLE_MULTIPROCESSING=0)."""
+        if not isinstance(self.engine, InprocClient):
+            raise AttributeError(
+                "the engine core runs in another process; see TREADLE_ENABLE_MULTIPROCESSING"
+            )
+        return self.engine.engine_core
+
+    def get_stats(self) -> SchedulerStats:
+        """The scheduler's counters (running, waiting, KV usage, prefix hits, preemptions)."""
+        stats = self.engine.call_utility("get_stats")
+        return stats if isinstance(stats, SchedulerStats) else SchedulerStats(*stats)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -133,15 +162,15 @@ class LLM:
             request = self.input_processor.process(
                 child_id, tokens, child_params(params, index), prio
             )
-            self.engine_core.add_request(request)
+            self.engine.add_request(request)
 
     def _run(self) -> Iterator[RequestOutput]:
         while self.output_processor.has_unfinished():
-            for outputs in self.engine_core.step().values():
-                results, to_abort = self.output_processor.process_outputs(outputs.outputs)
-                if to_abort:
-                    self.engine_core.abort_requests(to_abort)
-                yield from results
+            outputs = self.engine.get_output()
+            results, to_abort = self.output_processor.process_outputs(outputs.outputs)
+            if to_abort:
+                self.engine.abort_requests(to_abort)
+            yield from results
 
     def _params_for(
         self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None

@@ -1,0 +1,145 @@
+"""`treadle serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+from treadle.config import (
+    DEFAULT_MODEL_NAME,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    field_docs,
+)
+
+
+def parse_bytes(text: str) -> int:
+    """`2147483648`, `2GiB`, `512MiB`, `1.5G` -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 2GiB or 2147483648)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def add_serve_parser(sub: Any) -> None:
+    model_doc, cache_doc = field_docs(ModelConfig), field_docs(CacheConfig)
+    sched_doc, par_doc = field_docs(SchedulerConfig), field_docs(ParallelConfig)
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", nargs="?", default=None, help=model_doc["model"])
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--served-model-name", default=None, help=model_doc["served_model_name"])
+    p.add_argument("--dtype", default="auto", help=model_doc["dtype"])
+    p.add_argument("--max-model-len", type=int, default=None, help=model_doc["max_model_len"])
+    p.add_argument("--seed", type=int, default=0, help=model_doc["seed"])
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help=sched_doc["max_num_seqs"],
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+        help=sched_doc["max_num_batched_tokens"],
+    )
+    p.add_argument(
+        "--block-size", type=int, default=CacheConfig.block_size, help=cache_doc["block_size"]
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help=cache_doc["kv_cache_memory"] + " Accepts 2GiB, 512MiB or bytes.",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=cache_doc["enable_prefix_caching"],
+    )
+    p.add_argument(
+        "-tp", "--tensor-parallel-size", type=int, default=1, help=par_doc["tensor_parallel_size"]
+    )
+    p.add_argument(
+        "-pp",
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help=par_doc["pipeline_parallel_size"],
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TREADLE_API_KEY"),
+        help="require this key as `Authorization: Bearer KEY` (default: $TREADLE_API_KEY)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, seconds to let running requests finish before aborting them",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    # The CLI starts children with spawn unless told otherwise (ARCHITECTURE §7).
+    os.environ.setdefault("TREADLE_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("TREADLE_LOGGING_LEVEL", args.log_level.upper())
+    from treadle.config import resolve_model
+    from treadle.entrypoints.openai.api_server import run_server
+    from treadle.frontend.async_llm import AsyncLLM
+    from treadle.ipc.process import set_process_title
+
+    set_process_title("APIServer_0")
+
+    def stop(signum: int, frame: Any) -> None:  # until uvicorn installs its own handlers
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        print(
+            "treadle serve: error: only --tensor-parallel-size 1 and --pipeline-parallel-size 1 are supported so far",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        source = resolve_model(args.model)
+        config = EngineConfig(
+            model=ModelConfig(
+                model=source.path,
+                served_model_name=args.served_model_name,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len,
+                seed=args.seed,
+            ),
+            cache=CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching),
+            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        )
+        name = args.served_model_name or (
+            DEFAULT_MODEL_NAME
+            if args.model is None
+            else os.path.basename(os.path.normpath(args.model))
+        )
+        engine = AsyncLLM(config, name, shutdown_timeout=args.shutdown_timeout)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:
+        print(f"treadle serve: error: {e}", file=sys.stderr)
+        return 1
+    return run_server(engine, name, source.path, args.host, args.port, args.api_key, args.log_level)

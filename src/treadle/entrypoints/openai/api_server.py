@@ -1,0 +1,201 @@
+"""The API server: FastAPI routes, OpenAI-style errors, API keys, metrics, and its lifecycle.
+
+With one API server, this runs in the `treadle serve` process itself; it starts the engine
+core process (through `AsyncLLM`) before the HTTP socket opens, and exits non-zero if the
+engine dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import treadle
+from treadle.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from treadle.entrypoints.openai.serving import APIError, OpenAIServing, error_body
+from treadle.frontend.async_llm import AsyncLLM
+from treadle.frontend.core_client import EngineDeadError
+from treadle.logger import init_logger
+
+logger = init_logger(__name__)
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+def build_app(engine: AsyncLLM, model_name: str, model_path: str, api_key: str | None) -> FastAPI:
+    serving = OpenAIServing(engine, model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+
+    app = FastAPI(title="treadle", version=treadle.__version__, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.status, e.kind, e.param), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{first.get('msg', 'invalid request')}" + (f" (at {where})" if where else "")
+        return JSONResponse(
+            error_body(message, 400, "BadRequestError", where or None), status_code=400
+        )
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return JSONResponse(
+            error_body(f"The engine is dead: {e}", 503, "EngineDeadError"), status_code=503
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if e.status_code == 404 else "HTTPError"
+        return JSONResponse(
+            error_body(str(e.detail), e.status_code, kind), status_code=e.status_code
+        )
+
+    if api_key:
+
+        @app.middleware("http")
+        async def check_key(request: Request, call_next: Any) -> Response:
+            if (
+                request.url.path.startswith("/v1")
+                and request.headers.get("Authorization") != f"Bearer {api_key}"
+            ):
+                return JSONResponse(
+                    error_body(
+                        "Unauthorized: missing or wrong API key", 401, "AuthenticationError"
+                    ),
+                    status_code=401,
+                )
+            response: Response = await call_next(request)
+            return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead:
+            return JSONResponse(
+                error_body("the engine is dead", 503, "EngineDeadError"), status_code=503
+            )
+        try:
+            await asyncio.wait_for(engine.get_stats(), HEALTH_TIMEOUT_S)
+        except (EngineDeadError, TimeoutError, RuntimeError) as e:
+            return JSONResponse(
+                error_body(f"the engine is not answering: {e}", 503, "EngineDeadError"),
+                status_code=503,
+            )
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": treadle.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(
+            data=[ModelCard(id=model_name, root=model_path, max_model_len=engine.max_model_len)]
+        )
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
+        return await serving.chat(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(req.model)
+        if req.messages is not None:
+            text = engine.input_processor.apply_chat_template(
+                req.messages, add_generation_prompt=req.add_generation_prompt
+            )
+            ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+        elif req.prompt is not None:
+            ids = engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        else:
+            raise APIError("give `prompt` or `messages`", param="prompt")
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        serving.check_model(req.model)
+        if any(t < 0 or t >= len(engine.tokenizer) for t in req.tokens):
+            raise APIError("token ids out of range", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+def run_server(
+    engine: AsyncLLM,
+    model_name: str,
+    model_path: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    log_level: str = "info",
+) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0) or engine death (exit 1); returns the exit code."""
+    app = build_app(engine, model_name, model_path, api_key)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        loop="uvloop",
+        http="httptools",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    engine_died = False
+
+    def on_dead(reason: str) -> None:
+        nonlocal engine_died
+        engine_died = True
+        previous(reason)
+        # Give failing streams a moment to send their error, then stop serving.
+        asyncio.get_running_loop().call_later(2.0, setattr, server, "should_exit", True)
+
+    previous = engine._on_dead
+    engine._on_dead = on_dead  # type: ignore[method-assign]
+    engine.client.on_dead = on_dead
+    # uvicorn handles SIGTERM/SIGINT while it serves and raises them again when it is done;
+    # by then they have been handled, so let them pass and shut the engine down below.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if engine_died:
+        logger.error("Exiting because the engine core died")
+        return 1
+    return 0

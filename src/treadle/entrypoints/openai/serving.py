@@ -1,0 +1,462 @@
+"""Completions and chat completions: prompts in, OpenAI-shaped responses or SSE streams out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from treadle.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UsageInfo,
+    now,
+    random_id,
+)
+from treadle.frontend.async_llm import AsyncLLM
+from treadle.frontend.core_client import EngineDeadError
+from treadle.outputs import CompletionOutput, RequestOutput
+from treadle.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error with an HTTP status, rendered in OpenAI's JSON error shape."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        kind: str = "BadRequestError",
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.message, self.status, self.kind, self.param = message, status, kind, param
+
+
+def error_body(message: str, status: int, kind: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    def _params(
+        self, req: Any, max_tokens: int | None, prompt_len: int, logprobs: int | None
+    ) -> SamplingParams:
+        room = self.engine.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = max(room, 1)
+        elif max_tokens > room:
+            raise APIError(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+                f"However, you requested {max_tokens + prompt_len} tokens ({prompt_len} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param="max_tokens",
+            )
+        try:
+            return req.sampling_params(max_tokens, logprobs)  # type: ignore[no-any-return]
+        except ValueError as e:
+            raise APIError(str(e).replace("SamplingParams.", "")) from e
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise APIError("The prompt is empty.", param="prompt")
+        if len(ids) >= self.engine.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+                f"However, your prompt has {len(ids)} tokens. Please reduce the length of the prompt.",
+                param="prompt",
+            )
+
+    async def _run(
+        self,
+        raw: Request,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        rid: str,
+        priority: int,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Merge the output streams of several prompts: yields (prompt index, output)."""
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, text: str | None, ids: list[int]) -> None:
+            try:
+                async for out in self.engine.generate(ids, params, f"{rid}-{i}", text, priority):
+                    await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put(e)
+                return
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, t, ids)) for i, (t, ids) in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- completions ---------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        max_len = max(len(ids) for _, ids in prompts)
+        params = self._params(req, req.max_tokens, max_len, req.logprobs)
+        rid = random_id("cmpl")
+        stream = self._run(raw, prompts, params, rid, req.priority)
+        if req.stream:
+            return StreamingResponse(
+                self._stream_completion(req, prompts, stream, rid), media_type="text/event-stream"
+            )
+        return await self._until_done(raw, self._full_completion(req, prompts, stream, rid))
+
+    def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError("The prompt is empty.", param="prompt")
+        out: list[tuple[str | None, list[int]]] = []
+        for item in items:
+            if isinstance(item, str):
+                ids = list(self.tokenizer(item).input_ids)
+                out.append((item, ids))
+            else:
+                if any(t < 0 or t >= len(self.tokenizer) + 1024 for t in item):
+                    raise APIError("Token ids out of range.", param="prompt")
+                out.append((None, list(item)))
+            self._check_prompt(out[-1][1])
+        return out
+
+    def _completion_logprobs(
+        self, comp: CompletionOutput, start: int, text_offset: int
+    ) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        assert comp.logprobs is not None
+        offset = text_offset
+        for tok, entry in zip(comp.token_ids[start:], comp.logprobs[start:], strict=False):
+            piece = self.tokenizer.decode([tok])
+            tokens.append(piece)
+            token_lps.append(entry.get(tok))
+            tops.append(
+                {self.tokenizer.decode([t]): lp for t, lp in list(entry.items())[1:]} or None
+            )
+            offsets.append(offset)
+            offset += len(piece)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    async def _full_completion(
+        self,
+        req: CompletionRequest,
+        prompts: list[tuple[str | None, list[int]]],
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        rid: str,
+    ) -> dict[str, Any]:
+        final: dict[int, RequestOutput] = {}
+        async for i, out in stream:
+            final[i] = out
+        choices = []
+        completion_tokens = 0
+        for i in sorted(final):
+            out = final[i]
+            prompt_text: str = prompts[i][0] or self.tokenizer.decode(prompts[i][1])
+            for comp in out.outputs:
+                text = (prompt_text + comp.text) if req.echo else comp.text
+                completion_tokens += len(comp.token_ids)
+                choices.append(
+                    {
+                        "index": i * req.n + comp.index,
+                        "text": text,
+                        "logprobs": None
+                        if comp.logprobs is None
+                        else self._completion_logprobs(
+                            comp, 0, len(prompt_text) if req.echo else 0
+                        ),
+                        "finish_reason": comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
+                    }
+                )
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ).model_dump(),
+        }
+
+    async def _stream_completion(
+        self,
+        req: CompletionRequest,
+        prompts: list[tuple[str | None, list[int]]],
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        rid: str,
+    ) -> AsyncIterator[str]:
+        created = now()
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        try:
+            async for i, out in stream:
+                for comp in out.outputs:
+                    index = i * req.n + comp.index
+                    first = index not in sent_text
+                    start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                    delta = comp.text[start_text:]
+                    if first and req.echo:
+                        delta = (prompts[i][0] or self.tokenizer.decode(prompts[i][1])) + delta
+                    if not delta and not comp.finished and not first:
+                        continue
+                    sent_text[index], sent_tokens[index] = len(comp.text), len(comp.token_ids)
+                    if comp.finished:
+                        completion_tokens += len(comp.token_ids)
+                    choice = {
+                        "index": index,
+                        "text": delta,
+                        "logprobs": None
+                        if comp.logprobs is None
+                        else self._completion_logprobs(comp, start_tok, start_text),
+                        "finish_reason": comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
+                    }
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": self.model_name,
+                            "choices": [choice],
+                        }
+                    )
+            if req.stream_options and req.stream_options.include_usage:
+                prompt_tokens = sum(len(ids) for _, ids in prompts)
+                usage = UsageInfo(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                )
+                yield _sse(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": usage.model_dump(),
+                    }
+                )
+        except (EngineDeadError, APIError, ValueError) as e:
+            yield _sse(
+                error_body(str(e), 503 if isinstance(e, EngineDeadError) else 400, type(e).__name__)
+            )
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        yield "data: [DONE]\n\n"
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        if not req.messages:
+            raise APIError("messages must not be empty.", param="messages")
+        try:
+            text = self.engine.input_processor.apply_chat_template(
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as e:
+            raise APIError(f"Cannot apply the chat template: {e}", param="messages") from e
+        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        self._check_prompt(ids)
+        top = req.top_logprobs if req.logprobs else None
+        if req.logprobs and top is None:
+            top = 0
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        params = self._params(req, max_tokens, len(ids), top)
+        rid = random_id("chatcmpl")
+        stream = self._run(raw, [(text, ids)], params, rid, req.priority)
+        if req.stream:
+            return StreamingResponse(
+                self._stream_chat(req, len(ids), stream, rid), media_type="text/event-stream"
+            )
+        return await self._until_done(raw, self._full_chat(len(ids), stream, rid))
+
+    def _chat_logprobs(self, comp: CompletionOutput, start: int) -> dict[str, Any]:
+        content = []
+        assert comp.logprobs is not None
+        for tok, entry in zip(comp.token_ids[start:], comp.logprobs[start:], strict=False):
+            piece = self.tokenizer.decode([tok])
+            tops = [
+                {
+                    "token": self.tokenizer.decode([t]),
+                    "logprob": lp,
+                    "bytes": list(self.tokenizer.decode([t]).encode()),
+                }
+                for t, lp in list(entry.items())[1:]
+            ]
+            content.append(
+                {
+                    "token": piece,
+                    "logprob": entry.get(tok),
+                    "bytes": list(piece.encode()),
+                    "top_logprobs": tops,
+                }
+            )
+        return {"content": content}
+
+    async def _full_chat(
+        self, prompt_len: int, stream: AsyncIterator[tuple[int, RequestOutput]], rid: str
+    ) -> dict[str, Any]:
+        final: RequestOutput | None = None
+        async for _, out in stream:
+            final = out
+        assert final is not None
+        choices, completion_tokens = [], 0
+        for comp in final.outputs:
+            completion_tokens += len(comp.token_ids)
+            choices.append(
+                {
+                    "index": comp.index,
+                    "message": {"role": "assistant", "content": comp.text},
+                    "logprobs": None if comp.logprobs is None else self._chat_logprobs(comp, 0),
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": UsageInfo(
+                prompt_tokens=prompt_len,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_len + completion_tokens,
+            ).model_dump(),
+        }
+
+    async def _stream_chat(
+        self,
+        req: ChatCompletionRequest,
+        prompt_len: int,
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        rid: str,
+    ) -> AsyncIterator[str]:
+        created = now()
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.model_name,
+        }
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        try:
+            async for _, out in stream:
+                for comp in out.outputs:
+                    if comp.index not in sent_text:
+                        sent_text[comp.index] = sent_tokens[comp.index] = 0
+                        yield _sse(
+                            {
+                                **head,
+                                "choices": [
+                                    {
+                                        "index": comp.index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        )
+                    start_text, start_tok = sent_text[comp.index], sent_tokens[comp.index]
+                    delta = comp.text[start_text:]
+                    if not delta and not comp.finished:
+                        continue
+                    sent_text[comp.index], sent_tokens[comp.index] = (
+                        len(comp.text),
+                        len(comp.token_ids),
+                    )
+                    if comp.finished:
+                        completion_tokens += len(comp.token_ids)
+                    choice = {
+                        "index": comp.index,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": None
+                        if comp.logprobs is None
+                        else self._chat_logprobs(comp, start_tok),
+                        "finish_reason": comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
+                    }
+                    yield _sse({**head, "choices": [choice]})
+            if req.stream_options and req.stream_options.include_usage:
+                usage = UsageInfo(
+                    prompt_tokens=prompt_len,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_len + completion_tokens,
+                )
+                yield _sse({**head, "choices": [], "usage": usage.model_dump()})
+        except (EngineDeadError, APIError, ValueError) as e:
+            yield _sse(
+                error_body(str(e), 503 if isinstance(e, EngineDeadError) else 400, type(e).__name__)
+            )
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        yield "data: [DONE]\n\n"
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    async def _until_done(self, raw: Request, work: Any) -> Any:
+        """Await a non-streaming response, abandoning (and so aborting) it if the client leaves."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return JSONResponse(task.result())
+            if await raw.is_disconnected():
+                task.cancel()
+                return JSONResponse(
+                    error_body("client disconnected", 499, "ClientDisconnected"), status_code=499
+                )

@@ -1,0 +1,157 @@
+"""`AsyncLLM`: the API server's engine client. Tokenizes, validates, sends requests to the
+engine core process, and turns its outputs into `RequestOutput`s for each waiting caller.
+
+Each request has a `RequestOutputCollector`. Outputs are cumulative (text and tokens so far),
+so a consumer that falls behind simply gets the latest one: the deltas merge by themselves.
+Cancelling `generate()` (a client that disconnected) aborts the request in the engine core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from treadle.config import EngineConfig, resolve_model
+from treadle.frontend.core_client import AsyncMPClient, EngineDeadError
+from treadle.frontend.input_processor import InputProcessor
+from treadle.frontend.metrics import RequestTimes, StatLogger
+from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
+from treadle.frontend.tokenizer import load_tokenizer
+from treadle.logger import init_logger
+from treadle.model.loader import read_arch
+from treadle.outputs import RequestOutput
+from treadle.sampling_params import SamplingParams
+from treadle.wire.engine import EngineCoreOutputs, SchedulerStats
+
+logger = init_logger(__name__)
+
+
+@dataclass(eq=False)
+class RequestOutputCollector:
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, output: RequestOutput) -> None:
+        self.latest = output
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        if self.latest is None:
+            assert self.error is not None
+            raise self.error
+        out, self.latest = self.latest, None
+        return out
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, model_name: str, shutdown_timeout: float = 0.0):
+        self.config = config
+        self.model_name = model_name
+        source = resolve_model(config.model.model)
+        read_arch(source)  # a corrupt or unsupported checkpoint fails here, before any process
+        self.client = AsyncMPClient(
+            config, self._on_outputs, self._on_dead, shutdown_timeout=shutdown_timeout
+        )
+        self.tokenizer = load_tokenizer(source)
+        info = self.client.info
+        self.max_model_len = info.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.collectors: dict[str, RequestOutputCollector] = {}
+        self.times: dict[str, RequestTimes] = {}
+        self.stats = SchedulerStats()
+        self.stat_logger = StatLogger(model_name)
+        self.last_output_time = time.monotonic()
+
+    def start(self) -> None:
+        """Start reading engine outputs; call inside the running event loop."""
+        self.client.start()
+
+    @property
+    def dead(self) -> bool:
+        return self.client.dead_reason is not None
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the growing output until it finishes; raises `EngineDeadError` if the engine
+        dies, `ValueError` for a prompt the model cannot take."""
+        if self.dead:
+            raise EngineDeadError(self.client.dead_reason or "the engine core is dead")
+        requests = []
+        for index, child_id in enumerate(child_request_ids(request_id, params.n)):
+            requests.append(
+                self.input_processor.process(
+                    child_id, prompt_token_ids, child_params(params, index), priority
+                )
+            )
+        collector = RequestOutputCollector()
+        self.collectors[request_id] = collector
+        self.times[request_id] = RequestTimes(time.monotonic(), len(prompt_token_ids))
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        finished = False
+        try:
+            for request in requests:
+                await self.client.add_request(request)
+            while True:
+                out = await collector.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self.collectors.pop(request_id, None)
+            self.times.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort(request_id)
+        self.collectors.pop(request_id, None)
+        self.times.pop(request_id, None)
+        if child_ids:
+            await self.client.abort_requests(child_ids)
+
+    async def get_stats(self) -> Any:
+        return await self.client.call_utility("get_stats")
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        self.last_output_time = now
+        if outputs.scheduler_stats is not None:
+            self.stats = outputs.scheduler_stats
+            self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+        results, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        for out in results:
+            times = self.times.get(out.request_id)
+            if times is not None:
+                self.stat_logger.record_output(times, out, now)
+            collector = self.collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+        if to_abort:
+            asyncio.get_running_loop().create_task(self.client.abort_requests(to_abort))
+
+    def _on_dead(self, reason: str) -> None:
+        logger.error("Engine core is dead: %s", reason)
+        error = EngineDeadError(reason)
+        for collector in self.collectors.values():
+            collector.fail(error)
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
