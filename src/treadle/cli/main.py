@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from treadle.cli.bench import add_bench_parser
 from treadle.cli.serve import add_serve_parser
 from treadle.config import ModelConfig, field_docs
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_generate)
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -40,6 +40,7 @@ from treadle.wire.engine import (
     EngineCoreRequest,
     EngineCoreRequestType,
     FinishReason,
+    SchedulerStats,
     UtilityOutput,
 )
 
@@ -115,6 +116,7 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | bytes | None] = queue.Queue()
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self._stats_sent: SchedulerStats | None = None
 
         hs = make_zmq_socket(
             self.ctx,
@@ -187,6 +189,20 @@ class EngineCoreProc:
             self._drain_inputs(block)
             for client, outputs in engine.step().items():
                 self.output_queue.put((client, outputs))
+                self._stats_sent = outputs.scheduler_stats
+            if not engine.has_unfinished_requests():
+                self._publish_idle_stats()
+
+    def _publish_idle_stats(self) -> None:
+        """Outputs carry the stats while there is work; once idle (e.g. after an abort) the
+        front ends still need to see the final counts, once."""
+        stats = self.engine.get_stats()
+        if stats == self._stats_sent:
+            return
+        self._stats_sent = stats
+        for client in range(len(self.output_addresses)):
+            idle = EngineCoreOutputs(self.dp_rank, scheduler_stats=stats, timestamp=time.time())
+            self.output_queue.put((client, idle))
 
     def _drain_inputs(self, block: bool) -> None:
         try:

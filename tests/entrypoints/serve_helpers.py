@@ -1,0 +1,92 @@
+"""A real `treadle serve` process for end-to-end tests: 127.0.0.1, an OS-chosen port, always
+stopped by pid (with its children) when the test is done."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+TREADLE = str(Path(sys.executable).parent / "treadle")
+
+
+class RemoteServer:
+    def __init__(
+        self, args: list[str], tmp_path: Path, env: dict[str, str] | None = None, wait: bool = True
+    ):
+        # A short directory of its own: ipc socket paths must fit in 107 bytes.
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix="treadle-rpc-"))
+        self.log_path = tmp_path / "server.log"
+        full_env = dict(os.environ, TREADLE_RPC_BASE_PATH=str(self.rpc_dir), **(env or {}))
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [TREADLE, "serve", *args, "--host", "127.0.0.1", "--port", "0"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
+        self.url = ""
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            if not self.url:
+                m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.output())
+                if m:
+                    self.url = m.group(1)
+            if self.url:
+                try:
+                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def family(self) -> list[psutil.Process]:
+        """The server process and all its descendants that are still alive."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def pid_of(self, title: str) -> int:
+        for p in self.family():
+            try:
+                if p.cmdline() and p.cmdline()[0].strip() == title:
+                    return p.pid
+            except psutil.NoSuchProcess:
+                continue
+        raise LookupError(title)
+
+    def stop(self) -> None:
+        procs = self.family()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(procs, timeout=10)
+        self.log.close()
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)

@@ -1,0 +1,334 @@
+"""`treadle serve` end to end: real processes, real sockets, the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from serve_helpers import RemoteServer
+
+from treadle import LLM, SamplingParams
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    srv = RemoteServer(["--max-model-len", "512"], tmp_path_factory.mktemp("default-server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[LLM]:
+    os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(max_model_len=512)
+    finally:
+        del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
+    yield llm
+
+
+def treadle_titles(server: RemoteServer) -> list[str]:
+    titles = []
+    for p in server.family():
+        cmd = p.cmdline()
+        if cmd and cmd[0].startswith("treadle::"):
+            titles.append(cmd[0].strip())
+    return sorted(titles)
+
+
+def test_serve_runs_exactly_two_titled_processes(server: RemoteServer) -> None:
+    assert treadle_titles(server) == ["treadle::APIServer_0", "treadle::EngineCore_DP0"]
+
+
+def test_greedy_completion_and_chat_equal_the_offline_engine(
+    client: openai.OpenAI, offline: LLM
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = offline.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=24, temperature=0
+    )
+    assert got.choices[0].text == expected.text
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens == len(expected.token_ids)
+
+    expected_chat = offline.chat(CHAT, params, use_tqdm=False)[0].outputs[0]
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=24, temperature=0
+    )  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == expected_chat.text
+    assert chat.choices[0].finish_reason == expected_chat.finish_reason
+
+
+def test_streamed_text_equals_non_streamed_text(client: openai.OpenAI) -> None:
+    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=32, temperature=0)
+    full = client.chat.completions.create(messages=CHAT, **kwargs)  # type: ignore[call-overload]
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(
+        messages=CHAT, stream=True, stream_options={"include_usage": True}, **kwargs
+    ):  # type: ignore[call-overload]
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+    assert "".join(pieces) == full.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens  # type: ignore[union-attr]
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    text = client.completions.create(prompt=PROMPT, **kwargs).choices[0].text  # type: ignore[call-overload]
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(prompt=PROMPT, stream=True, **kwargs)
+        if c.choices
+    )  # type: ignore[call-overload]
+    assert streamed == text
+
+
+def test_n_logprobs_echo_and_stop(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0.8,
+        n=3,
+        seed=1,
+        logprobs=2,
+        echo=True,
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    for c in out.choices:
+        assert c.text.startswith(PROMPT)
+        assert c.logprobs is not None and len(c.logprobs.tokens) == 5  # type: ignore[arg-type]
+    stopped = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=20, temperature=0, stop=["."]
+    )
+    assert stopped.choices[0].finish_reason == "stop" and "." not in stopped.choices[0].text
+
+
+def test_32_concurrent_streams_finish_with_the_right_token_counts(server: RemoteServer) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> int:
+        stream = await client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=f"Story number {i}:",
+            max_tokens=16,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        tokens = 0
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens
+
+    async def main() -> list[int]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+        return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    assert asyncio.run(main()) == [16] * 32
+
+
+def _metric(server: RemoteServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^treadle:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"metric {name} missing"
+    return float(m.group(1))
+
+
+def test_a_client_that_disconnects_frees_its_kv_blocks(server: RemoteServer) -> None:
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": PROMPT,
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        chunks = 0
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                chunks += 1
+            if chunks == 3:
+                break
+        assert _metric(server, "num_requests_running") == 1
+        assert _metric(server, "kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (
+            _metric(server, "num_requests_running") == 0
+            and _metric(server, "kv_cache_usage_perc") == 0
+        ):
+            break
+        time.sleep(0.2)
+    assert _metric(server, "num_requests_running") == 0
+    assert _metric(server, "kv_cache_usage_perc") == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, 400, None),
+        ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, 400, None),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, 400, None),
+        ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
+        ("/v1/completions", {"prompt": PROMPT, "model": "no-such-model"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": "not a list"}, 400, None),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10_000}, 400, "max_tokens"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    server: RemoteServer,
+    client: openai.OpenAI,
+    path: str,
+    body: dict,
+    status: int,
+    param: str | None,  # type: ignore[type-arg]
+) -> None:
+    resp = httpx.post(server.url + path, json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    if param:
+        assert error["param"] == param
+    ok = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3, temperature=0
+    )
+    assert len(ok.choices[0].text) > 0
+
+
+def test_malformed_json_is_a_400(server: RemoteServer) -> None:
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    assert resp.status_code == 400
+    assert resp.json()["error"]["type"] == "BadRequestError"
+
+
+def test_models_tokenize_detokenize_version_metrics(server: RemoteServer) -> None:
+    models = httpx.get(server.url + "/v1/models").json()
+    assert (
+        models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+        and models["data"][0]["max_model_len"] == 512
+    )
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens["count"] == 5
+    assert (
+        httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+        == PROMPT
+    )
+    assert "version" in httpx.get(server.url + "/version").json()
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "generation_tokens_total",
+        "prefix_cache_queries_total",
+    ):
+        assert f"treadle:{name}" in text
+    assert 'model_name="SmolLM2-135M-Instruct"' in text and 'engine="0"' in text
+
+
+# -- lifecycle: separate small servers on the tiny model -------------------------------------------
+
+
+def _no_leftovers(server: RemoteServer, pids: list[int]) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids
+    ):
+        time.sleep(0.1)
+    alive = [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not alive, f"processes left: {alive}"
+    assert list(server.rpc_dir.iterdir()) == [], "ipc socket files left"
+
+
+def test_api_key_is_required_when_set(server_factory, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_model_factory("llama")), "--api-key", "s3cret"])
+    body = {"prompt": "hi", "max_tokens": 2}
+    missing = httpx.post(srv.url + "/v1/completions", json=body)
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == 401
+    ok = httpx.post(
+        srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}
+    )
+    assert ok.status_code == 200
+    assert httpx.get(srv.url + "/health").status_code == 200  # health needs no key
+
+
+def test_sigterm_exits_cleanly(server_factory, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_model_factory("llama"))])
+    pids = [p.pid for p in srv.family()]
+    shm_before = set(os.listdir("/dev/shm"))
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0
+    _no_leftovers(srv, pids)
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_engine_kill_fails_the_stream_and_the_server_exits(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_model_factory("llama"))])
+    pids = [p.pid for p in srv.family()]
+    engine = srv.pid_of("treadle::EngineCore_DP0")
+    body = {"prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    lines = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if not line:
+                continue
+            lines.append(line)
+            if len(lines) == 4:
+                os.kill(engine, signal.SIGKILL)
+                killed = time.monotonic()
+                # /health must turn non-200 within a second.
+                status = httpx.get(srv.url + "/health", timeout=1).status_code
+                assert status != 200 and time.monotonic() - killed < 1.5
+    events = [json.loads(line[5:]) for line in lines if line.startswith("data: {")]
+    assert "error" in events[-1] and events[-1]["error"]["code"] == 503
+    assert lines[-1] == "data: [DONE]"
+    assert srv.proc.wait(30) != 0
+    _no_leftovers(srv, pids)
+
+
+def test_api_server_kill_makes_the_engine_exit(server_factory, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_model_factory("llama"))])
+    engine = srv.pid_of("treadle::EngineCore_DP0")
+    srv.proc.kill()
+    srv.proc.wait(10)
+    proc = psutil.Process(engine)
+    proc.wait(5)  # raises TimeoutExpired if the engine outlives its parent by 5 s
+
+
+def test_a_model_that_fails_to_load_exits_with_its_error(server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    srv = server_factory([str(bad)], wait=False)
+    assert srv.proc.wait(120) != 0
+    assert "GPT2LMHeadModel" in srv.output()
