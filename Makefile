@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test lint typecheck pytest bench serve clean
 
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
 install: $(STAMP)
 
 # Re-runs only when the project's dependencies change.
@@ -33,6 +36,10 @@ test: lint typecheck pytest
 bench: install
 	$(BIN)/python benchmarks/offline_throughput.py
 	@if [ -f benchmarks/ipc.py ]; then $(BIN)/python benchmarks/ipc.py; fi
+
+# Sets everything up, then serves the default model (SmolLM2-135M-Instruct) on $(HOST):$(PORT).
+serve: install
+	$(BIN)/treadle serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
