@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,10 +60,13 @@ class AsyncLLM:
         self.model_name = model_name
         source = resolve_model(config.model.model)
         read_arch(source)  # a corrupt or unsupported checkpoint fails here, before any process
-        self.client = AsyncMPClient(
-            config, self._on_outputs, self._on_dead, shutdown_timeout=shutdown_timeout
-        )
-        self.tokenizer = load_tokenizer(source)
+        # Load the tokenizer while the engine core loads the model (both take seconds).
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:
+            tokenizer = pool.submit(load_tokenizer, source)
+            self.client = AsyncMPClient(
+                config, self._on_outputs, self._on_dead, shutdown_timeout=shutdown_timeout
+            )
+            self.tokenizer = tokenizer.result()
         info = self.client.info
         self.max_model_len = info.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
