@@ -35,7 +35,8 @@ test: lint typecheck pytest
 
 bench: install
 	$(BIN)/python benchmarks/offline_throughput.py
-	@if [ -f benchmarks/ipc.py ]; then $(BIN)/python benchmarks/ipc.py; fi
+	$(BIN)/python benchmarks/ipc.py
+	$(BIN)/python benchmarks/serve_bench.py
 
 # Sets everything up, then serves the default model (SmolLM2-135M-Instruct) on $(HOST):$(PORT).
 serve: install

@@ -176,3 +176,28 @@ def test_cli_reports_a_bad_model_path() -> None:
     )
     assert result.returncode == 2
     assert "not found" in result.stderr
+
+
+def test_engine_ready_timeout_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    import psutil
+
+    monkeypatch.setenv("TREADLE_ENGINE_READY_TIMEOUT_S", "0")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(TimeoutError, match="TREADLE_ENGINE_READY_TIMEOUT_S"):
+        LLM(str(tiny_model_factory("llama")))
+    left = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.cmdline() and p.cmdline()[0].startswith("treadle::")
+    ]
+    assert left == []
+
+
+def test_a_failing_utility_call_is_an_error_reply_not_a_crash(llm: LLM) -> None:
+    with pytest.raises(RuntimeError, match="no utility method"):
+        llm.engine.call_utility("no_such_method")
+    with pytest.raises(RuntimeError, match="no utility method"):
+        llm.engine.call_utility("_private")
+    assert len(llm.generate("still fine", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8

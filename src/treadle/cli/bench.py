@@ -202,7 +202,7 @@ async def run_benchmark(
     url = base_url.rstrip("/") + endpoint
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     bar = tqdm(total=len(prompts), disable=disable_tqdm, desc="Requests")
 
