@@ -86,7 +86,6 @@ class OpenAIServing:
 
     async def _run(
         self,
-        raw: Request,
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
         rid: str,
@@ -127,7 +126,7 @@ class OpenAIServing:
         max_len = max(len(ids) for _, ids in prompts)
         params = self._params(req, req.max_tokens, max_len, req.logprobs)
         rid = random_id("cmpl")
-        stream = self._run(raw, prompts, params, rid, req.priority)
+        stream = self._run(prompts, params, rid, req.priority)
         if req.stream:
             return StreamingResponse(
                 self._stream_completion(req, prompts, stream, rid), media_type="text/event-stream"
@@ -149,7 +148,7 @@ class OpenAIServing:
                 ids = list(self.tokenizer(item).input_ids)
                 out.append((item, ids))
             else:
-                if any(t < 0 or t >= len(self.tokenizer) + 1024 for t in item):
+                if any(t < 0 or t >= self.engine.input_processor.vocab_size for t in item):
                     raise APIError("Token ids out of range.", param="prompt")
                 out.append((None, list(item)))
             self._check_prompt(out[-1][1])
@@ -314,7 +313,7 @@ class OpenAIServing:
         )
         params = self._params(req, max_tokens, len(ids), top)
         rid = random_id("chatcmpl")
-        stream = self._run(raw, [(text, ids)], params, rid, req.priority)
+        stream = self._run([(text, ids)], params, rid, req.priority)
         if req.stream:
             return StreamingResponse(
                 self._stream_chat(req, len(ids), stream, rid), media_type="text/event-stream"
