@@ -31,8 +31,10 @@ def allow_insecure_serialization() -> bool:
     return _bool("TREADLE_ALLOW_INSECURE_SERIALIZATION", False)
 
 
-def mq_max_chunk_bytes_mb() -> int:
-    return _int("TREADLE_MQ_MAX_CHUNK_BYTES_MB", 16)
+def mq_max_chunk_bytes() -> int:
+    """Chunk size of the executor's broadcast queue, from MiB (fractions allowed, for tests)."""
+    value = os.environ.get("TREADLE_MQ_MAX_CHUNK_BYTES_MB")
+    return int(float(value if value not in (None, "") else 16) * (1 << 20))
 
 
 def worker_multiproc_method() -> str | None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,10 @@ TREADLE = str(Path(sys.executable).parent / "treadle")  # the console script a u
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_factory) -> LLM:  # type: ignore[no-untyped-def]
-    return LLM(str(tiny_model_factory("llama")), dtype="float32", max_model_len=64)
+def llm(tiny_model_factory) -> Iterator[LLM]:  # type: ignore[no-untyped-def]
+    engine = LLM(str(tiny_model_factory("llama")), dtype="float32", max_model_len=64)
+    yield engine
+    engine.shutdown()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -43,6 +43,7 @@ def offline() -> Iterator[LLM]:
     finally:
         del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
     yield llm
+    llm.shutdown()
 
 
 def treadle_titles(server: RemoteServer) -> list[str]:
@@ -164,14 +165,14 @@ def test_a_client_that_disconnects_frees_its_kv_blocks(server: RemoteServer) -> 
         "ignore_eos": True,
     }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()  # kept open: leaving this loop early would close the stream
         chunks = 0
-        for line in resp.iter_lines():
-            if line.startswith("data:"):
+        while chunks < 3:
+            if next(lines).startswith("data:"):
                 chunks += 1
-            if chunks == 3:
-                break
         assert _metric(server, "num_requests_running") == 1
         assert _metric(server, "kv_cache_usage_perc") > 0
+    # The connection is closed here: the server must abort the request and free its blocks.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if (

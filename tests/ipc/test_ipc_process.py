@@ -60,6 +60,8 @@ def test_start_method_end_to_end(method: str) -> None:
 
 
 def test_get_mp_context_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As in a fresh process: no native threads beyond torch's own helper.
+    monkeypatch.setattr(process, "_native_thread_count", lambda: process._BASELINE_NATIVE_THREADS)
     monkeypatch.delenv("TREADLE_WORKER_MULTIPROC_METHOD", raising=False)
     assert get_mp_context().get_start_method() == "fork"
     for method in ("spawn", "forkserver", "fork"):
@@ -68,6 +70,15 @@ def test_get_mp_context_follows_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("TREADLE_WORKER_MULTIPROC_METHOD", "vfork")
     with pytest.raises(ValueError, match="fork, spawn, forkserver"):
         get_mp_context()
+
+
+def test_native_threads_force_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GNU OpenMP deadlocks a child forked after its pool started: fork is not used then."""
+    monkeypatch.setenv("TREADLE_WORKER_MULTIPROC_METHOD", "fork")
+    monkeypatch.setattr(
+        process, "_native_thread_count", lambda: process._BASELINE_NATIVE_THREADS + 1
+    )
+    assert get_mp_context().get_start_method() == "spawn"
 
 
 def test_cuda_forces_spawn(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -103,8 +103,10 @@ def serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TREADLE_LOGGING_LEVEL", args.log_level.upper())
     from treadle.config import resolve_model
     from treadle.entrypoints.openai.api_server import run_server
+    from treadle.executor.multiproc import check_parallel_layout
     from treadle.frontend.async_llm import AsyncLLM
     from treadle.ipc.process import set_process_title
+    from treadle.model.loader import read_arch
 
     set_process_title("APIServer_0")
 
@@ -112,9 +114,9 @@ def serve(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+    if args.pipeline_parallel_size != 1:
         print(
-            "treadle serve: error: only --tensor-parallel-size 1 and --pipeline-parallel-size 1 are supported so far",
+            "treadle serve: error: pipeline parallelism is not supported yet: use --pipeline-parallel-size 1",
             file=sys.stderr,
         )
         return 2
@@ -130,7 +132,10 @@ def serve(args: argparse.Namespace) -> int:
             ),
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+            parallel=ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size),
         )
+        if args.tensor_parallel_size > 1:
+            check_parallel_layout(read_arch(source), args.tensor_parallel_size)
         name = args.served_model_name or (
             DEFAULT_MODEL_NAME
             if args.model is None

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import queue
 import time
+from typing import Any
 
-from treadle.config import EngineConfig
+from treadle.config import EngineConfig, resolve_model
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
+from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
+from treadle.model.loader import read_arch
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from treadle.worker.worker import resolve_max_model_len
 
 logger = init_logger(__name__)
 
@@ -20,7 +24,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         start = time.monotonic()
         self.engine_index = engine_index
-        self.executor = UniProcExecutor(config)
+        self.executor = make_executor(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
         self.max_model_len = _fit_max_model_len(
@@ -28,7 +32,7 @@ class EngineCore:
             self.num_blocks * config.cache.block_size,
             explicit=config.model.max_model_len is not None,
         )
-        self.vocab_size = self.executor.worker.arch.vocab_size
+        self.vocab_size = self.executor.arch.vocab_size
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len
         )
@@ -96,12 +100,28 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        """Run `method` on every worker (a utility call, as vLLM's `collective_rpc`)."""
+        return self.executor.collective_rpc(method, tuple(args or ()))
+
     def reset_prefix_cache(self) -> bool:
         self.scheduler.kv.reset_prefix_cache()
         return True
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
+    """World size 1: the worker lives here. Otherwise one worker process per rank."""
+    if config.parallel.pipeline_parallel_size != 1:
+        raise ValueError("pipeline parallelism is not supported yet: use pipeline_parallel_size 1")
+    if config.parallel.world_size == 1:
+        return UniProcExecutor(config)
+    arch = read_arch(resolve_model(config.model.model))
+    check_parallel_layout(arch, config.parallel.tensor_parallel_size)
+    max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
+    return MultiprocExecutor(config, arch, max_model_len)
 
 
 def _fit_max_model_len(max_model_len: int, kv_capacity: int, explicit: bool) -> int:

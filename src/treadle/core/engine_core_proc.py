@@ -166,7 +166,9 @@ class EngineCoreProc:
                 self.output_queue.put(ENGINE_CORE_DEAD)
                 self.output_queue.put(None)
                 self.output_thread.join(5.0)
+                self.engine.shutdown()  # stop the workers, or exiting would wait on them
                 raise SystemExit(1) from e
+            self.engine.shutdown()
             raise
         self.output_queue.put(None)
         self.output_thread.join(10.0)

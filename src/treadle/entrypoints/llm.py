@@ -17,6 +17,7 @@ from treadle.config import (
     SchedulerConfig,
     resolve_model,
 )
+from treadle.executor.multiproc import check_parallel_layout
 from treadle.frontend.core_client import InprocClient, SyncMPClient
 from treadle.frontend.input_processor import InputProcessor, PromptType
 from treadle.frontend.output_processor import OutputProcessor, child_params
@@ -54,8 +55,12 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
         )
-        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
-            raise NotImplementedError("tensor/pipeline parallelism is not implemented yet: use 1")
+        if pipeline_parallel_size != 1:
+            raise ValueError(
+                "pipeline parallelism is not supported yet: use pipeline_parallel_size 1"
+            )
+        if tensor_parallel_size > 1:
+            check_parallel_layout(read_arch(source), tensor_parallel_size)
         self.engine: SyncMPClient | InprocClient = (
             SyncMPClient(self.config)
             if envs.enable_multiprocessing()
@@ -80,6 +85,10 @@ class LLM:
         """The scheduler's counters (running, waiting, KV usage, prefix hits, preemptions)."""
         stats = self.engine.call_utility("get_stats")
         return stats if isinstance(stats, SchedulerStats) else SchedulerStats(*stats)
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Call `method(*args)` on every worker; a worker's error raises `RuntimeError`."""
+        return list(self.engine.call_utility("collective_rpc", method, list(args)))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from treadle.config import EngineConfig
+from treadle.model.arch import ModelArch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.worker import Worker
 
@@ -18,8 +19,15 @@ class UniProcExecutor:
     def max_model_len(self) -> int:
         return self.worker.max_model_len
 
+    @property
+    def arch(self) -> ModelArch:
+        return self.worker.arch
+
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+        try:
+            return [getattr(self.worker, method)(*args)]
+        except Exception as e:
+            raise RuntimeError(f"Worker failed with error '{type(e).__name__}: {e}'") from e
 
     def determine_num_blocks(self) -> int:
         return int(self.collective_rpc("determine_num_blocks")[0])

@@ -57,7 +57,7 @@ import zmq
 
 from treadle import envs
 from treadle.ipc.shm_message import Serializer, is_overflow, loads_frames, read_chunk, write_chunk
-from treadle.ipc.shm_ring import MiB, ShmRingBuffer, memory_fence
+from treadle.ipc.shm_ring import ShmRingBuffer, memory_fence
 from treadle.ipc.zmq_utils import (
     get_bound_address,
     get_ip,
@@ -127,7 +127,7 @@ class MessageQueue:
                 f"local_reader_ranks={local_reader_ranks}"
             )
         if max_chunk_bytes is None:
-            max_chunk_bytes = envs.mq_max_chunk_bytes_mb() * MiB
+            max_chunk_bytes = envs.mq_max_chunk_bytes()
         self.n_reader = n_reader
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_reader - n_local_reader

@@ -171,3 +171,12 @@ def _check_free_shm(nbytes: int) -> None:
             f"remount,size=<N>G {_SHM_DIR}`), free space there, or lower "
             "TREADLE_MQ_MAX_CHUNK_BYTES_MB."
         )
+
+
+def unlink_orphaned_segment(name: str) -> None:
+    """Remove the segment of a ring whose creator died without unlinking it (e.g. killed -9).
+    Only for a process that knows the creator is gone; a missing segment is fine."""
+    import _posixshmem  # the primitive multiprocessing.shared_memory itself uses
+
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink("/" + name)

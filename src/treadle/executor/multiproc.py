@@ -1,0 +1,151 @@
+"""`MultiprocExecutor`: one worker process per rank when TP x PP >= 2 (ARCHITECTURE §6).
+
+Calls go out once through a shared-memory broadcast `MessageQueue`; each worker answers on its
+own `MessageQueue(1, 1)`. Replies are read in call order, so futures resolve FIFO. A worker's
+error comes back as `RuntimeError("Worker failed with error '...'")`; no reply in time is a
+`TimeoutError`. A monitor thread turns a dead worker into a failure of every pending and later
+call (the engine core then dies loudly instead of hanging).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from treadle import envs
+from treadle.config import EngineConfig
+from treadle.ipc.process import (
+    ChildProcess,
+    ProcessMonitor,
+    describe_exit,
+    get_mp_context,
+    shutdown_processes,
+    start_process,
+    wait_for_ready,
+)
+from treadle.ipc.shm_broadcast import Handle, MessageQueue, MessageQueueShutdown
+from treadle.ipc.shm_ring import unlink_orphaned_segment
+from treadle.logger import init_logger
+from treadle.model.arch import ModelArch
+from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.worker_proc import run_worker
+
+logger = init_logger(__name__)
+
+
+def check_parallel_layout(arch: ModelArch, tp: int) -> None:
+    """Reject a layout the model cannot be split into, before any process starts."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if arch.num_heads % tp:
+        raise ValueError(
+            f"the model has {arch.num_heads} attention heads, not divisible by "
+            f"tensor_parallel_size {tp}"
+        )
+    kv = arch.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(
+            f"the model has {kv} KV heads: tensor_parallel_size {tp} must divide them or be a "
+            "multiple of them"
+        )
+    if arch.intermediate_size % tp:
+        raise ValueError(
+            f"the MLP width {arch.intermediate_size} is not divisible by tensor_parallel_size {tp}"
+        )
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, arch: ModelArch, max_model_len: int) -> None:
+        self.world_size = config.parallel.world_size
+        self.max_model_len = max_model_len
+        self.arch = arch
+        self.failure: str | None = None
+        self.workers: list[ChildProcess] = []
+        self.reply_queues: list[MessageQueue] = []
+        self.reply_handles: list[Handle] = []
+        self.monitor: ProcessMonitor | None = None
+        fd, self._dist_file = tempfile.mkstemp(prefix="treadle-dist-")
+        os.close(fd)
+        os.unlink(self._dist_file)  # torch's FileStore creates it
+        self.broadcast = MessageQueue(self.world_size, max_chunk_bytes=envs.mq_max_chunk_bytes())
+        try:
+            ctx = get_mp_context()
+            handle = self.broadcast.export_handle()
+            for rank in range(self.world_size):
+                self.workers.append(
+                    start_process(
+                        run_worker,
+                        f"Worker_TP{rank}",
+                        args=(config, rank, self.world_size, handle, f"file://{self._dist_file}"),
+                        ctx=ctx,
+                    )
+                )
+            self.reply_handles = wait_for_ready(self.workers, timeout=envs.engine_ready_timeout_s())
+            self.reply_queues = [MessageQueue.create_from_handle(h, 0) for h in self.reply_handles]
+            self.broadcast.wait_until_ready()
+            for queue in self.reply_queues:
+                queue.wait_until_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.monitor = ProcessMonitor(self.workers, self._on_worker_death)
+
+    def _on_worker_death(self, child: ChildProcess) -> None:
+        self.failure = f"{child.describe()} died: {describe_exit(child.exitcode)}"
+        for queue in self.reply_queues:
+            queue.shutdown()  # wakes a collective_rpc that waits for a reply
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        if self.failure is not None:
+            raise RuntimeError(f"the executor failed: {self.failure}")
+        self.broadcast.enqueue((method, args, kwargs, unique_reply_rank), timeout=timeout)
+        ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
+        results = []
+        for rank in ranks:
+            try:
+                ok, result = self.reply_queues[rank].dequeue(timeout=timeout)
+            except MessageQueueShutdown:
+                raise RuntimeError(f"the executor failed: {self.failure}") from None
+            if not ok:
+                raise RuntimeError(f"Worker failed with error '{result}'")
+            results.append(result)
+        return results
+
+    def determine_num_blocks(self) -> int:
+        return int(min(self.collective_rpc("determine_num_blocks")))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks,))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        timeout = envs.execute_model_timeout_seconds()
+        result: ModelRunnerOutput = self.collective_rpc(
+            "execute_model", (sched,), timeout=timeout, unique_reply_rank=0
+        )[0]
+        return result
+
+    def shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        self.broadcast.shutdown()
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.terminate()
+        shutdown_processes(self.workers, timeout=5.0)
+        for queue in self.reply_queues:
+            queue.close()
+        # A worker killed -9 never unlinked the reply queue it created: do it for it.
+        for worker, handle in zip(self.workers, self.reply_handles, strict=False):
+            if worker.exitcode is not None and worker.exitcode < 0 and handle.buffer_handle:
+                unlink_orphaned_segment(handle.buffer_handle[3])
+        self.broadcast.close()
+        if os.path.exists(self._dist_file):
+            os.unlink(self._dist_file)

@@ -1,0 +1,92 @@
+"""The worker process (tensor parallelism): one per rank, fed through the broadcast
+`MessageQueue`, replying on its own `MessageQueue(1, 1)` (ARCHITECTURE §4, §6).
+
+Start-up, in the same order as the executor: join the torch.distributed group (gloo on CPU,
+NCCL on CUDA) -> load this rank's shard -> READY with the reply queue's handle on the ready
+pipe -> ready barrier of the broadcast queue -> ready barrier of the reply queue. Then each
+message `(method, args, kwargs, output_rank)` runs `getattr(worker, method)`; only
+`output_rank` (or every rank, when None) replies `(ok, result or error text)`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from treadle.config import EngineConfig
+from treadle.ipc.process import ReadyPipe
+from treadle.ipc.shm_broadcast import Handle, MessageQueue, MessageQueueShutdown
+from treadle.ipc.shm_ring import unlink_orphaned_segment
+from treadle.logger import init_logger
+from treadle.model.parallel import init_tensor_parallel
+from treadle.worker.worker import Worker
+
+logger = init_logger(__name__)
+
+
+def run_worker(
+    ready: ReadyPipe,
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    broadcast_handle: Handle,
+    dist_init: str,
+) -> None:
+    """Process entry (`treadle.ipc.process.start_process` target)."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    parent = os.getppid()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=dist_init,
+        rank=rank,
+        world_size=world_size,
+    )
+    init_tensor_parallel(rank, world_size)
+    worker = Worker(config, rank)
+    worker.load_model()
+    replies = MessageQueue(1, 1)
+    ready.send_ready(replies.export_handle())
+    requests = MessageQueue.create_from_handle(broadcast_handle, rank)
+    requests.wait_until_ready()
+    replies.wait_until_ready()
+    try:
+        _busy_loop(worker, rank, requests, replies)
+    finally:
+        requests.close()
+        replies.close()
+        # The engine core created the broadcast segment; if it died (killed -9), nobody else
+        # will remove it.
+        if rank == 0 and os.getppid() != parent and broadcast_handle.buffer_handle:
+            unlink_orphaned_segment(broadcast_handle.buffer_handle[3])
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _busy_loop(worker: Worker, rank: int, requests: MessageQueue, replies: MessageQueue) -> None:
+    while True:
+        try:
+            method, args, kwargs, output_rank = requests.dequeue()
+        except MessageQueueShutdown:
+            return
+        try:
+            result: Any = getattr(worker, method)(*args, **(kwargs or {}))
+            reply: tuple[bool, Any] = (True, result)
+        except Exception as e:
+            logger.error("Worker_TP%d: %s failed:\n%s", rank, method, traceback.format_exc())
+            reply = (False, f"{type(e).__name__}: {e}")
+        if output_rank is None or output_rank == rank:
+            replies.enqueue(reply)
