@@ -333,3 +333,34 @@ def test_a_model_that_fails_to_load_exits_with_its_error(server_factory, tmp_pat
     srv = server_factory([str(bad)], wait=False)
     assert srv.proc.wait(120) != 0
     assert "GPT2LMHeadModel" in srv.output()
+
+
+def test_serve_tp4_runs_six_processes_and_a_dead_worker_takes_it_down(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("treadle")}
+    srv = server_factory([str(tiny_model_factory("llama")), "-tp", "4"])
+    workers = [f"treadle::Worker_TP{r}" for r in range(4)]
+    assert treadle_titles(srv) == sorted(
+        ["treadle::APIServer_0", "treadle::EngineCore_DP0", *workers]
+    )
+    ok = httpx.post(
+        srv.url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True},
+        timeout=60,
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    pids = [p.pid for p in srv.family()]
+    os.kill(srv.pid_of("treadle::Worker_TP2"), signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    status = 200
+    while status == 200 and time.monotonic() < deadline:
+        try:
+            status = httpx.get(srv.url + "/health", timeout=1).status_code
+        except httpx.HTTPError:
+            status = 0
+        time.sleep(0.1)
+    assert status != 200
+    assert srv.proc.wait(30) != 0
+    _no_leftovers(srv, pids)
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("treadle")} <= shm_before

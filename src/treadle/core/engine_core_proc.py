@@ -132,6 +132,7 @@ class EngineCoreProc:
             addresses = decode(hs.recv())
             self.engine = EngineCore(config, engine_index=dp_rank)
             self.engine.aborts_queue = self.aborts_queue
+            self.engine.executor.failure_callback = self._executor_failed
             info = Handshake(
                 "READY",
                 num_blocks=self.engine.num_blocks,
@@ -238,6 +239,10 @@ class EngineCoreProc:
             self._call_utility(payload)
         elif kind is EngineCoreRequestType.EXECUTOR_FAILED:
             raise RuntimeError(f"executor failed: {payload}")
+
+    def _executor_failed(self, reason: str) -> None:
+        """Called from the executor's monitor thread: the busy loop raises on it."""
+        self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, reason))
 
     def _reject(self, req: EngineCoreRequest, reason: str) -> None:
         logger.warning("Rejected request %s: %s", req.request_id, reason)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from treadle import envs
@@ -24,8 +25,12 @@ from treadle.ipc.process import (
     start_process,
     wait_for_ready,
 )
-from treadle.ipc.shm_broadcast import Handle, MessageQueue, MessageQueueShutdown
-from treadle.ipc.shm_ring import unlink_orphaned_segment
+from treadle.ipc.shm_broadcast import (
+    Handle,
+    MessageQueue,
+    MessageQueueShutdown,
+    remove_orphaned_queue,
+)
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
@@ -61,6 +66,8 @@ class MultiprocExecutor:
         self.max_model_len = max_model_len
         self.arch = arch
         self.failure: str | None = None
+        # Set by the engine core process: told at once when a worker dies, even while idle.
+        self.failure_callback: Callable[[str], None] | None = None
         self.workers: list[ChildProcess] = []
         self.reply_queues: list[MessageQueue] = []
         self.reply_handles: list[Handle] = []
@@ -95,6 +102,8 @@ class MultiprocExecutor:
         self.failure = f"{child.describe()} died: {describe_exit(child.exitcode)}"
         for queue in self.reply_queues:
             queue.shutdown()  # wakes a collective_rpc that waits for a reply
+        if self.failure_callback is not None:
+            self.failure_callback(self.failure)
 
     def collective_rpc(
         self,
@@ -142,10 +151,10 @@ class MultiprocExecutor:
         shutdown_processes(self.workers, timeout=5.0)
         for queue in self.reply_queues:
             queue.close()
-        # A worker killed -9 never unlinked the reply queue it created: do it for it.
+        # A worker killed -9 never removed the reply queue it created: do it for it.
         for worker, handle in zip(self.workers, self.reply_handles, strict=False):
-            if worker.exitcode is not None and worker.exitcode < 0 and handle.buffer_handle:
-                unlink_orphaned_segment(handle.buffer_handle[3])
+            if worker.exitcode is not None and worker.exitcode < 0:
+                remove_orphaned_queue(handle)
         self.broadcast.close()
         if os.path.exists(self._dist_file):
             os.unlink(self._dist_file)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from treadle.config import EngineConfig
@@ -12,6 +13,7 @@ from treadle.worker.worker import Worker
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
+        self.failure_callback: Callable[[str], None] | None = None  # never called: no workers
         self.worker = Worker(config)
         self.worker.load_model()
 

@@ -57,7 +57,7 @@ import zmq
 
 from treadle import envs
 from treadle.ipc.shm_message import Serializer, is_overflow, loads_frames, read_chunk, write_chunk
-from treadle.ipc.shm_ring import ShmRingBuffer, memory_fence
+from treadle.ipc.shm_ring import ShmRingBuffer, memory_fence, unlink_orphaned_segment
 from treadle.ipc.zmq_utils import (
     get_bound_address,
     get_ip,
@@ -488,3 +488,14 @@ def _close_fds(*fds: int) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def remove_orphaned_queue(handle: Handle) -> None:
+    """Remove the shared memory and ipc socket files of a queue whose creator died without
+    closing it (killed -9). Only for a process that knows the creator is gone."""
+    if handle.buffer_handle:
+        unlink_orphaned_segment(handle.buffer_handle[3])
+    for address in (handle.local_subscribe_addr, handle.local_notify_addr):
+        if address and address.startswith("ipc://"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address[len("ipc://") :])

@@ -84,6 +84,10 @@ class Worker:
         assert self.runner is not None
         self.runner.initialize_cache(num_blocks)
 
+    def check_health(self) -> bool:
+        """A no-op round trip (also what the control-path benchmark measures)."""
+        return True
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
         return self.runner.execute_model(sched)

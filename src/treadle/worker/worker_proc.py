@@ -20,8 +20,12 @@ import torch.distributed as dist
 
 from treadle.config import EngineConfig
 from treadle.ipc.process import ReadyPipe
-from treadle.ipc.shm_broadcast import Handle, MessageQueue, MessageQueueShutdown
-from treadle.ipc.shm_ring import unlink_orphaned_segment
+from treadle.ipc.shm_broadcast import (
+    Handle,
+    MessageQueue,
+    MessageQueueShutdown,
+    remove_orphaned_queue,
+)
 from treadle.logger import init_logger
 from treadle.model.parallel import init_tensor_parallel
 from treadle.worker.worker import Worker
@@ -66,8 +70,8 @@ def run_worker(
         replies.close()
         # The engine core created the broadcast segment; if it died (killed -9), nobody else
         # will remove it.
-        if rank == 0 and os.getppid() != parent and broadcast_handle.buffer_handle:
-            unlink_orphaned_segment(broadcast_handle.buffer_handle[3])
+        if rank == 0 and os.getppid() != parent:
+            remove_orphaned_queue(broadcast_handle)
         if dist.is_initialized():
             dist.destroy_process_group()
 
