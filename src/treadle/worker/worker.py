@@ -84,8 +84,8 @@ class Worker:
         assert self.runner is not None
         self.runner.initialize_cache(num_blocks)
 
-    def check_health(self) -> bool:
-        """A no-op round trip (also what the control-path benchmark measures)."""
+    def check_health(self, payload: object = None) -> bool:
+        """A no-op round trip; the control-path benchmark sends payloads through it."""
         return True
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
