@@ -204,3 +204,19 @@ def test_a_failing_utility_call_is_an_error_reply_not_a_crash(llm: LLM) -> None:
     with pytest.raises(RuntimeError, match="no utility method"):
         llm.engine.call_utility("_private")
     assert len(llm.generate("still fine", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+def test_a_script_that_never_shuts_down_still_exits(tmp_path: Path, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    """multiprocessing joins its children at exit while the engine waits for its parent to go:
+    an `LLM` held in a global must not hang the interpreter's exit."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from treadle import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_model_factory('llama'))!r})\n"
+        "print(len(llm.generate('hi', SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "3"

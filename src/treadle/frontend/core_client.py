@@ -12,10 +12,12 @@ pending output wait and utility call with `EngineDeadError`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -48,6 +50,19 @@ from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCore
 logger = init_logger(__name__)
 
 
+# Clients whose engine process still runs. At interpreter exit, multiprocessing joins every
+# child it started, and an engine core waits for its parent to go: a client nobody shut down
+# (an `LLM` held in a global) would hang the exit. This hook, registered after
+# multiprocessing's own, runs before it.
+_live_clients: weakref.WeakSet[MPClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_clients() -> None:
+    for client in list(_live_clients):
+        client.shutdown()
+
+
 class EngineDeadError(RuntimeError):
     """The engine core process died; requests in flight cannot finish."""
 
@@ -78,6 +93,7 @@ class MPClient:
         self.engine = start_process(
             run_engine_core, "EngineCore_DP0", args=(config, handshake_address, 0, shutdown_timeout)
         )
+        _live_clients.add(self)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.input_socket = make_zmq_socket(self.ctx, get_open_zmq_ipc_path(), zmq.ROUTER, linger=0)
         self.output_socket = make_zmq_socket(self.ctx, get_open_zmq_ipc_path(), zmq.PULL, linger=0)
