@@ -38,6 +38,7 @@ bench: install
 	$(BIN)/python benchmarks/ipc.py
 	$(BIN)/python benchmarks/serve_bench.py
 	$(BIN)/python benchmarks/tp_bench.py
+	$(BIN)/python benchmarks/dp_bench.py
 
 # Sets everything up, then serves the default model (SmolLM2-135M-Instruct) on $(HOST):$(PORT).
 serve: install

@@ -42,13 +42,13 @@ RUNS = (("a", 64, 16), ("b", 128, 64))  # (name, requests, max concurrency)
 class Server:
     """`treadle serve` on 127.0.0.1 with an OS-chosen port, its output in a log file."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, args: list[str] | None = None) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, TREADLE_LOGGING_LEVEL="INFO")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
-            [TREADLE, "serve", "--host", "127.0.0.1", "--port", "0"],
+            [TREADLE, "serve", *(args or []), "--host", "127.0.0.1", "--port", "0"],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,

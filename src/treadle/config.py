@@ -98,10 +98,51 @@ class ParallelConfig:
     """Ranks that each hold a shard of the model (one process each)."""
     pipeline_parallel_size: int = 1
     """Pipeline stages; only 1 is supported so far."""
+    data_parallel_size: int = 1
+    """Engine cores, each with a whole copy of the model, behind the same front end."""
+    data_parallel_size_local: int | None = None
+    """Engine cores on this host; default: all of them."""
+    data_parallel_start_rank: int = 0
+    """DP rank of this host's first engine core (set on the other hosts)."""
+    data_parallel_address: str | None = None
+    """Address of the host that runs the front end (DP rank 0); engines on other hosts connect to it."""
+    data_parallel_rpc_port: int | None = None
+    """Port of the front end's handshake socket, which engines on other hosts connect to."""
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_engine_count(self) -> int:
+        if self.data_parallel_size_local is None:
+            return self.data_parallel_size
+        return self.data_parallel_size_local
+
+    @property
+    def multi_node(self) -> bool:
+        """Some engine cores run on another host: every engine-facing socket is tcp."""
+        return self.local_engine_count < self.data_parallel_size
+
+    def check(self) -> None:
+        """Reject an impossible DP layout with a message that says what to change."""
+        dp, local, start = (
+            self.data_parallel_size,
+            self.local_engine_count,
+            self.data_parallel_start_rank,
+        )
+        if dp < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, not {dp}")
+        if local < 0 or start < 0 or start + local > dp:
+            raise ValueError(
+                f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} "
+                f"exceed --data-parallel-size {dp}"
+            )
+        if self.multi_node and self.data_parallel_rpc_port is None:
+            raise ValueError(
+                "engines on other hosts need --data-parallel-rpc-port (and "
+                "--data-parallel-address) to find the front end"
+            )
 
 
 @dataclass(frozen=True)

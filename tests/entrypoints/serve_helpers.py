@@ -45,7 +45,9 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             if not self.url:
-                m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.output())
+                m = re.search(
+                    r"(?:Uvicorn running|listening) on (http://[\d.]+:\d+)", self.output()
+                )
                 if m:
                     self.url = m.group(1)
             if self.url:
@@ -90,3 +92,28 @@ class RemoteServer:
         psutil.wait_procs(procs, timeout=10)
         self.log.close()
         shutil.rmtree(self.rpc_dir, ignore_errors=True)
+
+
+def treadle_titles(server: RemoteServer) -> list[str]:
+    titles = []
+    for p in server.family():
+        cmd = p.cmdline()
+        if cmd and cmd[0].startswith("treadle::"):
+            titles.append(cmd[0].strip())
+    return sorted(titles)
+
+
+def assert_no_leftovers(server: RemoteServer, pids: list[int]) -> None:
+    """Every pid in `pids` is gone (or a zombie) within 10 s, and no ipc socket file is left."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids
+    ):
+        time.sleep(0.1)
+    alive = [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not alive, f"processes left: {alive}"
+    assert list(server.rpc_dir.iterdir()) == [], "ipc socket files left"

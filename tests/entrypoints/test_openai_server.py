@@ -15,7 +15,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from serve_helpers import RemoteServer
+from serve_helpers import RemoteServer, assert_no_leftovers, treadle_titles
 
 from treadle import LLM, SamplingParams
 
@@ -44,15 +44,6 @@ def offline() -> Iterator[LLM]:
         del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
     yield llm
     llm.shutdown()
-
-
-def treadle_titles(server: RemoteServer) -> list[str]:
-    titles = []
-    for p in server.family():
-        cmd = p.cmdline()
-        if cmd and cmd[0].startswith("treadle::"):
-            titles.append(cmd[0].strip())
-    return sorted(titles)
 
 
 def test_serve_runs_exactly_two_titled_processes(server: RemoteServer) -> None:
@@ -254,21 +245,6 @@ def test_models_tokenize_detokenize_version_metrics(server: RemoteServer) -> Non
 # -- lifecycle: separate small servers on the tiny model -------------------------------------------
 
 
-def _no_leftovers(server: RemoteServer, pids: list[int]) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(
-        psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids
-    ):
-        time.sleep(0.1)
-    alive = [
-        p
-        for p in pids
-        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-    ]
-    assert not alive, f"processes left: {alive}"
-    assert list(server.rpc_dir.iterdir()) == [], "ipc socket files left"
-
-
 def test_api_key_is_required_when_set(server_factory, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
     srv = server_factory([str(tiny_model_factory("llama")), "--api-key", "s3cret"])
     body = {"prompt": "hi", "max_tokens": 2}
@@ -287,7 +263,7 @@ def test_sigterm_exits_cleanly(server_factory, tiny_model_factory) -> None:  # t
     shm_before = set(os.listdir("/dev/shm"))
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(30) == 0
-    _no_leftovers(srv, pids)
+    assert_no_leftovers(srv, pids)
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
@@ -314,7 +290,7 @@ def test_engine_kill_fails_the_stream_and_the_server_exits(
     assert "error" in events[-1] and events[-1]["error"]["code"] == 503
     assert lines[-1] == "data: [DONE]"
     assert srv.proc.wait(30) != 0
-    _no_leftovers(srv, pids)
+    assert_no_leftovers(srv, pids)
 
 
 def test_api_server_kill_makes_the_engine_exit(server_factory, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
@@ -362,7 +338,7 @@ def test_serve_tp4_runs_six_processes_and_a_dead_worker_takes_it_down(
         time.sleep(0.1)
     assert status != 200
     assert srv.proc.wait(30) != 0
-    _no_leftovers(srv, pids)
+    assert_no_leftovers(srv, pids)
     assert {n for n in os.listdir("/dev/shm") if n.startswith("treadle")} <= shm_before
 
 

@@ -78,6 +78,51 @@ def add_serve_parser(sub: Any) -> None:
         help=par_doc["pipeline_parallel_size"],
     )
     p.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help=par_doc["data_parallel_size"],
+    )
+    p.add_argument(
+        "-dpl",
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help=par_doc["data_parallel_size_local"],
+    )
+    p.add_argument(
+        "-dpr",
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help=par_doc["data_parallel_start_rank"],
+    )
+    p.add_argument(
+        "-dpa", "--data-parallel-address", default=None, help=par_doc["data_parallel_address"]
+    )
+    p.add_argument(
+        "-dpp",
+        "--data-parallel-rpc-port",
+        type=int,
+        default=None,
+        help=par_doc["data_parallel_rpc_port"],
+    )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this host's engine cores (no API server); they connect to the front end "
+        "at --data-parallel-address:--data-parallel-rpc-port",
+    )
+    p.add_argument(
+        "-asc",
+        "--api-server-count",
+        type=int,
+        default=None,
+        help="API server processes sharing the HTTP port and all engine cores (default: the "
+        "data parallel size)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("TREADLE_API_KEY"),
         help="require this key as `Authorization: Bearer KEY` (default: $TREADLE_API_KEY)",
@@ -108,7 +153,15 @@ def serve(args: argparse.Namespace) -> int:
     from treadle.ipc.process import set_process_title
     from treadle.model.loader import read_arch
 
-    set_process_title("APIServer_0")
+    api_servers = (
+        args.data_parallel_size if args.api_server_count is None else args.api_server_count
+    )
+    if args.headless:
+        set_process_title("Headless")
+    elif api_servers > 1:
+        set_process_title("APIServerSupervisor")
+    else:
+        set_process_title("APIServer_0")
 
     def stop(signum: int, frame: Any) -> None:  # until uvicorn installs its own handlers
         raise KeyboardInterrupt
@@ -132,8 +185,19 @@ def serve(args: argparse.Namespace) -> int:
             ),
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-            parallel=ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size),
+            parallel=ParallelConfig(
+                args.tensor_parallel_size,
+                args.pipeline_parallel_size,
+                args.data_parallel_size,
+                args.data_parallel_size_local,
+                args.data_parallel_start_rank,
+                args.data_parallel_address,
+                args.data_parallel_rpc_port,
+            ),
         )
+        config.parallel.check()
+        if api_servers < 1 and not args.headless:
+            raise ValueError(f"--api-server-count must be at least 1, not {api_servers}")
         if args.tensor_parallel_size > 1:
             check_parallel_layout(read_arch(source), args.tensor_parallel_size)
         name = args.served_model_name or (
@@ -141,6 +205,14 @@ def serve(args: argparse.Namespace) -> int:
             if args.model is None
             else os.path.basename(os.path.normpath(args.model))
         )
+        if args.headless:
+            from treadle.cli.supervise import run_headless
+
+            return run_headless(config, args.shutdown_timeout)
+        if api_servers > 1:
+            from treadle.cli.supervise import run_api_servers
+
+            return run_api_servers(config, name, source.path, api_servers, args)
         engine = AsyncLLM(config, name, shutdown_timeout=args.shutdown_timeout)
     except KeyboardInterrupt:
         return 0

@@ -13,10 +13,15 @@ Handshake, on the front end's handshake ROUTER:
 then the engine's first message on each input DEALER is a ready message (which also registers
 its identity with the ROUTER). A fatal error sends the single frame `ENGINE_CORE_DEAD` to every
 front end and exits non-zero.
+
+With data parallelism the engine also talks to the DP coordinator: it pushes its stats and its
+idle/busy transitions (`start_wave`, `wave_complete`) and subscribes to START_DP_WAVE. An
+engine on another host (tcp) exits when its front end disconnects.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -26,13 +31,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.engine_core import EngineCore
 from treadle.ipc.process import ReadyPipe
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from treadle.ipc.zmq_utils import engine_identity, make_zmq_socket
+from treadle.ipc.zmq_utils import engine_identity, make_zmq_socket, split_zmq_path
 from treadle.logger import init_logger, set_process_name
 from treadle.wire.engine import (
     EngineCoreOutput,
@@ -41,6 +49,7 @@ from treadle.wire.engine import (
     EngineCoreRequestType,
     FinishReason,
     SchedulerStats,
+    StartDPWave,
     UtilityOutput,
 )
 
@@ -49,6 +58,11 @@ logger = init_logger(__name__)
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 _POLL_MS = 1000
 _LINGER_MS = 2000
+COORDINATOR = -1  # output_queue "client" that means the DP coordinator
+_COORDINATOR_STATS_INTERVAL_S = 0.05
+# tcp peers (engines on another host) check each other with ZMTP heartbeats.
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 3000
 
 
 class Handshake(msgspec.Struct, omit_defaults=True):
@@ -57,6 +71,8 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     status: str  # HELLO | ADDRESSES | READY
     inputs: list[str] = []
     outputs: list[str] = []
+    coordinator_input: str = ""  # XPUB of the DP coordinator (the engine subscribes)
+    coordinator_output: str = ""  # PULL of the DP coordinator (the engine pushes)
     num_blocks: int = 0
     max_model_len: int = 0
     vocab_size: int = 0
@@ -67,6 +83,10 @@ class UtilityRequest(msgspec.Struct, array_like=True):
     call_id: int
     method: str
     args: list[Any] = []
+
+
+class FrontEndGone(RuntimeError):
+    """A front end on another host disconnected: this engine has nobody left to serve."""
 
 
 @dataclass
@@ -94,6 +114,10 @@ def run_engine_core(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    parallel = config.parallel
+    if parallel.local_engine_count > 1 and parallel.world_size == 1:
+        # The engines on this host share its cores (a TP worker divides them itself).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.local_engine_count))
     proc = EngineCoreProc(config, handshake_address, dp_rank, shutdown, shutdown_timeout)
     ready.send_ready()
     proc.run()
@@ -117,6 +141,12 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | bytes | None] = queue.Queue()
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self._stats_sent: SchedulerStats | None = None
+        # Data parallel: the wave this engine knows of, and what the coordinator last heard.
+        self.dp = config.parallel.data_parallel_size > 1
+        self.current_wave = 0
+        self.waves_joined = 0
+        self._busy = False
+        self._coordinator_sent = 0.0
 
         hs = make_zmq_socket(
             self.ctx,
@@ -129,6 +159,12 @@ class EngineCoreProc:
         encode, decode = msgspec.msgpack.encode, msgspec.msgpack.Decoder(Handshake).decode
         try:
             hs.send(encode(Handshake("HELLO")))
+            timeout = envs.engine_ready_timeout_s()
+            if not hs.poll(timeout * 1000):
+                raise TimeoutError(
+                    f"no front end answered at {handshake_address} within {timeout} s "
+                    "(TREADLE_ENGINE_READY_TIMEOUT_S)"
+                )
             addresses = decode(hs.recv())
             self.engine = EngineCore(config, engine_index=dp_rank)
             self.engine.aborts_queue = self.aborts_queue
@@ -144,6 +180,8 @@ class EngineCoreProc:
             hs.close()
         self.input_addresses = addresses.inputs
         self.output_addresses = addresses.outputs
+        self.coordinator_input = addresses.coordinator_input
+        self.coordinator_output = addresses.coordinator_output
         self.ready_message = encode(info)
         self.inputs_ready = threading.Event()
         self.input_thread = threading.Thread(
@@ -161,6 +199,10 @@ class EngineCoreProc:
         self.inputs_ready.wait()
         try:
             self._busy_loop()
+        except FrontEndGone as e:
+            logger.error("%s", e)  # nobody is left to tell
+            self.engine.shutdown()
+            raise SystemExit(1) from e
         except BaseException as e:
             if not isinstance(e, SystemExit) or e.code not in (0, None):
                 logger.exception("Engine core failed; telling the front ends")
@@ -190,11 +232,34 @@ class EngineCoreProc:
                     return
             block = not engine.has_unfinished_requests() and not self.shutdown.requested
             self._drain_inputs(block)
+            if self.dp:
+                self._tell_coordinator()
             for client, outputs in engine.step().items():
                 self.output_queue.put((client, outputs))
                 self._stats_sent = outputs.scheduler_stats
+            if self.dp:
+                self._tell_coordinator()
             if not engine.has_unfinished_requests():
                 self._publish_idle_stats()
+
+    def _tell_coordinator(self) -> None:
+        """Push idle <-> busy transitions (which start and complete waves) at once, and the
+        stats at most every 50 ms while busy."""
+        busy = self.engine.has_unfinished_requests()
+        now = time.monotonic()
+        if busy == self._busy and (
+            not busy or now - self._coordinator_sent < _COORDINATOR_STATS_INTERVAL_S
+        ):
+            return
+        out = EngineCoreOutputs(self.dp_rank, scheduler_stats=self.engine.get_stats())
+        if busy != self._busy:
+            self._busy = busy
+            if busy:
+                out.start_wave = self.current_wave
+            else:
+                out.wave_complete = self.current_wave
+        self._coordinator_sent = now
+        self.output_queue.put((COORDINATOR, out))
 
     def _publish_idle_stats(self) -> None:
         """Outputs carry the stats while there is work; once idle (e.g. after an abort) the
@@ -229,16 +294,32 @@ class EngineCoreProc:
             if self.shutdown.requested:
                 self._reject(req, "the engine is shutting down")
                 return
+            self.current_wave = max(self.current_wave, req.current_wave)
             try:
                 self.engine.add_request(req)
             except ValueError as e:
                 self._reject(req, str(e))
+        elif kind is EngineCoreRequestType.START_DP_WAVE:
+            wave: StartDPWave = payload
+            self.current_wave = max(self.current_wave, wave.wave)
+            if wave.exclude != self.dp_rank:
+                self.waves_joined += 1
+                logger.debug(
+                    "START_DP_WAVE: joining wave %d, started by engine %d", wave.wave, wave.exclude
+                )
         elif kind is EngineCoreRequestType.ABORT:
             self.engine.abort_requests(payload)
         elif kind is EngineCoreRequestType.UTILITY:
             self._call_utility(payload)
         elif kind is EngineCoreRequestType.EXECUTOR_FAILED:
             raise RuntimeError(f"executor failed: {payload}")
+        elif kind is EngineCoreRequestType.WAKEUP:  # the front end is gone
+            raise FrontEndGone(payload)
+
+    def get_dp_state(self) -> dict[str, int]:
+        """Utility (and test hook): the wave this engine is in and how many waves that other
+        engines started it has joined."""
+        return {"current_wave": self.current_wave, "waves_joined": self.waves_joined}
 
     def _executor_failed(self, reason: str) -> None:
         """Called from the executor's monitor thread: the busy loop raises on it."""
@@ -258,7 +339,8 @@ class EngineCoreProc:
         try:
             if call.method.startswith("_"):
                 raise AttributeError(f"no utility method {call.method!r}")
-            method = getattr(self.engine, call.method, None)
+            owner: Any = self if call.method == "get_dp_state" else self.engine
+            method = getattr(owner, call.method, None)
             if method is None or not callable(method):
                 raise AttributeError(f"no utility method {call.method!r}")
             result.result = method(*call.args)
@@ -289,20 +371,41 @@ class EngineCoreProc:
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
         }
-        sockets = [
-            make_zmq_socket(
-                self.ctx, addr, zmq.DEALER, bind=False, identity=self.identity, linger=0
-            )
-            for addr in self.input_addresses
-        ]
+        sockets = [self._input_socket(addr) for addr in self.input_addresses]
+        poller = zmq.Poller()
+        monitors = {}
+        for sock, addr in zip(sockets, self.input_addresses, strict=True):
+            if split_zmq_path(addr)[0] == "tcp":  # a front end on another host may vanish
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                monitors[monitor] = addr
+                poller.register(monitor, zmq.POLLIN)
         for sock in sockets:
             sock.send(self.ready_message)
+        coordinator = None
+        if self.coordinator_input:
+            coordinator = make_zmq_socket(self.ctx, self.coordinator_input, zmq.XSUB, linger=0)
+            coordinator.send(b"\x01")  # subscribe to everything
+            poller.register(coordinator, zmq.POLLIN)
+            wave_decoder = MsgpackDecoder(StartDPWave)
         self.inputs_ready.set()
-        poller = zmq.Poller()
         for sock in sockets:
             poller.register(sock, zmq.POLLIN)
         while True:
             for sock, _ in poller.poll():
+                if sock in monitors:
+                    event = parse_monitor_message(sock.recv_multipart())  # type: ignore[union-attr]
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        reason = f"the front end at {monitors[sock]} disconnected; exiting"
+                        self.input_queue.put((EngineCoreRequestType.WAKEUP, reason))
+                    continue
+                if sock is coordinator:
+                    try:
+                        wave = wave_decoder.decode([coordinator.recv()])
+                    except Exception as e:
+                        logger.error("Dropped a malformed coordinator message: %s", e)
+                        continue
+                    self.input_queue.put((EngineCoreRequestType.START_DP_WAVE, wave))
+                    continue
                 frames = sock.recv_multipart(copy=False)  # type: ignore[union-attr]
                 try:
                     kind = EngineCoreRequestType(bytes(frames[0].buffer))
@@ -314,12 +417,34 @@ class EngineCoreProc:
                     self.aborts_queue.put(payload)
                 self.input_queue.put((kind, payload))
 
+    def _input_socket(self, addr: str) -> zmq.Socket[Any]:
+        options: dict[int, int] = {}
+        if split_zmq_path(addr)[0] == "tcp":
+            options = {
+                zmq.HEARTBEAT_IVL: _HEARTBEAT_IVL_MS,
+                zmq.HEARTBEAT_TIMEOUT: _HEARTBEAT_TIMEOUT_MS,
+            }
+        return make_zmq_socket(
+            self.ctx,
+            addr,
+            zmq.DEALER,
+            bind=False,
+            identity=self.identity,
+            linger=0,
+            options=options,
+        )
+
     def _output_loop(self) -> None:
         encoder = MsgpackEncoder()
         sockets = [
             make_zmq_socket(self.ctx, addr, zmq.PUSH, linger=_LINGER_MS)
             for addr in self.output_addresses
         ]
+        coordinator = (
+            make_zmq_socket(self.ctx, self.coordinator_output, zmq.PUSH, linger=0)
+            if self.coordinator_output
+            else None
+        )
         free: list[bytearray] = []
         in_flight: deque[tuple[bytearray, zmq.MessageTracker]] = deque()
         while True:
@@ -331,6 +456,10 @@ class EngineCoreProc:
                     sock.send(item)
                 continue
             client, outputs = item
+            if client == COORDINATOR:
+                if coordinator is not None:
+                    coordinator.send(encoder.encode(outputs)[0])
+                continue
             while in_flight and in_flight[0][1].done:
                 free.append(in_flight.popleft()[0])
             buf = free.pop() if free else bytearray()
@@ -342,3 +471,5 @@ class EngineCoreProc:
                 in_flight.append((buf, tracker))
         for sock in sockets:
             sock.close(linger=_LINGER_MS)
+        if coordinator is not None:
+            coordinator.close(linger=0)

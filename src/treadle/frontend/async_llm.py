@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.config import EngineConfig, resolve_model
-from treadle.frontend.core_client import AsyncMPClient, EngineDeadError
+from treadle.frontend.core_client import AsyncMPClient, AttachTo, EngineDeadError
 from treadle.frontend.input_processor import InputProcessor
 from treadle.frontend.metrics import RequestTimes, StatLogger
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
@@ -55,8 +55,16 @@ class RequestOutputCollector:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, model_name: str, shutdown_timeout: float = 0.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        shutdown_timeout: float = 0.0,
+        client_index: int = 0,
+        attach: AttachTo | None = None,
+    ):
         self.config = config
+        self.client_index = client_index
         self.model_name = model_name
         source = resolve_model(config.model.model)
         read_arch(source)  # a corrupt or unsupported checkpoint fails here, before any process
@@ -64,7 +72,12 @@ class AsyncLLM:
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:
             tokenizer = pool.submit(load_tokenizer, source)
             self.client = AsyncMPClient(
-                config, self._on_outputs, self._on_dead, shutdown_timeout=shutdown_timeout
+                config,
+                self._on_outputs,
+                self._on_dead,
+                shutdown_timeout=shutdown_timeout,
+                client_index=client_index,
+                attach=attach,
             )
             self.tokenizer = tokenizer.result()
         info = self.client.info
@@ -73,8 +86,12 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.times: dict[str, RequestTimes] = {}
-        self.stats = SchedulerStats()
-        self.stat_logger = StatLogger(model_name)
+        self.stats = [SchedulerStats() for _ in range(self.client.num_engines)]
+        # Engine-wide counters reach every API server; only the first one adds them up.
+        self.stat_loggers = [
+            StatLogger(model_name, engine, count_engine_totals=client_index == 0)
+            for engine in range(self.client.num_engines)
+        ]
         self.last_output_time = time.monotonic()
 
     def start(self) -> None:
@@ -92,16 +109,21 @@ class AsyncLLM:
         request_id: str,
         prompt: str | None = None,
         priority: int = 0,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the growing output until it finishes; raises `EngineDeadError` if the engine
-        dies, `ValueError` for a prompt the model cannot take."""
+        dies, `ValueError` for a prompt the model cannot take or a DP rank that does not exist."""
         if self.dead:
             raise EngineDeadError(self.client.dead_reason or "the engine core is dead")
         requests = []
         for index, child_id in enumerate(child_request_ids(request_id, params.n)):
             requests.append(
                 self.input_processor.process(
-                    child_id, prompt_token_ids, child_params(params, index), priority
+                    child_id,
+                    prompt_token_ids,
+                    child_params(params, index),
+                    priority,
+                    self.client_index,
                 )
             )
         collector = RequestOutputCollector()
@@ -111,7 +133,7 @@ class AsyncLLM:
         finished = False
         try:
             for request in requests:
-                await self.client.add_request(request)
+                await self.client.add_request(request, data_parallel_rank)
             while True:
                 out = await collector.get()
                 finished = out.finished
@@ -131,20 +153,33 @@ class AsyncLLM:
         if child_ids:
             await self.client.abort_requests(child_ids)
 
-    async def get_stats(self) -> Any:
-        return await self.client.call_utility("get_stats")
+    async def get_stats(self) -> list[Any]:
+        """Every engine's `SchedulerStats` (a call to each: also a liveness check)."""
+        calls = [
+            self.client.call_utility("get_stats", engine=e) for e in range(self.client.num_engines)
+        ]
+        return list(await asyncio.gather(*calls))
+
+    async def get_dp_state(self) -> list[Any]:
+        """Every engine's wave state (`EngineCoreProc.get_dp_state`)."""
+        calls = [
+            self.client.call_utility("get_dp_state", engine=e)
+            for e in range(self.client.num_engines)
+        ]
+        return list(await asyncio.gather(*calls))
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
         self.last_output_time = now
+        stat_logger = self.stat_loggers[outputs.engine_index]
         if outputs.scheduler_stats is not None:
-            self.stats = outputs.scheduler_stats
-            self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+            self.stats[outputs.engine_index] = outputs.scheduler_stats
+            stat_logger.record_scheduler_stats(outputs.scheduler_stats)
         results, to_abort = self.output_processor.process_outputs(outputs.outputs)
         for out in results:
             times = self.times.get(out.request_id)
             if times is not None:
-                self.stat_logger.record_output(times, out, now)
+                stat_logger.record_output(times, out, now)
             collector = self.collectors.get(out.request_id)
             if collector is not None:
                 collector.put(out)

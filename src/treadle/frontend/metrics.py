@@ -1,16 +1,26 @@
 """Prometheus metrics of the front end, with vLLM's names under the `treadle:` prefix.
 
-Request timings (TTFT, inter-token latency, end-to-end) are measured here, where outputs
-arrive; scheduler gauges and counters come from the `SchedulerStats` the engine core sends
+With several API servers (`--api-server-count`), each writes its values to
+`PROMETHEUS_MULTIPROC_DIR` (set by the supervisor) and `/metrics` in any of them reports the
+sum over all (gauges: the most recent value). Request timings (TTFT, inter-token latency,
+end-to-end) are measured here, where outputs arrive; scheduler gauges and counters come from the `SchedulerStats` the engine core sends
 with its outputs (counters there are cumulative, so they are added here as differences).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 from treadle.outputs import RequestOutput
 from treadle.wire.engine import SchedulerStats
@@ -25,10 +35,23 @@ def _registry() -> dict[str, Any]:
     if not _metrics:
         p = "treadle:"
         _metrics.update(
-            running=Gauge(p + "num_requests_running", "Requests in the running batch", _LABELS),
-            waiting=Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", _LABELS),
+            running=Gauge(
+                p + "num_requests_running",
+                "Requests in the running batch",
+                _LABELS,
+                multiprocess_mode="mostrecent",
+            ),
+            waiting=Gauge(
+                p + "num_requests_waiting",
+                "Requests waiting to be scheduled",
+                _LABELS,
+                multiprocess_mode="mostrecent",
+            ),
             kv_usage=Gauge(
-                p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", _LABELS
+                p + "kv_cache_usage_perc",
+                "Fraction of KV blocks in use (0-1)",
+                _LABELS,
+                multiprocess_mode="mostrecent",
             ),
             prompt_tokens=Counter(p + "prompt_tokens", "Prefilled prompt tokens", _LABELS),
             generation_tokens=Counter(p + "generation_tokens", "Generated tokens", _LABELS),
@@ -74,9 +97,14 @@ class RequestTimes:
 
 
 class StatLogger:
-    def __init__(self, model_name: str, engine: int = 0) -> None:
+    """One engine's metrics as this front end sees them. `count_engine_totals=False` skips
+    the engine's cumulative counters (preemptions, prefix cache): with several API servers
+    they reach every one of them, and only one may add them up."""
+
+    def __init__(self, model_name: str, engine: int = 0, count_engine_totals: bool = True) -> None:
         self.m = _registry()
         self.labels = {"model_name": model_name, "engine": str(engine)}
+        self.count_engine_totals = count_engine_totals
         self._last = SchedulerStats()
 
     def _get(self, name: str, **extra: str) -> Any:
@@ -86,6 +114,8 @@ class StatLogger:
         self._get("running").set(stats.num_running_reqs)
         self._get("waiting").set(stats.num_waiting_reqs)
         self._get("kv_usage").set(stats.kv_cache_usage)
+        if not self.count_engine_totals:
+            return
         for name, attr in (
             ("preemptions", "num_preemptions"),
             ("prefix_queries", "prefix_cache_queries"),
@@ -113,3 +143,12 @@ class StatLogger:
             self._get("e2e").observe(now - times.arrival)
             for c in out.outputs:
                 self._get("success", finished_reason=c.finish_reason or "abort").inc()
+
+
+def render_metrics() -> bytes:
+    """The Prometheus text of this process, or of all API servers in multiprocess mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest()

@@ -19,7 +19,7 @@ import ipaddress
 import os
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import zmq
@@ -145,11 +145,13 @@ def make_zmq_socket(
     bind: bool | None = None,
     identity: bytes | None = None,
     linger: int | None = None,
+    options: dict[int, int] | None = None,
 ) -> zmq.Socket[Any]:
     """Make a socket on `ctx` (sync or asyncio) and bind or connect it to `path`.
 
     `bind=None` binds every type except PUSH, SUB and XSUB. Binding `tcp://host:0` picks a free
     port: read it back with `get_bound_address`. ipc files are made 0600 and removed on close.
+    `options` are set before the bind or connect (e.g. heartbeats).
     """
     sock: zmq.Socket[Any] = ctx.socket(socket_type, socket_class=_socket_class(ctx))
     sock._treadle_ipc_files = []  # type: ignore[attr-defined]
@@ -163,6 +165,8 @@ def make_zmq_socket(
             sock.setsockopt(zmq.IDENTITY, identity)
         if linger is not None:
             sock.setsockopt(zmq.LINGER, linger)
+        for option, value in (options or {}).items():
+            sock.setsockopt(option, value)
         scheme, host, _ = split_zmq_path(path)
         if scheme == "tcp" and _is_ipv6(host):
             sock.setsockopt(zmq.IPV6, 1)
@@ -200,6 +204,16 @@ def zmq_socket_ctx(
             sock.close(linger=linger)
     finally:
         ctx.term()
+
+
+def remove_ipc_files(addresses: Iterable[str]) -> None:
+    """Remove the socket files of `ipc://` addresses that a child bound and, killed, could not
+    remove itself (call once the child is gone)."""
+    for address in addresses:
+        scheme, path, _ = split_zmq_path(address)
+        if scheme == "ipc":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _remove_ipc_file(path: str) -> None:

@@ -91,3 +91,18 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     finished_requests: set[str] | None = None
     wave_complete: int | None = None
     start_wave: int | None = None
+
+
+class DPStats(msgspec.Struct, array_like=True, gc=False):
+    """DP coordinator -> front ends: each engine's `[waiting, running, kv_usage]` and the wave."""
+
+    engines: list[list[float]]
+    wave: int
+    wave_running: bool
+
+
+class StartDPWave(msgspec.Struct, array_like=True, gc=False):
+    """DP coordinator -> engines: wave `wave` has started; `exclude` started it itself."""
+
+    wave: int
+    exclude: int

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,10 +19,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import treadle
+from treadle.config import EngineConfig
 from treadle.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,7 +34,9 @@ from treadle.entrypoints.openai.protocol import (
 )
 from treadle.entrypoints.openai.serving import APIError, OpenAIServing, error_body
 from treadle.frontend.async_llm import AsyncLLM
-from treadle.frontend.core_client import EngineDeadError
+from treadle.frontend.core_client import AttachTo, EngineDeadError
+from treadle.frontend.metrics import render_metrics
+from treadle.ipc.process import ReadyPipe
 from treadle.logger import init_logger
 
 logger = init_logger(__name__)
@@ -39,12 +44,20 @@ logger = init_logger(__name__)
 HEALTH_TIMEOUT_S = 5.0
 
 
-def build_app(engine: AsyncLLM, model_name: str, model_path: str, api_key: str | None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    model_name: str,
+    model_path: str,
+    api_key: str | None,
+    announce: str | None = None,
+) -> FastAPI:
     serving = OpenAIServing(engine, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if announce:  # uvicorn says where it listens only when it opened the socket itself
+            logging.getLogger("uvicorn.error").info("%s", announce)
         yield
 
     app = FastAPI(title="treadle", version=treadle.__version__, lifespan=lifespan)
@@ -114,7 +127,7 @@ def build_app(engine: AsyncLLM, model_name: str, model_path: str, api_key: str |
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -162,9 +175,14 @@ def run_server(
     port: int,
     api_key: str | None,
     log_level: str = "info",
+    sock: socket.socket | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0) or engine death (exit 1); returns the exit code."""
-    app = build_app(engine, model_name, model_path, api_key)
+    """Serve until SIGTERM/SIGINT (exit 0) or engine death (exit 1); returns the exit code.
+    `sock`: an HTTP socket already bound (shared by several API servers)."""
+    announce = None
+    if sock is not None and engine.client_index == 0:
+        announce = f"Uvicorn running on http://{host}:{port} (shared by every API server)"
+    app = build_app(engine, model_name, model_path, api_key, announce)
     config = uvicorn.Config(
         app,
         host=host,
@@ -192,10 +210,34 @@ def run_server(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         engine.shutdown()
     if engine_died:
         logger.error("Exiting because the engine core died")
         return 1
     return 0
+
+
+def run_api_server_worker(
+    ready: ReadyPipe,
+    sock: socket.socket,
+    config: EngineConfig,
+    model_name: str,
+    model_path: str,
+    client_index: int,
+    coordinator: str | None,
+    api_key: str | None,
+    log_level: str,
+    shutdown_timeout: float,
+) -> None:
+    """Process entry of API server `client_index` of several (`--api-server-count`).
+
+    Binds its own ROUTER/PULL pair, hands their addresses to the supervisor through the ready
+    pipe (the supervisor runs the engines' handshake), waits for every engine, then serves
+    HTTP on the shared socket `sock`."""
+    attach = AttachTo(report=ready.send_ready, coordinator=coordinator)
+    engine = AsyncLLM(config, model_name, shutdown_timeout, client_index, attach)
+    host, port = sock.getsockname()[:2]
+    code = run_server(engine, model_name, model_path, host, port, api_key, log_level, sock)
+    raise SystemExit(code)

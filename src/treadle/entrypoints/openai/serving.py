@@ -74,6 +74,19 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(str(e).replace("SamplingParams.", "")) from e
 
+    def _dp_rank(self, raw: Request) -> int | None:
+        """The engine a client asks for with the `X-data-parallel-rank` header (as vLLM)."""
+        value = raw.headers.get("X-data-parallel-rank")
+        if value is None:
+            return None
+        engines = self.engine.client.num_engines
+        if not value.strip().isdigit() or int(value) >= engines:
+            raise APIError(
+                f"X-data-parallel-rank must be an engine rank in [0, {engines}), not {value!r}",
+                param="X-data-parallel-rank",
+            )
+        return int(value)
+
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise APIError("The prompt is empty.", param="prompt")
@@ -90,13 +103,16 @@ class OpenAIServing:
         params: SamplingParams,
         rid: str,
         priority: int,
+        rank: int | None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Merge the output streams of several prompts: yields (prompt index, output)."""
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(i: int, text: str | None, ids: list[int]) -> None:
             try:
-                async for out in self.engine.generate(ids, params, f"{rid}-{i}", text, priority):
+                async for out in self.engine.generate(
+                    ids, params, f"{rid}-{i}", text, priority, rank
+                ):
                     await queue.put((i, out))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put(e)
@@ -126,7 +142,7 @@ class OpenAIServing:
         max_len = max(len(ids) for _, ids in prompts)
         params = self._params(req, req.max_tokens, max_len, req.logprobs)
         rid = random_id("cmpl")
-        stream = self._run(prompts, params, rid, req.priority)
+        stream = self._run(prompts, params, rid, req.priority, self._dp_rank(raw))
         if req.stream:
             return StreamingResponse(
                 self._stream_completion(req, prompts, stream, rid), media_type="text/event-stream"
@@ -313,7 +329,7 @@ class OpenAIServing:
         )
         params = self._params(req, max_tokens, len(ids), top)
         rid = random_id("chatcmpl")
-        stream = self._run([(text, ids)], params, rid, req.priority)
+        stream = self._run([(text, ids)], params, rid, req.priority, self._dp_rank(raw))
         if req.stream:
             return StreamingResponse(
                 self._stream_chat(req, len(ids), stream, rid), media_type="text/event-stream"

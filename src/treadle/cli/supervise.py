@@ -1,0 +1,172 @@
+"""`treadle serve` as a supervisor: several API servers (`--api-server-count N > 1`), or only
+this host's engine cores (`--headless`). ARCHITECTURE §1, §8.
+
+With N API servers the CLI process serves no HTTP. It binds the HTTP socket, starts the DP
+coordinator and the engine cores, spawns the API servers (each gets the socket, a client
+index and binds its own ROUTER/PULL pair, whose addresses come back on its ready pipe), runs
+the engines' handshake with all those addresses, then watches every child. Any child dying
+stops all of them and exits non-zero; SIGTERM/SIGINT stop them all and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from typing import Any
+
+import zmq
+
+from treadle import envs
+from treadle.config import EngineConfig
+from treadle.entrypoints.openai.api_server import run_api_server_worker
+from treadle.frontend.launcher import EngineLauncher
+from treadle.ipc.process import (
+    ChildProcess,
+    ProcessMonitor,
+    describe_exit,
+    shutdown_processes,
+    start_process,
+    wait_for_ready,
+)
+from treadle.ipc.zmq_utils import remove_ipc_files
+from treadle.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """The listening socket every API server accepts on (port 0: the OS picks one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class _Stop:
+    """Set by a signal or a child's death; the main thread waits on it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.failure: str | None = None
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        logger.info("Received %s; shutting down", signal.Signals(signum).name)
+        self.event.set()
+
+    def on_death(self, child: ChildProcess) -> None:
+        if not self.event.is_set():
+            self.failure = f"{child.describe()} died: {describe_exit(child.exitcode)}"
+        self.event.set()
+
+    def wait(self) -> None:
+        while not self.event.wait(0.5):
+            pass
+
+
+def run_api_servers(
+    config: EngineConfig, model_name: str, model_path: str, count: int, args: argparse.Namespace
+) -> int:
+    metrics_dir = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        metrics_dir = tempfile.mkdtemp(prefix="treadle-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop.on_signal)
+    signal.signal(signal.SIGINT, stop.on_signal)
+    sock = bind_http_socket(args.host, args.port)
+    launcher: EngineLauncher | None = None
+    api_servers: list[ChildProcess] = []
+    addresses: list[list[str]] = []
+    try:
+        launcher = EngineLauncher(config, args.shutdown_timeout)
+        timeout = envs.engine_ready_timeout_s()
+        coordinator = launcher.coordinator_addresses(timeout)
+        spawn = multiprocessing.get_context("spawn")  # always, for extra API servers (§7)
+        for index in range(count):
+            worker_args = (
+                sock,
+                config,
+                model_name,
+                model_path,
+                index,
+                coordinator.front_publish if coordinator else None,
+                args.api_key,
+                args.log_level,
+                args.shutdown_timeout,
+            )
+            api_servers.append(
+                start_process(run_api_server_worker, f"APIServer_{index}", worker_args, ctx=spawn)
+            )
+        addresses = wait_for_ready(api_servers, timeout)
+        ctx: zmq.Context[Any] = zmq.Context()
+        try:
+            launcher.handshake(
+                ctx, [a[0] for a in addresses], [a[1] for a in addresses], watch=api_servers
+            )
+        finally:
+            ctx.term()
+        logger.info(
+            "%d API servers listening on http://%s:%d; %d engine core(s) ready",
+            count,
+            args.host,
+            sock.getsockname()[1],
+            config.parallel.data_parallel_size,
+        )
+        monitor = ProcessMonitor([*api_servers, *launcher.children], stop.on_death)
+        stop.wait()
+        monitor.stop()
+    except KeyboardInterrupt:
+        pass
+    except Exception as e:
+        stop.failure = str(e)
+    finally:
+        # API servers first (they drain their streams), then the engines and the coordinator.
+        for child in api_servers:
+            if child.process.is_alive():
+                child.process.terminate()
+        shutdown_processes(api_servers, timeout=10.0)
+        remove_ipc_files(a for pair in addresses for a in pair)  # of any killed API server
+        if launcher is not None:
+            launcher.shutdown()
+        sock.close()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    if stop.failure is not None:
+        logger.error("Shutting down: %s", stop.failure)
+        return 1
+    return 0
+
+
+def run_headless(config: EngineConfig, shutdown_timeout: float) -> int:
+    """This host's engine cores only; they find the front end through the DP address and port
+    and exit when it disconnects, and so does this process."""
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop.on_signal)
+    signal.signal(signal.SIGINT, stop.on_signal)
+    p = config.parallel
+    launcher = EngineLauncher(config, shutdown_timeout, front_end=False)
+    logger.info(
+        "Headless: engine core(s) DP%d..DP%d connect to %s",
+        p.data_parallel_start_rank,
+        p.data_parallel_start_rank + p.local_engine_count - 1,
+        launcher.handshake_address,
+    )
+    monitor = ProcessMonitor(launcher.children, stop.on_death)
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        monitor.stop()
+        launcher.shutdown()
+    if stop.failure is not None:
+        logger.error("Shutting down: %s", stop.failure)
+        return 1
+    return 0

@@ -1,0 +1,196 @@
+"""Starting this host's engine cores (and, on the front-end host with DP > 1, the DP
+coordinator) and answering every engine's start-up handshake (ARCHITECTURE §2, §5, §8).
+
+    launcher = EngineLauncher(config)           # before any zmq context: children may fork
+    ...front ends bind their ROUTER/PULL...
+    infos = launcher.handshake(ctx, inputs, outputs)
+        engine --HELLO--> handshake ROUTER --ADDRESSES (front ends, coordinator)--> engine
+        engine loads the model, sizes its KV cache --READY--> handshake ROUTER
+
+The handshake socket is ipc when every engine runs here, else tcp on
+`--data-parallel-address:--data-parallel-rpc-port`, where engines of `--headless` hosts
+connect. A local child that dies or fails during start-up is reported with its own error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from treadle import envs
+from treadle.config import EngineConfig
+from treadle.core.dp_coordinator import CoordinatorAddresses, run_dp_coordinator
+from treadle.core.engine_core_proc import Handshake, run_engine_core
+from treadle.ipc.process import (
+    ChildProcess,
+    describe_exit,
+    shutdown_processes,
+    start_process,
+    wait_for_ready,
+)
+from treadle.ipc.zmq_utils import (
+    engine_rank,
+    get_open_zmq_ipc_path,
+    get_tcp_uri,
+    make_zmq_socket,
+    remove_ipc_files,
+)
+from treadle.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def front_end_host(config: EngineConfig) -> str | None:
+    """The host that engine-facing sockets bind on: None (ipc) when every engine is local."""
+    p = config.parallel
+    if not p.multi_node:
+        return None
+    return p.data_parallel_address or "127.0.0.1"
+
+
+class EngineLauncher:
+    def __init__(self, config: EngineConfig, shutdown_timeout: float = 0.0, front_end: bool = True):
+        p = config.parallel
+        p.check()
+        self.num_engines = p.data_parallel_size
+        host = front_end_host(config)
+        if host is not None or not front_end:
+            assert p.data_parallel_rpc_port is not None
+            self.handshake_address = get_tcp_uri(
+                p.data_parallel_address or "127.0.0.1", p.data_parallel_rpc_port
+            )
+        else:
+            self.handshake_address = get_open_zmq_ipc_path()
+        self.coordinator: ChildProcess | None = None
+        self.engines: list[ChildProcess] = []
+        self._coordinator_addresses: CoordinatorAddresses | None = None
+        try:
+            if front_end and p.data_parallel_size > 1:
+                self.coordinator = start_process(
+                    run_dp_coordinator, "DPCoordinator", args=(p.data_parallel_size, host)
+                )
+            start = p.data_parallel_start_rank
+            for rank in range(start, start + p.local_engine_count):
+                self.engines.append(
+                    start_process(
+                        run_engine_core,
+                        f"EngineCore_DP{rank}",
+                        args=(config, self.handshake_address, rank, shutdown_timeout),
+                    )
+                )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def children(self) -> list[ChildProcess]:
+        return [*self.engines, *([self.coordinator] if self.coordinator else [])]
+
+    def coordinator_addresses(self, timeout: float) -> CoordinatorAddresses | None:
+        if self.coordinator is None:
+            return None
+        if self._coordinator_addresses is None:
+            payload = wait_for_ready([self.coordinator], timeout)[0]
+            self._coordinator_addresses = msgspec.msgpack.decode(payload, type=CoordinatorAddresses)
+        return self._coordinator_addresses
+
+    def handshake(
+        self,
+        ctx: zmq.Context[Any],
+        inputs: list[str],
+        outputs: list[str],
+        watch: Sequence[ChildProcess] = (),
+    ) -> dict[int, Handshake]:
+        """Give every engine (local or remote) the front ends' and the coordinator's addresses
+        and wait until each has loaded its model; returns each rank's READY message."""
+        timeout = envs.engine_ready_timeout_s()
+        deadline = time.monotonic() + timeout
+        coordinator = self.coordinator_addresses(timeout)
+        addresses = Handshake(
+            "ADDRESSES",
+            inputs=inputs,
+            outputs=outputs,
+            coordinator_input=coordinator.engine_publish if coordinator else "",
+            coordinator_output=coordinator.engine_stats if coordinator else "",
+        )
+        reply = msgspec.msgpack.encode(addresses)
+        decode = msgspec.msgpack.Decoder(Handshake).decode
+        sock = make_zmq_socket(ctx, self.handshake_address, zmq.ROUTER, linger=0)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        self.watch(poller, watch)
+        ready: dict[int, Handshake] = {}
+        try:
+            while len(ready) < self.num_engines:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(self.num_engines)) - set(ready))
+                    raise TimeoutError(
+                        f"engine core(s) {missing} were not ready within {timeout} s; raise "
+                        "TREADLE_ENGINE_READY_TIMEOUT_S if loading the model takes longer"
+                    )
+                events = dict(poller.poll(int(min(remaining, 1.0) * 1000)))
+                self.check(poller, events, watch)
+                if sock in events:
+                    identity, payload = sock.recv_multipart()
+                    rank = engine_rank(identity)
+                    msg = decode(payload)
+                    if not 0 <= rank < self.num_engines:
+                        logger.error("Ignored a handshake from unknown engine rank %d", rank)
+                    elif msg.status == "HELLO":
+                        sock.send_multipart([identity, reply])
+                    elif msg.status == "READY":
+                        ready[rank] = msg
+        finally:
+            sock.close(linger=0)
+        return ready
+
+    def watch(self, poller: zmq.Poller, extra: Sequence[ChildProcess] = ()) -> None:
+        """Register what `check` needs: every local child's sentinel and ready pipe."""
+        for child in [*self.children, *extra]:
+            poller.register(child.sentinel, zmq.POLLIN)
+            if not child.is_ready and not child.ready_reader.closed:
+                poller.register(child.ready_reader.fileno(), zmq.POLLIN)
+
+    def check(
+        self, poller: zmq.Poller, events: dict[Any, int], extra: Sequence[ChildProcess] = ()
+    ) -> None:
+        """Raise the start-up error of a local child that failed or died."""
+        for child in [*self.children, *extra]:
+            if not child.ready_reader.closed and child.ready_reader.fileno() in events:
+                poller.unregister(child.ready_reader.fileno())  # it says one thing, once
+                _raise_if_failed(child)
+            if child.sentinel in events:
+                child.process.join(1.0)
+                _raise_if_failed(child)
+                raise RuntimeError(
+                    f"the {child.name} process died during start-up: "
+                    f"{describe_exit(child.exitcode)}"
+                )
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for child in self.children:
+            if child.process.is_alive():
+                child.process.terminate()
+        shutdown_processes(self.children, timeout=timeout)
+        if self._coordinator_addresses is not None:  # in case it was killed
+            remove_ipc_files(msgspec.structs.astuple(self._coordinator_addresses))
+
+
+def _raise_if_failed(child: ChildProcess) -> None:
+    """Raise the child's own start-up error if it sent one on its ready pipe."""
+    reader = child.ready_reader
+    try:
+        if reader.poll():
+            status, payload = reader.recv()
+            if status == "FAILED":
+                logger.error("%s failed to start:\n%s", child.name, payload)
+                last = str(payload).strip().splitlines()[-1]
+                raise RuntimeError(f"the {child.name} process failed to start: {last}")
+            child.ready_payload, child.is_ready = payload, True
+    except (EOFError, OSError):
+        pass

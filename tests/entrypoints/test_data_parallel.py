@@ -1,0 +1,231 @@
+"""`treadle serve -dp N`: several engine cores, the DP coordinator, several API servers and a
+headless second "host" on loopback, all real processes (tiny random models)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from serve_helpers import TREADLE, RemoteServer, assert_no_leftovers, treadle_titles
+
+from treadle import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4", "Hello, my name is"]
+
+
+def engine_successes(server: RemoteServer) -> dict[str, float]:
+    """Finished requests per engine, from /metrics (summed over every API server)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    counts: dict[str, float] = {}
+    for m in re.finditer(r"treadle:request_success_total\{([^}]*)\} ([\d.e+]+)", text):
+        engine = re.search(r'engine="(\d+)"', m.group(1))
+        assert engine is not None
+        counts[engine.group(1)] = counts.get(engine.group(1), 0.0) + float(m.group(2))
+    return counts
+
+
+def complete(server: RemoteServer, prompt: str, rank: int | None = None, **extra: object) -> str:
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+    resp = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["text"])
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_factory) -> Path:  # type: ignore[no-untyped-def]
+    return Path(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def dp2(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    """-dp 2 with the default API server count (= 2), logging at debug to see the waves."""
+    srv = RemoteServer(
+        [str(tiny_llama), "-dp", "2"],
+        tmp_path_factory.mktemp("dp2"),
+        env={"TREADLE_LOGGING_LEVEL": "DEBUG"},
+    )
+    yield srv
+    srv.stop()
+
+
+def test_dp2_runs_six_titled_processes(dp2: RemoteServer) -> None:
+    assert treadle_titles(dp2) == [
+        "treadle::APIServerSupervisor",
+        "treadle::APIServer_0",
+        "treadle::APIServer_1",
+        "treadle::DPCoordinator",
+        "treadle::EngineCore_DP0",
+        "treadle::EngineCore_DP1",
+    ]
+
+
+def test_a_request_to_the_idle_set_starts_a_wave_that_completes(dp2: RemoteServer) -> None:
+    complete(dp2, "hi")
+    deadline = time.monotonic() + 10
+    log = dp2.output()
+    while "DP wave 0 complete" not in log and time.monotonic() < deadline:
+        time.sleep(0.1)
+        log = dp2.output()
+    started = re.search(r"DP wave 0 started by engine (\d)", log)
+    assert started, log[-3000:]
+    other = 1 - int(started.group(1))
+    # START_DP_WAVE reached the engine that did not start the wave.
+    assert re.search(
+        rf"EngineCore_DP{other} .*START_DP_WAVE: joining wave 0, started by engine "
+        rf"{started.group(1)}",
+        log,
+    ), log[-3000:]
+    assert "DP wave 0 complete: every engine is idle" in log
+
+
+def test_64_concurrent_requests_are_split_between_the_engines(dp2: RemoteServer) -> None:
+    before = engine_successes(dp2)
+
+    async def run() -> list[int]:
+        client = openai.AsyncOpenAI(base_url=dp2.url + "/v1", api_key="unused", timeout=120)
+        model = (await client.models.list()).data[0].id
+        calls = [
+            client.completions.create(
+                model=model,
+                prompt=f"request number {i:02d} asks for some words",
+                max_tokens=16,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(64)
+        ]
+        results = await asyncio.gather(*calls)
+        await client.close()
+        return [r.usage.completion_tokens for r in results if r.usage is not None]
+
+    assert asyncio.run(run()) == [16] * 64
+    after = engine_successes(dp2)
+    served = [after.get(e, 0.0) - before.get(e, 0.0) for e in ("0", "1")]
+    assert sum(served) == 64
+    assert all(0.4 * 64 <= s <= 0.6 * 64 for s in served), served
+
+
+def test_greedy_outputs_are_the_same_on_each_engine_and_offline(
+    dp2: RemoteServer, tiny_llama: Path
+) -> None:
+    on_0 = [complete(dp2, p, rank=0) for p in PROMPTS]
+    on_1 = [complete(dp2, p, rank=1) for p in PROMPTS]
+    llm = LLM(model=str(tiny_llama), max_model_len=512)
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        offline = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert on_0 == on_1 == offline
+
+
+def test_a_bad_rank_header_is_a_400(dp2: RemoteServer) -> None:
+    for value in ("2", "-1", "zero"):
+        resp = httpx.post(
+            dp2.url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={"X-data-parallel-rank": value},
+            timeout=30,
+        )
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == "X-data-parallel-rank"
+    assert complete(dp2, "hi", rank=1)
+
+
+@pytest.mark.parametrize(
+    ("victim", "api_servers"),
+    [
+        ("treadle::APIServer_1", "2"),
+        ("treadle::EngineCore_DP1", "2"),
+        ("treadle::DPCoordinator", "2"),
+        ("treadle::APIServerSupervisor", "2"),
+        ("treadle::EngineCore_DP1", "1"),
+    ],
+)
+def test_kill_9_of_any_process_takes_the_server_down(
+    server_factory, tiny_llama: Path, victim: str, api_servers: str
+) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_llama), "-dp", "2", "--api-server-count", api_servers])
+    pids = [p.pid for p in srv.family()]  # with Python's resource tracker (spawn)
+    assert len(treadle_titles(srv)) == (6 if api_servers == "2" else 4)
+    os.kill(srv.pid_of(victim), signal.SIGKILL)
+    assert srv.proc.wait(30) != 0
+    assert_no_leftovers(srv, pids)
+
+
+def test_tp2_dp4_runs_18_processes(server_factory, tiny_llama: Path) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_llama), "-tp", "2", "-dp", "4"])
+    titles = treadle_titles(srv)
+    assert len(titles) == 18
+    assert titles == sorted(
+        [
+            "treadle::APIServerSupervisor",
+            "treadle::DPCoordinator",
+            *(f"treadle::APIServer_{i}" for i in range(4)),
+            *(f"treadle::EngineCore_DP{i}" for i in range(4)),
+            *(["treadle::Worker_TP0", "treadle::Worker_TP1"] * 4),
+        ]
+    )
+    assert [complete(srv, "hi", rank=r) for r in range(4)] == [complete(srv, "hi", rank=0)] * 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_headless_second_host_serves_its_ranks(
+    server_factory, tiny_llama: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    port = str(_free_port())
+    common = ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1", "-dpp", port]
+    front = server_factory([str(tiny_llama), *common, "--api-server-count", "1"], wait=False)
+    log = open(tmp_path / "headless.log", "w")  # noqa: SIM115 - closed below
+    headless = subprocess.Popen(
+        [TREADLE, "serve", str(tiny_llama), *common, "-dpr", "1", "--headless"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir)),
+    )
+    try:
+        front.wait_healthy()
+        assert treadle_titles(front) == [
+            "treadle::APIServer_0",
+            "treadle::DPCoordinator",
+            "treadle::EngineCore_DP0",
+        ]
+        engines = [
+            c
+            for c in psutil.Process(headless.pid).children()
+            if c.cmdline()[0].startswith("treadle::")
+        ]
+        assert [c.cmdline()[0].strip() for c in engines] == ["treadle::EngineCore_DP1"]
+        before = engine_successes(front).get("1", 0.0)
+        texts = [complete(front, p, rank=1) for p in PROMPTS]
+        assert texts == [complete(front, p, rank=0) for p in PROMPTS]
+        assert engine_successes(front).get("1", 0.0) - before == len(PROMPTS)
+
+        # The front end disappears: the headless engine and its host process exit within 5 s.
+        front.proc.kill()
+        gone = time.monotonic()
+        headless.wait(10)
+        psutil.wait_procs(engines, timeout=max(0.1, 5 - (time.monotonic() - gone)))
+        assert time.monotonic() - gone < 5.5
+        assert not any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE for e in engines)
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+            headless.wait(10)
+        log.close()
