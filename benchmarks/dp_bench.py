@@ -140,8 +140,18 @@ def main() -> int:
             values = [per_engine.get(e, {}).get(name, 0.0) for e in ("0", "1")]
             ratio = max(values) / min(values) if min(values) else float("inf")
             print(
-                f"  {label:18s} engine 0 {values[0]:8.0f}  engine 1 {values[1]:8.0f}  max/min {ratio:.2f}"
+                f"  {label:18s} engine 0 {values[0]:8.0f}  engine 1 {values[1]:8.0f}  "
+                f"max/min {ratio:.2f}"
             )
+        work = [
+            per_engine.get(e, {}).get("prompt_tokens_total", 0.0)
+            + per_engine.get(e, {}).get("generation_tokens_total", 0.0)
+            for e in ("0", "1")
+        ]
+        print(
+            f"  {'all tokens (load)':18s} engine 0 {work[0]:8.0f}  engine 1 {work[1]:8.0f}  "
+            f"max/min {max(work) / max(min(work), 1.0):.2f}"
+        )
     return 0
 
 

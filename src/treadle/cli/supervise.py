@@ -101,8 +101,15 @@ def run_api_servers(
                 args.log_level,
                 args.shutdown_timeout,
             )
+            # An orphaned API server gets 5 s (not 2) to drain and remove its socket files.
             api_servers.append(
-                start_process(run_api_server_worker, f"APIServer_{index}", worker_args, ctx=spawn)
+                start_process(
+                    run_api_server_worker,
+                    f"APIServer_{index}",
+                    worker_args,
+                    ctx=spawn,
+                    grace_s=5.0,
+                )
             )
         addresses = wait_for_ready(api_servers, timeout)
         ctx: zmq.Context[Any] = zmq.Context()

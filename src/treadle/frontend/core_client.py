@@ -94,8 +94,8 @@ class MPClient:
     Without `attach`, this client starts the engines (and the DP coordinator) itself, runs the
     handshake and watches them. Each ADD goes to one engine: the explicit `data_parallel_rank`
     or the lowest score `4 * waiting + running` from the coordinator's last snapshot plus what
-    this client sent since (ties: fewest requests in flight from here, then in turn). An ABORT
-    goes only to the engine that owns the request.
+    this client sent since (ties: fewest prompt tokens in flight from here, so that long
+    prompts spread out; then in turn). An ABORT goes only to the engine that owns the request.
     """
 
     def __init__(
@@ -121,8 +121,9 @@ class MPClient:
         self.coordinator_socket: zmq.Socket[Any] | None = None
         # Load balancing: per engine [waiting, running] (coordinator snapshot + own sends).
         self.lb_counts = [[0, 0] for _ in range(self.num_engines)]
+        # Prompt tokens of the requests this client has in flight on each engine.
         self.in_flight = [0] * self.num_engines
-        self.request_engine: dict[str, int] = {}
+        self.request_engine: dict[str, tuple[int, int]] = {}  # request id -> (engine, tokens)
         self.current_wave = 0
         self._tie_break = itertools.cycle(range(self.num_engines))
         if attach is None:
@@ -213,8 +214,9 @@ class MPClient:
                 f"data_parallel_rank {rank} out of range: there are {self.num_engines} engines"
             )
         self.lb_counts[rank][0] += 1
-        self.in_flight[rank] += 1
-        self.request_engine[request.request_id] = rank
+        tokens = len(request.prompt_token_ids)
+        self.in_flight[rank] += tokens
+        self.request_engine[request.request_id] = (rank, tokens)
         request.current_wave = self.current_wave
         return self.identities[rank]
 
@@ -223,9 +225,10 @@ class MPClient:
             return [self._frames(self.identities[0], EngineCoreRequestType.ABORT, request_ids)]
         by_engine: dict[int, list[str]] = {}
         for rid in request_ids:
-            rank = self.request_engine.pop(rid, None)
-            if rank is not None:  # else it finished already
-                self.in_flight[rank] -= 1
+            owner = self.request_engine.pop(rid, None)
+            if owner is not None:  # else it finished already
+                rank, tokens = owner
+                self.in_flight[rank] -= tokens
                 by_engine.setdefault(rank, []).append(rid)
         return [
             self._frames(self.identities[rank], EngineCoreRequestType.ABORT, ids)
@@ -237,9 +240,9 @@ class MPClient:
             return
         for out in outputs.outputs:
             if out.finish_reason is not None:
-                rank = self.request_engine.pop(out.request_id, None)
-                if rank is not None:
-                    self.in_flight[rank] -= 1
+                owner = self.request_engine.pop(out.request_id, None)
+                if owner is not None:
+                    self.in_flight[owner[0]] -= owner[1]
 
     def _on_dp_stats(self, payload: bytes) -> None:
         try:
