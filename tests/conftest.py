@@ -15,10 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TINY_VOCAB = 49152  # the default model's tokenizer is reused, so the vocab matches it
 
 
-def _tiny_config(family: str):  # type: ignore[no-untyped-def]
+def _tiny_config(family: str, **overrides: object):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common: dict[str, object] = dict(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -31,6 +31,7 @@ def _tiny_config(family: str):  # type: ignore[no-untyped-def]
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(overrides)
     if family == "llama":
         return LlamaConfig(**common, rope_theta=10000.0)
     if family == "qwen2":
@@ -40,16 +41,17 @@ def _tiny_config(family: str):  # type: ignore[no-untyped-def]
     raise ValueError(family)
 
 
-def build_tiny_model(path: Path, family: str, seed: int = 0) -> Path:
+def build_tiny_model(path: Path, family: str, seed: int = 0, **overrides: object) -> Path:
     """A random model whose every parameter (norms and biases too) differs from its init, so
-    a parameter that fails to load shows up as a wrong output."""
+    a parameter that fails to load shows up as a wrong output. `overrides` change the config
+    (e.g. a bigger model for a benchmark)."""
     from transformers import AutoModelForCausalLM
 
     from treadle.config import resolve_model
     from treadle.frontend.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_tiny_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_tiny_config(family, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

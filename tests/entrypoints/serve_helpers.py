@@ -37,7 +37,11 @@ class RemoteServer:
         )
         self.url = ""
         if wait:
-            self.wait_healthy()
+            try:
+                self.wait_healthy()
+            except BaseException:
+                self.stop()  # nobody else holds this object yet to stop it
+                raise
 
     def wait_healthy(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
