@@ -61,3 +61,8 @@ def ringbuffer_warning_interval() -> float:
     """Seconds between the warnings of a writer that finds no free chunk."""
     value = os.environ.get("TREADLE_RINGBUFFER_WARNING_INTERVAL")
     return 60.0 if value in (None, "") else float(value)
+
+
+def cpu_kernels() -> bool:
+    """Compile and use treadle's C attention kernel on the CPU (needs a C compiler)."""
+    return _bool("TREADLE_CPU_KERNELS", True)

@@ -10,7 +10,8 @@ Token layout of one step (built by the model runner, shared by every layer):
     [ decode tokens: one per decoding request | prefill chunk 0 | prefill chunk 1 | ... ]
 
 Each layer first writes the new tokens' K/V at `slot_mapping` (slot = block * block_size +
-offset), then reads each request's context back by its blocks. Decodes are batched, padded
+offset), then reads each request's context back by its blocks. On the CPU in float32 the
+decodes go to a C kernel that reads the blocks in place (`cpu_kernels.py`). Decodes are batched, padded
 to the longest block table; prefill chunks run one by one with a causal mask offset by the
 tokens already in the cache. Positions past a request's length are masked with -inf. GQA
 folds the query heads of one KV head into the rows of one matmul, so KV heads are never
@@ -22,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from treadle.model import cpu_kernels
 
 
 @dataclass
@@ -38,6 +41,8 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_block_table: torch.Tensor | None = None  # [D, nb], padded with block 0
     decode_bias: torch.Tensor | None = None  # [D, nb * block_size] additive mask, float32
+    decode_lens: torch.Tensor | None = None  # [D] int32 context tokens, the new one included
+    decode_max_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Gather buffers for the decode context, made by the first layer and reused by the
     # others: a fresh multi-MB tensor per layer costs more in page faults than the copy.
@@ -63,7 +68,19 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
 
     d = meta.num_decodes
-    if d:
+    if d and meta.decode_lens is not None and cpu_kernels.usable(q, k_cache):
+        assert meta.decode_block_table is not None
+        cpu_kernels.paged_decode_attention(
+            q[:d],
+            k_cache,
+            v_cache,
+            meta.decode_block_table,
+            meta.decode_lens,
+            meta.decode_max_len,
+            out[:d],
+            scale,
+        )
+    elif d:
         assert meta.decode_block_table is not None and meta.decode_bias is not None
         qd = q[:d].view(d, num_kv, group, head_dim).transpose(0, 1)  # [Hkv, D, g, d]
         blocks = meta.decode_block_table.flatten()

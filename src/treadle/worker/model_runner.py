@@ -142,6 +142,8 @@ class ModelRunner:
             meta.decode_block_table, meta.decode_bias = self._decode_context(
                 decode_tables, decode_lens
             )
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
+            meta.decode_max_len = max(decode_lens)
         return (
             torch.tensor(ids, device=device),
             torch.tensor(pos, device=device),
