@@ -55,6 +55,12 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* Ask for a block's rows ahead of use: blocks lie anywhere in the cache, so the hardware
+   prefetcher cannot guess the next one. */
+static inline void prefetch_block(const float* block, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 1);
+}
+
 static inline float dot(const float* a, const float* b, int64_t n) {
     float s = 0.f;
     #pragma omp simd reduction(+:s)
@@ -85,8 +91,13 @@ void paged_decode_attention_f32(
                 const float* qh = q + r * q_row_stride + h * group * head_dim;
                 const float* kh = k_cache + h * head_stride;
                 const float* vh = v_cache + h * head_stride;
+                const int64_t num_used = (len + block_size - 1) / block_size;
+                const int64_t block_floats = block_size * head_dim;
+                prefetch_block(kh + table[0] * block_floats, block_floats);
                 for (int64_t b = 0, t = 0; t < len; b++) {
-                    const float* kb = kh + table[b] * block_size * head_dim;
+                    const float* kb = kh + table[b] * block_floats;
+                    if (b + 1 < num_used) prefetch_block(kh + table[b + 1] * block_floats, block_floats);
+                    else prefetch_block(vh + table[0] * block_floats, block_floats);
                     const int64_t n = len - t < block_size ? len - t : block_size;
                     for (int64_t o = 0; o < n; o++, t++)
                         for (int64_t j = 0; j < group; j++)
@@ -108,7 +119,8 @@ void paged_decode_attention_f32(
                 }
                 memset(acc, 0, sizeof(float) * group * head_dim);
                 for (int64_t b = 0, t = 0; t < len; b++) {
-                    const float* vb = vh + table[b] * block_size * head_dim;
+                    const float* vb = vh + table[b] * block_floats;
+                    if (b + 1 < num_used) prefetch_block(vh + table[b + 1] * block_floats, block_floats);
                     const int64_t n = len - t < block_size ? len - t : block_size;
                     for (int64_t o = 0; o < n; o++, t++) {
                         const float* vt = vb + o * head_dim;
