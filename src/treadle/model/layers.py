@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.model import cpu_kernels
 from treadle.model.arch import UnsupportedModelError
 from treadle.model.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
@@ -56,6 +57,7 @@ class ColumnParallelLinear(nn.Module):
             if bias
             else None
         )
+        self.packed: torch.Tensor | None = None
 
     def _shard_source(self, shard: int) -> tuple[int, int]:
         """(row offset in the checkpoint matrix, rows) that this rank holds for `shard`."""
@@ -70,8 +72,12 @@ class ColumnParallelLinear(nn.Module):
         src_offset, size = self._shard_source(shard)
         default_weight_loader_slice(param, loaded, dest_offset, src_offset, size)
 
+    def pack(self) -> None:
+        """Make the CPU-packed weight copy (after loading)."""
+        self.packed = cpu_kernels.pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_kernels.linear(x, self.weight, self.bias, self.packed)
 
 
 def default_weight_loader_slice(
@@ -123,12 +129,17 @@ class RowParallelLinear(nn.Module):
             if bias
             else None
         )
+        self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
 
+    def pack(self) -> None:
+        """Make the CPU-packed weight copy (after loading)."""
+        self.packed = cpu_kernels.pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(cpu_kernels.linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 
@@ -144,6 +155,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _attach_loader(
             nn.Parameter(torch.zeros(self.local_vocab, hidden)), self.weight_loader
         )
+        self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rows = min(self.local_vocab, self.vocab_size - self.start)
@@ -157,9 +169,18 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
+    def pack(self) -> None:
+        """Make the CPU-packed weight copy (after loading), for the LM head."""
+        self.packed = cpu_kernels.pack_weight(self.weight)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # matmul, not F.linear: at batch 1 on CPU it is markedly faster for this wide matrix.
-        local = torch.matmul(hidden, self.weight.t())
+        if self.packed is not None and (
+            hidden.shape[0] >= cpu_kernels.PACKED_MIN_ROWS or hidden.dtype == torch.bfloat16
+        ):
+            local = cpu_kernels.linear(hidden, self.weight, None, self.packed)
+        else:
+            # matmul, not F.linear: at batch 1 on CPU it is markedly faster for this matrix.
+            local = torch.matmul(hidden, self.weight.t())
         return all_gather_last_dim(local)[..., : self.vocab_size]
 
 

@@ -69,6 +69,10 @@ def load_model(
         _gguf_weights(source.path, arch) if source.is_gguf else _safetensors_weights(source.path)
     )
     model.load_weights(weights)
+    for module in model.modules():
+        pack = getattr(module, "pack", None)
+        if callable(pack):
+            pack()  # CPU: oneDNN-packed weight copies (cpu_kernels.py)
     return model.eval()
 
 

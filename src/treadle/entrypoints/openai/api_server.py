@@ -236,6 +236,11 @@ def run_api_server_worker(
     Binds its own ROUTER/PULL pair, hands their addresses to the supervisor through the ready
     pipe (the supervisor runs the engines' handshake), waits for every engine, then serves
     HTTP on the shared socket `sock`."""
+
+    def leave(signum: int, frame: Any) -> None:  # until uvicorn handles signals itself
+        raise SystemExit(128 + signum)  # unwinds: sockets close, ipc files go
+
+    signal.signal(signal.SIGTERM, leave)
     attach = AttachTo(report=ready.send_ready, coordinator=coordinator)
     engine = AsyncLLM(config, model_name, shutdown_timeout, client_index, attach)
     host, port = sock.getsockname()[:2]
