@@ -169,8 +169,8 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
-    def pack(self) -> None:
-        """Make the CPU-packed weight copy (after loading), for the LM head."""
+    def pack_lm_head(self) -> None:
+        """Make the CPU-packed weight copy for `logits` (only where this is the LM head)."""
         self.packed = cpu_kernels.pack_weight(self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

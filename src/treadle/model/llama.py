@@ -140,6 +140,10 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta)
         return self.model.norm(x)
 
+    def pack(self) -> None:
+        """CPU: a packed copy of the LM head only (the embedding table is looked up by row)."""
+        self.lm_head.pack_lm_head()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
