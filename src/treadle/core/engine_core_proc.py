@@ -144,7 +144,6 @@ class EngineCoreProc:
         # Data parallel: the wave this engine knows of, and what the coordinator last heard.
         self.dp = config.parallel.data_parallel_size > 1
         self.current_wave = 0
-        self.waves_joined = 0
         self._busy = False
         self._coordinator_sent = 0.0
 
@@ -303,7 +302,6 @@ class EngineCoreProc:
             wave: StartDPWave = payload
             self.current_wave = max(self.current_wave, wave.wave)
             if wave.exclude != self.dp_rank:
-                self.waves_joined += 1
                 logger.debug(
                     "START_DP_WAVE: joining wave %d, started by engine %d", wave.wave, wave.exclude
                 )
@@ -315,11 +313,6 @@ class EngineCoreProc:
             raise RuntimeError(f"executor failed: {payload}")
         elif kind is EngineCoreRequestType.WAKEUP:  # the front end is gone
             raise FrontEndGone(payload)
-
-    def get_dp_state(self) -> dict[str, int]:
-        """Utility (and test hook): the wave this engine is in and how many waves that other
-        engines started it has joined."""
-        return {"current_wave": self.current_wave, "waves_joined": self.waves_joined}
 
     def _executor_failed(self, reason: str) -> None:
         """Called from the executor's monitor thread: the busy loop raises on it."""
@@ -339,8 +332,7 @@ class EngineCoreProc:
         try:
             if call.method.startswith("_"):
                 raise AttributeError(f"no utility method {call.method!r}")
-            owner: Any = self if call.method == "get_dp_state" else self.engine
-            method = getattr(owner, call.method, None)
+            method = getattr(self.engine, call.method, None)
             if method is None or not callable(method):
                 raise AttributeError(f"no utility method {call.method!r}")
             result.result = method(*call.args)

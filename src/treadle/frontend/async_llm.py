@@ -160,14 +160,6 @@ class AsyncLLM:
         ]
         return list(await asyncio.gather(*calls))
 
-    async def get_dp_state(self) -> list[Any]:
-        """Every engine's wave state (`EngineCoreProc.get_dp_state`)."""
-        calls = [
-            self.client.call_utility("get_dp_state", engine=e)
-            for e in range(self.client.num_engines)
-        ]
-        return list(await asyncio.gather(*calls))
-
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
         self.last_output_time = now

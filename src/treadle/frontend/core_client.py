@@ -37,6 +37,7 @@ from treadle.ipc.process import ChildProcess, ProcessMonitor, describe_exit
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.zmq_utils import (
     engine_identity,
+    get_bound_address,
     get_open_zmq_ipc_path,
     get_tcp_uri,
     make_zmq_socket,
@@ -140,7 +141,7 @@ class MPClient:
 
             self.input_socket = make_zmq_socket(self.ctx, address(), zmq.ROUTER, linger=0)
             self.output_socket = make_zmq_socket(self.ctx, address(), zmq.PULL, linger=0)
-            mine = [_address(self.input_socket), _address(self.output_socket)]
+            mine = [get_bound_address(self.input_socket), get_bound_address(self.output_socket)]
             if self.launcher is not None:
                 self.launcher.handshake(self.ctx, [mine[0]], [mine[1]])
                 coordinator = self.launcher.coordinator_addresses(1.0)
@@ -487,10 +488,6 @@ class AsyncMPClient(MPClient):
         for task in self._tasks:
             task.cancel()
         super().shutdown(timeout)
-
-
-def _address(sock: zmq.Socket[Any]) -> str:
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 class InprocClient:

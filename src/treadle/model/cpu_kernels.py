@@ -281,15 +281,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def use_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether `x` goes through the packed weight: the faster path for its rows and dtype."""
+    return (
+        packed is not None
+        and x.dim() == 2
+        and (x.shape[0] >= PACKED_MIN_ROWS or x.dtype == torch.bfloat16)
+    )
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
     """x W^T (+ b), through the packed weight where that is faster."""
-    if (
-        packed is not None
-        and x.dim() == 2
-        and (x.shape[0] >= PACKED_MIN_ROWS or x.dtype == torch.bfloat16)
-    ):
+    if use_packed(x, packed):
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), packed, bias, "none", [], ""
         )

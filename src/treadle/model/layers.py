@@ -174,9 +174,7 @@ class VocabParallelEmbedding(nn.Module):
         self.packed = cpu_kernels.pack_weight(self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and (
-            hidden.shape[0] >= cpu_kernels.PACKED_MIN_ROWS or hidden.dtype == torch.bfloat16
-        ):
+        if cpu_kernels.use_packed(hidden, self.packed):
             local = cpu_kernels.linear(hidden, self.weight, None, self.packed)
         else:
             # matmul, not F.linear: at batch 1 on CPU it is markedly faster for this matrix.
