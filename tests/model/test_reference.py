@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from treadle import LLM, SamplingParams
+from treadle.model import cpu_kernels
 
 NEW_TOKENS = 32
 # 8 prompts of mixed lengths, as token ids (ids below 49152, the vocab of every test model).
@@ -98,6 +99,20 @@ def test_default_gguf_model_matches_transformers(default_model_path: str) -> Non
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tiny_models_match_transformers(tiny_model_factory, family: str) -> None:  # type: ignore[no-untyped-def]
+    _check_against_hf(str(tiny_model_factory(family)), None)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tiny_models_match_transformers_on_the_pytorch_paths(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    family: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same with the C kernels off (TREADLE_CPU_KERNELS=0, or no compiler): the PyTorch
+    paths that bfloat16 and CUDA take."""
+    monkeypatch.setenv("TREADLE_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_loaded", [None])
+    assert not cpu_kernels.small_ops(torch.zeros(1))
     _check_against_hf(str(tiny_model_factory(family)), None)
 
 

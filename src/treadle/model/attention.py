@@ -63,8 +63,17 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     group = num_heads // num_kv
-    k_cache.view(num_kv, -1, head_dim)[:, meta.slot_mapping] = k.transpose(0, 1)
-    v_cache.view(num_kv, -1, head_dim)[:, meta.slot_mapping] = v.transpose(0, 1)
+    if (
+        k.stride(2) == 1
+        and k.stride(1) == head_dim
+        and v.stride() == k.stride()
+        and k_cache.is_contiguous()
+        and cpu_kernels.small_ops(k)
+    ):
+        cpu_kernels.write_kv(k, v, meta.slot_mapping, k_cache, v_cache)
+    else:
+        k_cache.view(num_kv, -1, head_dim)[:, meta.slot_mapping] = k.transpose(0, 1)
+        v_cache.view(num_kv, -1, head_dim)[:, meta.slot_mapping] = v.transpose(0, 1)
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
 
     d = meta.num_decodes

@@ -39,117 +39,7 @@ from treadle.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* exp(x) for x <= 0 (Cephes' expf: Cody-Waite reduction and a degree-6 polynomial, about
-   1 ulp), written so that the compiler vectorizes the loops that call it. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    union { int32_t i; float f; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
-
-/* Ask for a block's rows ahead of use: blocks lie anywhere in the cache, so the hardware
-   prefetcher cannot guess the next one. */
-static inline void prefetch_block(const float* block, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 1);
-}
-
-static inline float dot(const float* a, const float* b, int64_t n) {
-    float s = 0.f;
-    #pragma omp simd reduction(+:s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-void paged_decode_attention_f32(
-    const float* q, int64_t q_row_stride,          /* q[r, head, :] at q + r*stride + head*d */
-    const float* k_cache, const float* v_cache,    /* [num_kv, num_blocks, block_size, d] */
-    const int64_t* block_table, int64_t table_stride,
-    const int32_t* lens,                           /* context tokens of each request */
-    float* out, int64_t out_row_stride,            /* out[r, head*d + i] */
-    int64_t num_reqs, int64_t num_heads, int64_t num_kv, int64_t head_dim,
-    int64_t num_blocks, int64_t block_size, float scale, int64_t max_len, int num_threads)
-{
-    const int64_t group = num_heads / num_kv;
-    const int64_t head_stride = num_blocks * block_size * head_dim;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        float* scores = (float*)malloc(sizeof(float) * group * max_len);
-        float* acc = (float*)malloc(sizeof(float) * group * head_dim);
-        #pragma omp for collapse(2) schedule(dynamic, 4)
-        for (int64_t r = 0; r < num_reqs; r++) {
-            for (int64_t h = 0; h < num_kv; h++) {
-                const int64_t len = lens[r];
-                const int64_t* table = block_table + r * table_stride;
-                const float* qh = q + r * q_row_stride + h * group * head_dim;
-                const float* kh = k_cache + h * head_stride;
-                const float* vh = v_cache + h * head_stride;
-                const int64_t num_used = (len + block_size - 1) / block_size;
-                const int64_t block_floats = block_size * head_dim;
-                prefetch_block(kh + table[0] * block_floats, block_floats);
-                for (int64_t b = 0, t = 0; t < len; b++) {
-                    const float* kb = kh + table[b] * block_floats;
-                    if (b + 1 < num_used) prefetch_block(kh + table[b + 1] * block_floats, block_floats);
-                    else prefetch_block(vh + table[0] * block_floats, block_floats);
-                    const int64_t n = len - t < block_size ? len - t : block_size;
-                    for (int64_t o = 0; o < n; o++, t++)
-                        for (int64_t j = 0; j < group; j++)
-                            scores[j * max_len + t] =
-                                dot(qh + j * head_dim, kb + o * head_dim, head_dim) * scale;
-                }
-                for (int64_t j = 0; j < group; j++) {
-                    float* s = scores + j * max_len;
-                    float m = s[0];
-                    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-                    float total = 0.f;
-                    #pragma omp simd reduction(+:total)
-                    for (int64_t t = 0; t < len; t++) {
-                        s[t] = exp_nonpositive(s[t] - m);
-                        total += s[t];
-                    }
-                    const float inv = 1.f / total;
-                    for (int64_t t = 0; t < len; t++) s[t] *= inv;
-                }
-                memset(acc, 0, sizeof(float) * group * head_dim);
-                for (int64_t b = 0, t = 0; t < len; b++) {
-                    const float* vb = vh + table[b] * block_floats;
-                    if (b + 1 < num_used) prefetch_block(vh + table[b + 1] * block_floats, block_floats);
-                    const int64_t n = len - t < block_size ? len - t : block_size;
-                    for (int64_t o = 0; o < n; o++, t++) {
-                        const float* vt = vb + o * head_dim;
-                        for (int64_t j = 0; j < group; j++) {
-                            const float p = scores[j * max_len + t];
-                            float* a = acc + j * head_dim;
-                            for (int64_t i = 0; i < head_dim; i++) a[i] += p * vt[i];
-                        }
-                    }
-                }
-                for (int64_t j = 0; j < group; j++)
-                    memcpy(out + r * out_row_stride + (h * group + j) * head_dim,
-                           acc + j * head_dim, sizeof(float) * head_dim);
-            }
-        }
-        free(scores);
-        free(acc);
-    }
-}
-"""
+_SOURCE_FILE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []  # [] = not tried yet
@@ -161,13 +51,14 @@ def _cache_dir() -> Path:
 
 
 def _compile() -> ctypes.CDLL:
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention_{digest}.so"
+    source = _SOURCE_FILE.read_text()
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels_{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             src = Path(tmp) / "kernel.c"
-            src.write_text(_SOURCE)
+            src.write_text(source)
             built = Path(tmp) / "kernel.so"
             cmd = [
                 os.environ.get("CC", "cc"),
@@ -189,6 +80,19 @@ def _compile() -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64]
     fn.argtypes += [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int]
     fn.restype = None
+    f32, c_int = ctypes.c_float, ctypes.c_int
+    signatures = {
+        "gguf_linear_f32": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
+        "rms_norm_f32": [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int],
+        "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
+        "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
+        "silu_and_mul_f32": [ptr, i64, i64, ptr, c_int],
+        "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
     return lib
 
 
@@ -203,7 +107,7 @@ def load() -> ctypes.CDLL | None:
                 except (OSError, subprocess.SubprocessError) as e:
                     detail = getattr(e, "stderr", b"") or b""
                     logger.warning(
-                        "CPU attention kernel unavailable (%s%s); using the PyTorch path",
+                        "CPU kernels unavailable (%s%s); using the PyTorch paths",
                         e,
                         (": " + detail.decode(errors="replace")[-500:]) if detail else "",
                     )
@@ -300,3 +204,73 @@ def linear(
         )
         return out
     return F.linear(x, weight, bias)
+
+
+# ---- The small per-layer operations (rows of a step; see csrc/cpu_kernels.c) -----------------
+
+
+def small_ops(x: torch.Tensor) -> bool:
+    """Whether the C versions of the small per-layer ops take `x`: float32 on the CPU."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    assert lib is not None
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, n] (rows may be strided) -> RMSNorm(x) * weight, a new tensor."""
+    rows, n = x.shape
+    out = torch.empty(rows, n)
+    _lib().rms_norm_f32(
+        x.data_ptr(), x.stride(0), rows, n, weight.data_ptr(), eps, out.data_ptr(), n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def add_rms_norm(
+    residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += y (in place, both [T, n] contiguous); returns RMSNorm(residual) * weight."""
+    rows, n = residual.shape
+    out = torch.empty(rows, n)
+    _lib().add_rms_norm_f32(
+        residual.data_ptr(), y.data_ptr(), rows, n, weight.data_ptr(), eps, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Neox RoPE in place on x [T, H, d] (heads contiguous, rows may be strided); cos/sin are
+    the tokens' rows, [T, d] contiguous (or [T, 1, d])."""
+    rows, heads, d = x.shape
+    _lib().rope_f32(
+        x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(), sin.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2n] contiguous, gate then up -> silu(gate) * up, [T, n]."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n)
+    _lib().silu_and_mul_f32(gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, d], rows `stride(0)` apart, as v
+    v: torch.Tensor,
+    slots: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d] contiguous
+    v_cache: torch.Tensor,
+) -> None:
+    rows, num_kv, d = k.shape
+    _lib().write_kv_f32(
+        k.data_ptr(), v.data_ptr(), k.stride(0), rows, num_kv, d, slots.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1] * k_cache.shape[2],
+    )  # fmt: skip

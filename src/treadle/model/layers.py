@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.model import cpu_kernels
+from treadle.model import cpu_kernels, quantized
 from treadle.model.arch import UnsupportedModelError
 from treadle.model.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
@@ -17,6 +17,21 @@ from treadle.model.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_
 def _attach_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    quant: quantized.QuantizedWeight | None,
+) -> torch.Tensor:
+    """x W^T (+ b) on the fastest copy of W for these rows: the GGUF blocks for a few float32
+    rows, oneDNN's packed weight for more, else the weight itself."""
+    if quantized.usable(x, quant):
+        assert quant is not None
+        return quantized.linear(x, quant, bias)
+    return cpu_kernels.linear(x, weight, bias, packed)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -33,7 +48,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _attach_loader(nn.Parameter(torch.ones(size)), default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x) * weight; with `residual`, first `residual += x` (in place) and then
+        the norm of the sum (the residual stream between sublayers)."""
+        if x.dim() == 2 and x.stride(1) == 1 and cpu_kernels.small_ops(x):
+            if residual is None:
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return cpu_kernels.add_rms_norm(residual, x.contiguous(), self.weight, self.eps)
+        if residual is not None:
+            x = residual.add_(x)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -58,6 +81,8 @@ class ColumnParallelLinear(nn.Module):
             else None
         )
         self.packed: torch.Tensor | None = None
+        self.quant: quantized.QuantizedWeight | None = None
+        self._gguf_parts: dict[int, quantized.GGUFBlocks | None] = {}
 
     def _shard_source(self, shard: int) -> tuple[int, int]:
         """(row offset in the checkpoint matrix, rows) that this rank holds for `shard`."""
@@ -71,13 +96,21 @@ class ColumnParallelLinear(nn.Module):
         dest_offset = sum(self.local_sizes[:shard])
         src_offset, size = self._shard_source(shard)
         default_weight_loader_slice(param, loaded, dest_offset, src_offset, size)
+        if param is self.weight:
+            blocks = quantized.blocks_of(loaded)
+            self._gguf_parts[shard] = blocks.rows(src_offset, size) if blocks else None
 
     def pack(self) -> None:
-        """Make the CPU-packed weight copy (after loading)."""
+        """Make the CPU weight copies (after loading): oneDNN-packed, and GGUF blocks."""
         self.packed = cpu_kernels.pack_weight(self.weight)
+        parts = [self._gguf_parts.get(i) for i in range(len(self.local_sizes))]
+        self.quant = quantized.QuantizedWeight.build(
+            parts, self.weight.shape[0], self.weight.device
+        )
+        self._gguf_parts = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.weight, self.bias, self.packed)
+        return _linear(x, self.weight, self.bias, self.packed, self.quant)
 
 
 def default_weight_loader_slice(
@@ -130,16 +163,25 @@ class RowParallelLinear(nn.Module):
             else None
         )
         self.packed: torch.Tensor | None = None
+        self.quant: quantized.QuantizedWeight | None = None
+        self._gguf: quantized.GGUFBlocks | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
+        start = self.tp_rank * self.local_in
+        default_weight_loader(param, loaded.narrow(1, start, self.local_in))
+        blocks = quantized.blocks_of(loaded)
+        self._gguf = blocks.cols(start, self.local_in) if blocks else None
 
     def pack(self) -> None:
-        """Make the CPU-packed weight copy (after loading)."""
+        """Make the CPU weight copies (after loading): oneDNN-packed, and GGUF blocks."""
         self.packed = cpu_kernels.pack_weight(self.weight)
+        self.quant = quantized.QuantizedWeight.build(
+            [self._gguf], self.weight.shape[0], self.weight.device
+        )
+        self._gguf = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(cpu_kernels.linear(x, self.weight, None, self.packed))
+        y = all_reduce(_linear(x, self.weight, None, self.packed, self.quant))
         return y if self.bias is None else y + self.bias
 
 
@@ -156,10 +198,14 @@ class VocabParallelEmbedding(nn.Module):
             nn.Parameter(torch.zeros(self.local_vocab, hidden)), self.weight_loader
         )
         self.packed: torch.Tensor | None = None
+        self.quant: quantized.QuantizedWeight | None = None
+        self._gguf: quantized.GGUFBlocks | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rows = min(self.local_vocab, self.vocab_size - self.start)
         param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
+        blocks = quantized.blocks_of(loaded)
+        self._gguf = blocks.rows(self.start, rows) if blocks else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -170,11 +216,18 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def pack_lm_head(self) -> None:
-        """Make the CPU-packed weight copy for `logits` (only where this is the LM head)."""
+        """Make the CPU weight copies for `logits` (only where this is the LM head)."""
         self.packed = cpu_kernels.pack_weight(self.weight)
+        self.quant = quantized.QuantizedWeight.build(
+            [self._gguf], self.local_vocab, self.weight.device
+        )
+        self._gguf = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.use_packed(hidden, self.packed):
+        if quantized.usable(hidden, self.quant):
+            assert self.quant is not None
+            local = quantized.linear(hidden, self.quant, None)
+        elif cpu_kernels.use_packed(hidden, self.packed):
             local = cpu_kernels.linear(hidden, self.weight, None, self.packed)
         else:
             # matmul, not F.linear: at batch 1 on CPU it is markedly faster for this matrix.
@@ -211,6 +264,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, d] rotated; in place where the C kernel takes it (then x itself is returned)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cpu_kernels.small_ops(x):
+        cpu_kernels.rope_(x, cos, sin)
+        return x
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

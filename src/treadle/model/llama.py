@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch
 from treadle.model.attention import AttentionMetadata, paged_attention
 from treadle.model.layers import (
@@ -75,7 +76,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.small_ops(gate_up):
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -90,12 +94,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous sublayer's output, the residual stream) -> this layer's MLP output
+        and the residual stream, which each norm adds the previous output into, in place."""
+        if residual is None:  # the first layer: x is the embeddings
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -136,9 +148,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_cache, meta)
+        return self.model.norm(x, residual)
 
     def pack(self) -> None:
         """CPU: a packed copy of the LM head only (the embedding table is looked up by row)."""

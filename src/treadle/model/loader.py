@@ -15,6 +15,7 @@ from treadle.config import ModelSource
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch, UnsupportedModelError
 from treadle.model.llama import LlamaForCausalLM
+from treadle.model.quantized import GGUFBlocks, attach, kernel_type
 
 logger = init_logger(__name__)
 
@@ -132,13 +133,22 @@ def _gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
             ) from e
         shape = tuple(int(n) for n in reversed(tensor.shape))
         array = np.array(array, dtype=np.float32).reshape(shape)  # owned and writable
+        # The blocks themselves too, for the few-row kernel (quantized.py).
+        blocks = (
+            GGUFBlocks(kind, np.asarray(tensor.data).reshape(shape[0], -1))
+            if kernel_type(kind) and len(shape) == 2
+            else None
+        )
         name = _hf_name(tensor.name)
         if arch.family in ("llama", "mistral") and name.endswith(
             ("q_proj.weight", "k_proj.weight")
         ):
             heads = arch.num_heads if "q_proj" in name else arch.num_kv_heads
             array = _unpermute_rope_rows(array, heads)
-        yield name, torch.from_numpy(array)
+            if blocks is not None:
+                blocks = GGUFBlocks(kind, _unpermute_rope_rows(blocks.raw, heads))
+        weight = torch.from_numpy(array)
+        yield name, attach(weight, blocks) if blocks is not None else weight
 
 
 def _hf_name(gguf_name: str) -> str:

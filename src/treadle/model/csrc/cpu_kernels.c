@@ -1,0 +1,368 @@
+/* treadle's CPU kernels, compiled on first use by cpu_kernels.py (cc -O3 -march=native -fopenmp)
+   and called through ctypes:
+
+   - paged_decode_attention_f32: decode attention reading the paged KV cache in place;
+   - gguf_linear_f32: y = x W^T for a few rows of x, with W kept in its GGUF blocks (Q4_0, Q4_1,
+     Q8_0) and expanded to float32 in registers, so that a decode step reads 0.75-1.25 bytes per
+     weight instead of 4.
+
+   Each has an AVX-512 path and a portable one that the compiler vectorizes as it can. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* exp(x) for x <= 0 (Cephes' expf: Cody-Waite reduction and a degree-6 polynomial, about
+   1 ulp), written so that the compiler vectorizes the loops that call it. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* Ask for a block's rows ahead of use: blocks lie anywhere in the cache, so the hardware
+   prefetcher cannot guess the next one. */
+static inline void prefetch_block(const float* block, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 1);
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+void paged_decode_attention_f32(
+    const float* q, int64_t q_row_stride,          /* q[r, head, :] at q + r*stride + head*d */
+    const float* k_cache, const float* v_cache,    /* [num_kv, num_blocks, block_size, d] */
+    const int64_t* block_table, int64_t table_stride,
+    const int32_t* lens,                           /* context tokens of each request */
+    float* out, int64_t out_row_stride,            /* out[r, head*d + i] */
+    int64_t num_reqs, int64_t num_heads, int64_t num_kv, int64_t head_dim,
+    int64_t num_blocks, int64_t block_size, float scale, int64_t max_len, int num_threads)
+{
+    const int64_t group = num_heads / num_kv;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float* scores = (float*)malloc(sizeof(float) * group * max_len);
+        float* acc = (float*)malloc(sizeof(float) * group * head_dim);
+        #pragma omp for collapse(2) schedule(dynamic, 4)
+        for (int64_t r = 0; r < num_reqs; r++) {
+            for (int64_t h = 0; h < num_kv; h++) {
+                const int64_t len = lens[r];
+                const int64_t* table = block_table + r * table_stride;
+                const float* qh = q + r * q_row_stride + h * group * head_dim;
+                const float* kh = k_cache + h * head_stride;
+                const float* vh = v_cache + h * head_stride;
+                const int64_t num_used = (len + block_size - 1) / block_size;
+                const int64_t block_floats = block_size * head_dim;
+                prefetch_block(kh + table[0] * block_floats, block_floats);
+                for (int64_t b = 0, t = 0; t < len; b++) {
+                    const float* kb = kh + table[b] * block_floats;
+                    if (b + 1 < num_used) prefetch_block(kh + table[b + 1] * block_floats, block_floats);
+                    else prefetch_block(vh + table[0] * block_floats, block_floats);
+                    const int64_t n = len - t < block_size ? len - t : block_size;
+                    for (int64_t o = 0; o < n; o++, t++)
+                        for (int64_t j = 0; j < group; j++)
+                            scores[j * max_len + t] =
+                                dot(qh + j * head_dim, kb + o * head_dim, head_dim) * scale;
+                }
+                for (int64_t j = 0; j < group; j++) {
+                    float* s = scores + j * max_len;
+                    float m = s[0];
+                    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+                    float total = 0.f;
+                    #pragma omp simd reduction(+:total)
+                    for (int64_t t = 0; t < len; t++) {
+                        s[t] = exp_nonpositive(s[t] - m);
+                        total += s[t];
+                    }
+                    const float inv = 1.f / total;
+                    for (int64_t t = 0; t < len; t++) s[t] *= inv;
+                }
+                memset(acc, 0, sizeof(float) * group * head_dim);
+                for (int64_t b = 0, t = 0; t < len; b++) {
+                    const float* vb = vh + table[b] * block_floats;
+                    if (b + 1 < num_used) prefetch_block(vh + table[b + 1] * block_floats, block_floats);
+                    const int64_t n = len - t < block_size ? len - t : block_size;
+                    for (int64_t o = 0; o < n; o++, t++) {
+                        const float* vt = vb + o * head_dim;
+                        for (int64_t j = 0; j < group; j++) {
+                            const float p = scores[j * max_len + t];
+                            float* a = acc + j * head_dim;
+                            for (int64_t i = 0; i < head_dim; i++) a[i] += p * vt[i];
+                        }
+                    }
+                }
+                for (int64_t j = 0; j < group; j++)
+                    memcpy(out + r * out_row_stride + (h * group + j) * head_dim,
+                           acc + j * head_dim, sizeof(float) * head_dim);
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+}
+
+/* ---- Linear layers over GGUF blocks -------------------------------------------------------
+
+   Weight layout (made once at load by quantized.py): the output rows go in tiles of TILE_N; a
+   tile stores, for each block of 32 inputs, the TILE_N rows' blocks side by side, so that one
+   thread's tiles are one sequential stream of memory:
+
+       tiles[N / TILE_N][K / 32][TILE_N] of
+         Q4 (Q4_0, Q4_1): struct { float d, m; uint8_t qs[16]; }   24 bytes
+                          w[i] = d * q[i] + m, q[i] = qs[i] & 15, q[i + 16] = qs[i] >> 4
+                          (Q4_0 is d * (q - 8): m = -8 d)
+         Q8_0:            struct { float d, m; int8_t qs[32]; }    40 bytes, m = 0, w[i] = d * qs[i]
+
+   Then y[r, n] = sum_b d_nb * (q_nb . x_rb) + m_nb * sum(x_rb): the block sums of x are made
+   once per call. N is padded to a whole tile (zero rows, never written out). */
+
+#define TILE_N 4
+#define ROWS_AT_ONCE 2
+
+typedef struct { float d, m; uint8_t qs[16]; } block_q4;
+typedef struct { float d, m; int8_t qs[32]; } block_q8;
+
+enum { KIND_Q4 = 0, KIND_Q8 = 1 };
+
+#if defined(__AVX512F__)
+static inline void expand_q4(const block_q4* b, __m512* lo, __m512* hi) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)b->qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512 d = _mm512_set1_ps(b->d);
+    *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))));
+    *hi = _mm512_mul_ps(
+        d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))));
+}
+
+static inline void expand_q8(const block_q8* b, __m512* lo, __m512* hi) {
+    const __m512 d = _mm512_set1_ps(b->d);
+    *lo = _mm512_mul_ps(
+        d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b->qs))));
+    *hi = _mm512_mul_ps(
+        d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b->qs + 16)))));
+}
+
+/* One tile (TILE_N outputs) for ROWS_AT_ONCE rows of x or fewer. */
+static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                      const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    const int64_t bsize = kind == KIND_Q4 ? sizeof(block_q4) : sizeof(block_q8);
+    __m512 acc[TILE_N][ROWS_AT_ONCE][2];
+    float macc[TILE_N][ROWS_AT_ONCE];
+    for (int j = 0; j < TILE_N; j++)
+        for (int r = 0; r < ROWS_AT_ONCE; r++) {
+            acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
+            macc[j][r] = 0.f;
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blocks = tile + b * TILE_N * bsize;
+        _mm_prefetch(blocks + 8 * TILE_N * bsize, _MM_HINT_T0);
+        _mm_prefetch(blocks + 8 * TILE_N * bsize + 64, _MM_HINT_T0);
+        __m512 xv[ROWS_AT_ONCE][2];
+        for (int64_t r = 0; r < rows; r++) {
+            xv[r][0] = _mm512_loadu_ps(x + r * K + b * 32);
+            xv[r][1] = _mm512_loadu_ps(x + r * K + b * 32 + 16);
+        }
+        for (int j = 0; j < TILE_N; j++) {
+            __m512 lo, hi;
+            float m;
+            if (kind == KIND_Q4) {
+                const block_q4* blk = (const block_q4*)blocks + j;
+                expand_q4(blk, &lo, &hi);
+                m = blk->m;
+            } else {
+                const block_q8* blk = (const block_q8*)blocks + j;
+                expand_q8(blk, &lo, &hi);
+                m = blk->m;
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                acc[j][r][0] = _mm512_fmadd_ps(lo, xv[r][0], acc[j][r][0]);
+                acc[j][r][1] = _mm512_fmadd_ps(hi, xv[r][1], acc[j][r][1]);
+                macc[j][r] += m * xsum[r * nb + b];
+            }
+        }
+    }
+    for (int j = 0; j < TILE_N; j++)
+        for (int64_t r = 0; r < rows; r++)
+            out[j][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1])) + macc[j][r];
+}
+#else
+static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                      const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    const int64_t bsize = kind == KIND_Q4 ? sizeof(block_q4) : sizeof(block_q8);
+    for (int j = 0; j < TILE_N; j++)
+        for (int64_t r = 0; r < rows; r++) out[j][r] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blocks = tile + b * TILE_N * bsize;
+        for (int j = 0; j < TILE_N; j++) {
+            float w[32], d, m;
+            if (kind == KIND_Q4) {
+                const block_q4* blk = (const block_q4*)blocks + j;
+                for (int i = 0; i < 16; i++) {
+                    w[i] = (float)(blk->qs[i] & 15);
+                    w[i + 16] = (float)(blk->qs[i] >> 4);
+                }
+                d = blk->d, m = blk->m;
+            } else {
+                const block_q8* blk = (const block_q8*)blocks + j;
+                for (int i = 0; i < 32; i++) w[i] = (float)blk->qs[i];
+                d = blk->d, m = blk->m;
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const float* xb = x + r * K + b * 32;
+                float s = 0.f;
+                for (int i = 0; i < 32; i++) s += w[i] * xb[i];
+                out[j][r] += d * s + m * xsum[r * nb + b];
+            }
+        }
+    }
+}
+#endif
+
+void gguf_linear_f32(
+    const float* x, int64_t x_row_stride, int64_t M, int64_t K,   /* x[M, K], rows may be strided */
+    const void* tiles, int kind, int64_t N,                        /* W[N, K] as above */
+    float* y, int64_t y_row_stride, int num_threads)               /* y[M, N] */
+{
+    const int64_t nb = K / 32;
+    const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
+    const int64_t bsize = kind == KIND_Q4 ? sizeof(block_q4) : sizeof(block_q8);
+    const int64_t tile_bytes = nb * TILE_N * bsize;
+    float* xsum = (float*)malloc(sizeof(float) * M * nb);
+    float* xc = (float*)malloc(sizeof(float) * M * K);
+    for (int64_t r = 0; r < M; r++) {
+        memcpy(xc + r * K, x + r * x_row_stride, sizeof(float) * K);
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.f;
+            for (int i = 0; i < 32; i++) s += xc[r * K + b * 32 + i];
+            xsum[r * nb + b] = s;
+        }
+    }
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < ntiles; t++) {
+        const char* tile = (const char*)tiles + t * tile_bytes;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS_AT_ONCE) {
+            const int64_t rows = M - r0 < ROWS_AT_ONCE ? M - r0 : ROWS_AT_ONCE;
+            float out[TILE_N][ROWS_AT_ONCE];
+            tile_rows(tile, kind, nb, xc + r0 * K, K, xsum + r0 * nb, rows, out);
+            for (int j = 0; j < TILE_N && t * TILE_N + j < N; j++)
+                for (int64_t r = 0; r < rows; r++) y[(r0 + r) * y_row_stride + t * TILE_N + j] = out[j][r];
+        }
+    }
+    free(xsum);
+    free(xc);
+}
+
+/* ---- The small per-layer operations -------------------------------------------------------
+
+   Each is a handful of PyTorch ops (RMSNorm alone is five), and at decode sizes every op costs
+   more in dispatch than in arithmetic. One call each here; rows in parallel only when there
+   are enough of them to pay for waking the other threads. */
+
+#define PARALLEL_MIN_FLOATS 32768
+
+static inline float rms_scale(const float* x, int64_t n, float eps) {
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int64_t i = 0; i < n; i++) s += x[i] * x[i];
+    return 1.f / sqrtf(s / (float)n + eps);
+}
+
+/* out = x / rms(x) * w, row by row. */
+void rms_norm_f32(const float* x, int64_t x_stride, int64_t rows, int64_t n, const float* w,
+                  float eps, float* out, int64_t out_stride, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * x_stride;
+        float* o = out + r * out_stride;
+        const float s = rms_scale(xr, n, eps);
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * s);
+    }
+}
+
+/* residual += y, then out = rms_norm(residual) * w: the residual stream between sublayers. */
+void add_rms_norm_f32(float* residual, const float* y, int64_t rows, int64_t n, const float* w,
+                      float eps, float* out, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        float* xr = residual + r * n;
+        const float* yr = y + r * n;
+        float* o = out + r * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) xr[i] += yr[i];
+        const float s = rms_scale(xr, n, eps);
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * s);
+    }
+}
+
+/* Neox-style rotary embedding in place: x[r, h, :] of `heads` heads of size d at
+   x + r * row_stride + h * d; cos/sin are [rows, d], the rows' positions already looked up. */
+void rope_f32(float* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t d,
+              const float* cos, const float* sin, int num_threads) {
+    const int64_t half = d / 2;
+    #pragma omp parallel for num_threads(num_threads) if (rows * heads * d >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* c = cos + r * d;
+        const float* s = sin + r * d;
+        for (int64_t h = 0; h < heads; h++) {
+            float* a = x + r * row_stride + h * d;
+            float* b = a + half;
+            #pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+    }
+}
+
+/* out[r, :] = silu(gate) * up, with gate_up[r] = [gate | up], each n wide. */
+void silu_and_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out,
+                      int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* g = gate_up + r * 2 * n;
+        const float* u = g + n;
+        float* o = out + r * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float e = exp_nonpositive(-fabsf(g[i]));   /* exp(-|g|), never overflows */
+            const float sig = g[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+            o[i] = g[i] * sig * u[i];
+        }
+    }
+}
+
+/* The new tokens' K and V into the paged cache: caches [num_kv, slots, d], row t of k/v
+   (num_kv heads of size d, rows `row_stride` apart) to slot slots[t]. */
+void write_kv_f32(const float* k, const float* v, int64_t row_stride, int64_t rows,
+                  int64_t num_kv, int64_t d, const int64_t* slots, float* k_cache,
+                  float* v_cache, int64_t num_slots) {
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < num_kv; h++) {
+            const int64_t dst = (h * num_slots + slots[t]) * d;
+            memcpy(k_cache + dst, k + t * row_stride + h * d, sizeof(float) * d);
+            memcpy(v_cache + dst, v + t * row_stride + h * d, sizeof(float) * d);
+        }
+}

@@ -1,0 +1,109 @@
+"""The GGUF-block linear kernel against `gguf`'s own dequantization: random blocks of each type
+the kernel reads, 1 to `MAX_ROWS` rows, output sizes that are not whole tiles, strided rows,
+a bias, and the row/column slices that tensor parallelism takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treadle.model import cpu_kernels, quantized
+from treadle.model.quantized import GGUFBlocks, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None,
+    reason="no C compiler here (or TREADLE_CPU_KERNELS=0): the kernel cannot be built",
+)
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
+    """Valid GGUF blocks: fp16 scales (and mins), random quants."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    d = (rng.random((rows, nb, 1)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+    if kind == "Q8_0":
+        qs = rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)
+        parts = [d, qs]
+    else:
+        qs = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
+        parts = [d, qs]
+        if kind == "Q4_1":
+            m = (-rng.random((rows, nb, 1)) * 0.1).astype(np.float16).view(np.uint8)
+            parts = [d, m, qs]
+    return GGUFBlocks(kind, np.concatenate(parts, axis=-1).reshape(rows, -1))
+
+
+def dequantized(blocks: GGUFBlocks) -> torch.Tensor:
+    import gguf
+    from gguf.quants import dequantize
+
+    kind = gguf.GGMLQuantizationType[blocks.kind]
+    return torch.from_numpy(np.array(dequantize(blocks.raw, kind), dtype=np.float32))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, quantized.MAX_ROWS])
+def test_kernel_matches_the_dequantized_weight(kind: str, rows: int) -> None:
+    blocks = random_blocks(kind, 203, 576)  # 203: not a whole number of tiles
+    weight = QuantizedWeight.build([blocks], 203, torch.device("cpu"))
+    assert weight is not None
+    reference = dequantized(blocks)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 700)[:, 50:626]  # strided rows, as the slices of a fused output
+    bias = torch.randn(203)
+    assert quantized.usable(x, weight)
+    got = quantized.linear(x, weight, bias)
+    expected = F.linear(x, reference, bias)
+    assert (got - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+def test_shards_and_stacked_parts_match() -> None:
+    """Rows of two parts stacked (q/k/v, gate/up), then a column shard (row-parallel)."""
+    a, b = random_blocks("Q4_1", 64, 1536, seed=1), random_blocks("Q4_1", 32, 1536, seed=2)
+    full = torch.cat([dequantized(a), dequantized(b)])
+    x = torch.randn(2, 768)
+    parts = [a.rows(16, 40).cols(768, 768), b.cols(768, 768)]
+    weight = QuantizedWeight.build(parts, 72, torch.device("cpu"))
+    assert weight is not None and weight.in_features == 768
+    expected = F.linear(x, torch.cat([full[16:56], full[64:]])[:, 768:])
+    got = quantized.linear(x, weight, None)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+def test_padding_rows_give_zero_logits() -> None:
+    """The last TP rank's vocabulary shard is padded: those rows come out as zeros."""
+    blocks = random_blocks("Q8_0", 10, 64)
+    weight = QuantizedWeight.build([blocks], 16, torch.device("cpu"))
+    assert weight is not None
+    out = quantized.linear(torch.randn(1, 64), weight, None)
+    assert out.shape == (1, 16) and bool((out[:, 10:] == 0).all()) and bool(out[:, :10].abs().sum())
+
+
+def test_when_the_kernel_does_not_apply() -> None:
+    q4 = random_blocks("Q4_1", 8, 64)
+    assert QuantizedWeight.build([q4, None], 16, torch.device("cpu")) is None
+    assert (
+        QuantizedWeight.build([q4, random_blocks("Q8_0", 8, 64)], 16, torch.device("cpu")) is None
+    )
+    assert q4.cols(16, 32) is None  # not on a block boundary
+    weight = QuantizedWeight.build([q4], 8, torch.device("cpu"))
+    assert not quantized.usable(torch.randn(quantized.MAX_ROWS + 1, 64), weight)
+    assert not quantized.usable(torch.randn(1, 64, dtype=torch.bfloat16), weight)
+
+
+def test_default_model_decodes_on_the_gguf_blocks(default_model_path: str) -> None:
+    """Every linear layer and the LM head of the default Q4_1/Q8_0 model keeps its blocks."""
+    from treadle.config import resolve_model
+    from treadle.model.loader import load_model, read_arch
+
+    source = resolve_model(default_model_path)
+    arch = read_arch(source)
+    model = load_model(source, arch, torch.float32, torch.device("cpu"), 64)
+    linears = [m for m in model.modules() if hasattr(m, "quant") and m is not model.lm_head]
+    assert len(linears) == 4 * arch.num_layers
+    assert all(m.quant is not None for m in linears)
+    assert model.lm_head.quant is not None
+    assert model.lm_head.quant.kind == quantized.KIND_Q8
