@@ -47,7 +47,7 @@ def run(heads: int, kv_heads: int, lengths: list[int], use_kernel: bool) -> torc
     return paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2), (8, 1)])
 def test_the_kernel_matches_the_pytorch_path(heads: int, kv_heads: int) -> None:
     lengths = [1, 15, 16, 17, 100, 333, 40, 2]
     expected = run(heads, kv_heads, lengths, use_kernel=False)

@@ -47,6 +47,87 @@ static inline float dot(const float* a, const float* b, int64_t n) {
     return s;
 }
 
+/* Softmax in place over the first `len` scores of each of `rows` rows, `stride` apart. */
+static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t stride) {
+    for (int64_t j = 0; j < rows; j++) {
+        float* s = scores + j * stride;
+        float m = s[0];
+        for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+        float total = 0.f;
+        #pragma omp simd reduction(+:total)
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = exp_nonpositive(s[t] - m);
+            total += s[t];
+        }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+}
+
+#if defined(__AVX512F__)
+#define D64_BLOCK 16                 /* tokens per cache block this path expects */
+#define D64_BLOCK_FLOATS (D64_BLOCK * 64)
+#define D64_MAX_GROUP 4
+
+/* One (request, KV head) task for head size 64 and up to 4 query heads per KV head (the common
+   shapes): the query heads and the output sums stay in registers, and the blocks are asked for
+   two ahead (the K pass runs on into the first V blocks). */
+static void attend_d64(const float* qh, int64_t group, const float* kh, const float* vh,
+                       const int64_t* table, int64_t len, float scale, float* scores,
+                       int64_t max_len, float* out) {
+    const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
+    __m512 qv[D64_MAX_GROUP][4];
+    for (int64_t j = 0; j < group; j++)
+        for (int i = 0; i < 4; i++) qv[j][i] = _mm512_loadu_ps(qh + j * 64 + i * 16);
+    /* block i of the K pass, then block i - num_used of the V pass */
+    #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * D64_BLOCK_FLOATS \
+                                         : vh + table[(i) - num_used] * D64_BLOCK_FLOATS)
+    prefetch_block(D64_AHEAD(0), D64_BLOCK_FLOATS);
+    if (1 < 2 * num_used) prefetch_block(D64_AHEAD(1), D64_BLOCK_FLOATS);
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const float* kb = kh + table[b] * D64_BLOCK_FLOATS;
+        if (b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(b + 2), D64_BLOCK_FLOATS);
+        const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
+        for (int64_t o = 0; o < n; o++, t++) {
+            const float* kt = kb + o * 64;
+            const __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16);
+            const __m512 k2 = _mm512_loadu_ps(kt + 32), k3 = _mm512_loadu_ps(kt + 48);
+            for (int64_t j = 0; j < group; j++) {
+                __m512 d = _mm512_mul_ps(qv[j][0], k0);
+                d = _mm512_fmadd_ps(qv[j][1], k1, d);
+                d = _mm512_fmadd_ps(qv[j][2], k2, d);
+                d = _mm512_fmadd_ps(qv[j][3], k3, d);
+                scores[j * max_len + t] = _mm512_reduce_add_ps(d) * scale;
+            }
+        }
+    }
+    softmax_rows(scores, group, len, max_len);
+    __m512 acc[D64_MAX_GROUP][4];
+    for (int64_t j = 0; j < group; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const float* vb = vh + table[b] * D64_BLOCK_FLOATS;
+        if (num_used + b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(num_used + b + 2), D64_BLOCK_FLOATS);
+        const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
+        for (int64_t o = 0; o < n; o++, t++) {
+            const float* vt = vb + o * 64;
+            const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
+            const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+            for (int64_t j = 0; j < group; j++) {
+                const __m512 p = _mm512_set1_ps(scores[j * max_len + t]);
+                acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+                acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+                acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+                acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+            }
+        }
+    }
+    #undef D64_AHEAD
+    for (int64_t j = 0; j < group; j++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + j * 64 + i * 16, acc[j][i]);
+}
+#endif
+
 void paged_decode_attention_f32(
     const float* q, int64_t q_row_stride,          /* q[r, head, :] at q + r*stride + head*d */
     const float* k_cache, const float* v_cache,    /* [num_kv, num_blocks, block_size, d] */
@@ -70,6 +151,13 @@ void paged_decode_attention_f32(
                 const float* qh = q + r * q_row_stride + h * group * head_dim;
                 const float* kh = k_cache + h * head_stride;
                 const float* vh = v_cache + h * head_stride;
+#if defined(__AVX512F__)
+                if (head_dim == 64 && group <= D64_MAX_GROUP && block_size == D64_BLOCK) {
+                    attend_d64(qh, group, kh, vh, table, len, scale, scores, max_len,
+                               out + r * out_row_stride + h * group * head_dim);
+                    continue;
+                }
+#endif
                 const int64_t num_used = (len + block_size - 1) / block_size;
                 const int64_t block_floats = block_size * head_dim;
                 prefetch_block(kh + table[0] * block_floats, block_floats);
@@ -83,19 +171,7 @@ void paged_decode_attention_f32(
                             scores[j * max_len + t] =
                                 dot(qh + j * head_dim, kb + o * head_dim, head_dim) * scale;
                 }
-                for (int64_t j = 0; j < group; j++) {
-                    float* s = scores + j * max_len;
-                    float m = s[0];
-                    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-                    float total = 0.f;
-                    #pragma omp simd reduction(+:total)
-                    for (int64_t t = 0; t < len; t++) {
-                        s[t] = exp_nonpositive(s[t] - m);
-                        total += s[t];
-                    }
-                    const float inv = 1.f / total;
-                    for (int64_t t = 0; t < len; t++) s[t] *= inv;
-                }
+                softmax_rows(scores, group, len, max_len);
                 memset(acc, 0, sizeof(float) * group * head_dim);
                 for (int64_t b = 0, t = 0; t < len; b++) {
                     const float* vb = vh + table[b] * block_floats;
