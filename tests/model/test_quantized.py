@@ -1,5 +1,6 @@
 """The GGUF-block linear kernel against `gguf`'s own dequantization: random blocks of each type
-the kernel reads, 1 to `MAX_ROWS` rows, output sizes that are not whole tiles, strided rows,
+the kernel reads, 1 to `MAX_ROWS` rows (both of its paths: blocks expanded in registers up to
+8 rows, tiles expanded once beyond), output sizes that are not whole tiles, strided rows,
 a bias, and the row/column slices that tensor parallelism takes."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def dequantized(blocks: GGUFBlocks) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, quantized.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 13, quantized.MAX_ROWS])
 def test_kernel_matches_the_dequantized_weight(kind: str, rows: int) -> None:
     blocks = random_blocks(kind, 203, 576)  # 203: not a whole number of tiles
     weight = QuantizedWeight.build([blocks], 203, torch.device("cpu"))
