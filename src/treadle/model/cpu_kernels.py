@@ -1,24 +1,29 @@
-"""CPU fast paths: prepacked oneDNN weights for the linear layers, and a small C kernel for
-decode attention that reads the paged KV cache in place.
+"""CPU fast paths: prepacked oneDNN weights for the linear layers, and treadle's C kernels
+(`csrc/cpu_kernels.c`) for decode attention, GGUF-block linear layers (`quantized.py`) and the
+small per-layer operations.
 
 Linear layers: PyTorch's default CPU GEMM is fast for one row (a GEMV) but slow for a few
 rows (at 4-32 rows, 1.5-2x slower than oneDNN with a prepacked weight: the rows of a decode
 batch). Each linear layer keeps a oneDNN-packed copy of its weight (`pack_weight`, made once
 after loading) and `linear` uses it from `PACKED_MIN_ROWS` rows up (and always in bfloat16,
-where the stock kernel is slow at any size); the weight memory doubles.
+where the stock kernel is slow at any size); the weight memory doubles. Layers loaded from
+GGUF blocks use those up to `quantized.MAX_ROWS` rows instead.
 
-Attention:
-The PyTorch path gathers every decoding request's context blocks into a contiguous buffer per
-layer (an `index_select` as large as the whole context, then two matmuls over it, padded to
-the longest request). This kernel walks each request's block table instead and reads every
-K/V row once, only up to the request's own length: one task per (request, KV head), the
+Attention: the PyTorch path gathers every decoding request's context blocks into a contiguous
+buffer per layer (an `index_select` as large as the whole context, then two matmuls over it,
+padded to the longest request). The kernel walks each request's block table instead and reads
+every K/V row once, only up to the request's own length: one task per (request, KV head), the
 query heads of that KV head together, in float32.
 
-It is compiled on first use with the system C compiler (`cc -O3 -march=native -fopenmp`, about
-a second) into `~/.cache/treadle/kernels/`, and loaded with ctypes (which releases the GIL
-during the call). OpenMP resolves to the `libgomp.so.1` that PyTorch already loaded, so both
-share one thread pool. Without a compiler, or with `TREADLE_CPU_KERNELS=0`, attention stays
-on the PyTorch path.
+Small ops (`small_ops`): RMSNorm, residual add + RMSNorm, RoPE in place, SiLU * up and the KV
+cache write, one C call each instead of 2-10 PyTorch ops (each costs more to dispatch than to
+compute at decode sizes); float32 on the CPU only.
+
+The kernels are compiled on first use with the system C compiler (`cc -O3 -march=native
+-fopenmp`, about a second) into `~/.cache/treadle/kernels/`, and loaded with ctypes (which
+releases the GIL during the call). OpenMP resolves to the `libgomp.so.1` that PyTorch already
+loaded, so both share one thread pool. Without a compiler, or with `TREADLE_CPU_KERNELS=0`,
+everything stays on the PyTorch paths.
 """
 
 from __future__ import annotations
