@@ -94,6 +94,49 @@ def test_streamed_text_equals_non_streamed_text(client: openai.OpenAI) -> None:
     assert streamed == text
 
 
+def test_streamed_choices_with_n_echo_and_logprobs(client: openai.OpenAI) -> None:
+    """Two prompts x n=2, streamed: each choice index reassembles its own text (the prompt
+    first, with echo) with one logprob per generated token; chat sends each choice's role once."""
+    kwargs = dict(
+        model="SmolLM2-135M-Instruct",
+        max_tokens=12,
+        temperature=0,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    prompts = [PROMPT, "Water boils at"]
+    texts: dict[int, str] = {}
+    tokens: dict[int, int] = {}
+    for chunk in client.completions.create(
+        prompt=prompts, stream=True, echo=True, logprobs=1, **kwargs
+    ):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, 0) + len(c.logprobs.tokens if c.logprobs else [])
+    assert sorted(texts) == [0, 1, 2, 3]
+    full = client.completions.create(prompt=prompts, **kwargs)  # type: ignore[call-overload]
+    for c in full.choices:
+        assert texts[c.index] == prompts[c.index // 2] + c.text
+    assert all(n == 12 for n in tokens.values()), tokens
+
+    roles: dict[int, int] = {}
+    content: dict[int, str] = {}
+    lp_tokens: dict[int, int] = {}
+    for chunk in client.chat.completions.create(
+        messages=CHAT, stream=True, logprobs=True, **kwargs
+    ):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            roles[c.index] = roles.get(c.index, 0) + (c.delta.role == "assistant")
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+            got = c.logprobs.content if c.logprobs and c.logprobs.content else []
+            lp_tokens[c.index] = lp_tokens.get(c.index, 0) + len(got)
+    assert roles == {0: 1, 1: 1}
+    full_chat = client.chat.completions.create(messages=CHAT, **kwargs)  # type: ignore[call-overload]
+    for c in full_chat.choices:
+        assert content[c.index] == c.message.content
+    assert lp_tokens == {0: 12, 1: 12}
+
+
 def test_n_logprobs_echo_and_stop(client: openai.OpenAI) -> None:
     out = client.completions.create(
         model="SmolLM2-135M-Instruct",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -39,6 +39,13 @@ class APIError(Exception):
 
 def error_body(message: str, status: int, kind: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+# (prompt, choice index, output, (characters, tokens) already sent, first time) ->
+# (choice chunks to send, whether they carry the output so far): see `_sse_stream`.
+ChoiceChunks = Callable[
+    [int, int, CompletionOutput, tuple[int, int], bool], tuple[list[dict[str, Any]], bool]
+]
 
 
 def _sse(obj: Any) -> str:
@@ -237,73 +244,35 @@ class OpenAIServing:
             ).model_dump(),
         }
 
-    async def _stream_completion(
+    def _stream_completion(
         self,
         req: CompletionRequest,
         prompts: list[tuple[str | None, list[int]]],
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
     ) -> AsyncIterator[str]:
-        created = now()
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        completion_tokens = 0
-        try:
-            async for i, out in stream:
-                for comp in out.outputs:
-                    index = i * req.n + comp.index
-                    first = index not in sent_text
-                    start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                    delta = comp.text[start_text:]
-                    if first and req.echo:
-                        delta = (prompts[i][0] or self.tokenizer.decode(prompts[i][1])) + delta
-                    if not delta and not comp.finished and not first:
-                        continue
-                    sent_text[index], sent_tokens[index] = len(comp.text), len(comp.token_ids)
-                    if comp.finished:
-                        completion_tokens += len(comp.token_ids)
-                    choice = {
-                        "index": index,
-                        "text": delta,
-                        "logprobs": None
-                        if comp.logprobs is None
-                        else self._completion_logprobs(comp, start_tok, start_text),
-                        "finish_reason": comp.finish_reason,
-                        "stop_reason": comp.stop_reason,
-                    }
-                    yield _sse(
-                        {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": self.model_name,
-                            "choices": [choice],
-                        }
-                    )
-            if req.stream_options and req.stream_options.include_usage:
-                prompt_tokens = sum(len(ids) for _, ids in prompts)
-                usage = UsageInfo(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                )
-                yield _sse(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [],
-                        "usage": usage.model_dump(),
-                    }
-                )
-        except (EngineDeadError, APIError, ValueError) as e:
-            yield _sse(
-                error_body(str(e), 503 if isinstance(e, EngineDeadError) else 400, type(e).__name__)
-            )
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-        yield "data: [DONE]\n\n"
+        def choices(
+            i: int, index: int, comp: CompletionOutput, start: tuple[int, int], first: bool
+        ) -> tuple[list[dict[str, Any]], bool]:
+            delta = comp.text[start[0] :]
+            if first and req.echo:
+                delta = (prompts[i][0] or self.tokenizer.decode(prompts[i][1])) + delta
+            if not delta and not comp.finished and not first:
+                return [], False
+            choice = {
+                "index": index,
+                "text": delta,
+                "logprobs": None
+                if comp.logprobs is None
+                else self._completion_logprobs(comp, start[1], start[0]),
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            }
+            return [choice], True
+
+        head = {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name}
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return self._sse_stream(req, head, prompt_tokens, stream, choices)
 
     # -- chat ----------------------------------------------------------------------------------
 
@@ -391,66 +360,73 @@ class OpenAIServing:
             ).model_dump(),
         }
 
-    async def _stream_chat(
+    def _stream_chat(
         self,
         req: ChatCompletionRequest,
         prompt_len: int,
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
     ) -> AsyncIterator[str]:
-        created = now()
+        def choices(
+            i: int, index: int, comp: CompletionOutput, start: tuple[int, int], first: bool
+        ) -> tuple[list[dict[str, Any]], bool]:
+            out: list[dict[str, Any]] = []
+            if first:  # the role comes first, on its own
+                role = {"role": "assistant", "content": ""}
+                out.append({"index": index, "delta": role, "logprobs": None, "finish_reason": None})
+            delta = comp.text[start[0] :]
+            if not delta and not comp.finished:
+                return out, False
+            choice = {
+                "index": index,
+                "delta": {"content": delta} if delta else {},
+                "logprobs": None if comp.logprobs is None else self._chat_logprobs(comp, start[1]),
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            }
+            return [*out, choice], True
+
         head = {
             "id": rid,
             "object": "chat.completion.chunk",
-            "created": created,
+            "created": now(),
             "model": self.model_name,
         }
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        return self._sse_stream(req, head, prompt_len, stream, choices)
+
+    async def _sse_stream(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        head: dict[str, Any],
+        prompt_tokens: int,
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        choices: ChoiceChunks,
+    ) -> AsyncIterator[str]:
+        """Server-sent events for both streaming endpoints. For each output of each choice
+        (index = prompt * n + sample), `choices(prompt, index, output, (text, tokens) already
+        sent, first)` gives the choice chunks to send and whether they carry the output so far;
+        then the usage chunk if asked for; an error as an error event; always `[DONE]` last."""
+        sent: dict[int, tuple[int, int]] = {}  # index -> (characters, tokens) sent
+        seen: set[int] = set()
         completion_tokens = 0
         try:
-            async for _, out in stream:
+            async for i, out in stream:
                 for comp in out.outputs:
-                    if comp.index not in sent_text:
-                        sent_text[comp.index] = sent_tokens[comp.index] = 0
-                        yield _sse(
-                            {
-                                **head,
-                                "choices": [
-                                    {
-                                        "index": comp.index,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
-                                ],
-                            }
-                        )
-                    start_text, start_tok = sent_text[comp.index], sent_tokens[comp.index]
-                    delta = comp.text[start_text:]
-                    if not delta and not comp.finished:
-                        continue
-                    sent_text[comp.index], sent_tokens[comp.index] = (
-                        len(comp.text),
-                        len(comp.token_ids),
-                    )
-                    if comp.finished:
-                        completion_tokens += len(comp.token_ids)
-                    choice = {
-                        "index": comp.index,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": None
-                        if comp.logprobs is None
-                        else self._chat_logprobs(comp, start_tok),
-                        "finish_reason": comp.finish_reason,
-                        "stop_reason": comp.stop_reason,
-                    }
-                    yield _sse({**head, "choices": [choice]})
+                    index = i * req.n + comp.index
+                    first = index not in seen
+                    seen.add(index)
+                    chunks, carried = choices(i, index, comp, sent.get(index, (0, 0)), first)
+                    if carried:
+                        sent[index] = (len(comp.text), len(comp.token_ids))
+                        if comp.finished:
+                            completion_tokens += len(comp.token_ids)
+                    for chunk in chunks:
+                        yield _sse({**head, "choices": [chunk]})
             if req.stream_options and req.stream_options.include_usage:
                 usage = UsageInfo(
-                    prompt_tokens=prompt_len,
+                    prompt_tokens=prompt_tokens,
                     completion_tokens=completion_tokens,
-                    total_tokens=prompt_len + completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
                 )
                 yield _sse({**head, "choices": [], "usage": usage.model_dump()})
         except (EngineDeadError, APIError, ValueError) as e:
