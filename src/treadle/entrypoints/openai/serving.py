@@ -48,6 +48,14 @@ ChoiceChunks = Callable[
 ]
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    ).model_dump()
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -237,11 +245,7 @@ class OpenAIServing:
             "created": now(),
             "model": self.model_name,
             "choices": choices,
-            "usage": UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ).model_dump(),
+            "usage": _usage(prompt_tokens, completion_tokens),
         }
 
     def _stream_completion(
@@ -353,11 +357,7 @@ class OpenAIServing:
             "created": now(),
             "model": self.model_name,
             "choices": choices,
-            "usage": UsageInfo(
-                prompt_tokens=prompt_len,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_len + completion_tokens,
-            ).model_dump(),
+            "usage": _usage(prompt_len, completion_tokens),
         }
 
     def _stream_chat(
@@ -423,12 +423,9 @@ class OpenAIServing:
                     for chunk in chunks:
                         yield _sse({**head, "choices": [chunk]})
             if req.stream_options and req.stream_options.include_usage:
-                usage = UsageInfo(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
+                yield _sse(
+                    {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
                 )
-                yield _sse({**head, "choices": [], "usage": usage.model_dump()})
         except (EngineDeadError, APIError, ValueError) as e:
             yield _sse(
                 error_body(str(e), 503 if isinstance(e, EngineDeadError) else 400, type(e).__name__)
