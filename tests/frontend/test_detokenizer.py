@@ -21,19 +21,33 @@ def encode(tok: Any, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
+class Reader:
+    """What a streaming client receives: the new part of `visible_text` after each update."""
+
+    def __init__(self, detok: IncrementalDetokenizer) -> None:
+        self.detok, self.sent = detok, 0
+
+    def delta(self, finished: bool) -> str:
+        text = self.detok.visible_text(finished)
+        out = text[self.sent :]
+        self.sent = max(self.sent, len(text))
+        return out
+
+
 def stream(
     tok: Any, text: str, stop: list[str] | None = None, include_stop: bool = False
 ) -> tuple[list[str], IncrementalDetokenizer, str | None]:
     """Feed `text` one token at a time, as the engine would, until a stop string; returns the
     deltas (the last one given with finished=True), the detokenizer and the stop string."""
     detok = IncrementalDetokenizer(tok, encode(tok, "Prompt:"), True, stop, include_stop)
+    reader = Reader(detok)
     deltas, found = [], None
     for token in encode(tok, text):
         found = detok.update([token])
         if found is not None:
             break
-        deltas.append(detok.delta(finished=False))
-    deltas.append(detok.delta(finished=True))
+        deltas.append(reader.delta(finished=False))
+    deltas.append(reader.delta(finished=True))
     return deltas, detok, found
 
 
@@ -49,11 +63,12 @@ def test_a_partial_character_waits_for_its_last_byte(tok):
     ids = encode(tok, " 🎉")
     assert len(ids) > 1
     detok = IncrementalDetokenizer(tok, encode(tok, "hi"))
+    reader = Reader(detok)
     for token in ids[:-1]:
         detok.update([token])
-        assert detok.delta(finished=False) == "" and detok.output_text == ""
+        assert reader.delta(finished=False) == "" and detok.output_text == ""
     detok.update(ids[-1:])
-    assert detok.delta(finished=False) == " 🎉"
+    assert reader.delta(finished=False) == " 🎉"
 
 
 def test_prompt_context_keeps_the_leading_space(tok):
@@ -103,16 +118,18 @@ def test_stop_string_spanning_tokens_is_held_back_while_streaming(tok):
 
 def test_without_stop_strings_nothing_is_held_back(tok):
     detok = IncrementalDetokenizer(tok, [])
+    reader = Reader(detok)
     detok.update(encode(tok, "abc def"))
-    assert detok.delta(finished=False) == "abc def"
-    assert detok.delta(finished=False) == "" and detok.delta(finished=True) == ""
+    assert reader.delta(finished=False) == "abc def"
+    assert reader.delta(finished=False) == "" and reader.delta(finished=True) == ""
 
 
 def test_hold_back_is_released_when_finished(tok):
     detok = IncrementalDetokenizer(tok, [], stop=["STOP"])
+    reader = Reader(detok)
     detok.update(encode(tok, "all fine ST"))
-    assert detok.delta(finished=False) == "all fine"
-    assert detok.delta(finished=True) == " ST"
+    assert reader.delta(finished=False) == "all fine"
+    assert reader.delta(finished=True) == " ST"
 
 
 def test_earliest_stop_string_wins_over_list_order(tok):

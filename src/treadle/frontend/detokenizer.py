@@ -33,7 +33,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.output_text = ""
-        self.sent = 0  # characters of output_text already returned by `delta`
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add tokens; returns the stop string if one now appears (the text is cut there)."""
@@ -63,15 +62,6 @@ class IncrementalDetokenizer:
         if finished or self.hold_back <= 0:
             return self.output_text
         return self.output_text[: max(0, len(self.output_text) - self.hold_back)]
-
-    def delta(self, finished: bool) -> str:
-        """Text not returned before; while unfinished, holds back a possible stop-string start."""
-        end = len(self.output_text) if finished else len(self.output_text) - self.hold_back
-        if end <= self.sent:
-            return ""
-        out = self.output_text[self.sent : end]
-        self.sent = end
-        return out
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
