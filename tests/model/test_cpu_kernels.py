@@ -53,3 +53,37 @@ def test_the_kernel_matches_the_pytorch_path(heads: int, kv_heads: int) -> None:
     expected = run(heads, kv_heads, lengths, use_kernel=False)
     got = run(heads, kv_heads, lengths, use_kernel=True)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (4, 2, 32)])
+def test_prefill_chunks_on_the_kernel_match_the_pytorch_path(
+    heads: int, kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prefill chunks, one after 40 cached tokens: each query token attends causally to
+    its own prefix (the kernel takes it as a decode of length position + 1)."""
+    from treadle.model.attention import PrefillChunk
+
+    torch.manual_seed(1)
+    block_size, num_blocks = 16, 64
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    chunks, slots, start = [], [], 0
+    for cached, n in [(40, 37), (0, 21)]:
+        total = cached + n
+        blocks = torch.randperm(num_blocks)[: -(-total // block_size)]
+        pos = torch.arange(cached, total)
+        ctx = torch.arange(len(blocks) * block_size)
+        bias = torch.zeros(n, len(ctx)).masked_fill_(ctx[None, :] > pos[:, None], float("-inf"))
+        chunks.append(PrefillChunk(start, start + n, blocks, bias, (pos + 1).to(torch.int32)))
+        slots += [int(blocks[p // block_size]) * block_size + p % block_size for p in pos]
+        start += n
+    q = torch.randn(start, heads, head_dim)
+    k, v = torch.randn(start, kv_heads, head_dim), torch.randn(start, kv_heads, head_dim)
+
+    def attend() -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), prefills=chunks)
+        return paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5)
+
+    got = attend()
+    monkeypatch.setattr(cpu_kernels, "usable", lambda q, k_cache: False)
+    torch.testing.assert_close(got, attend(), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,8 @@ Each layer first writes the new tokens' K/V at `slot_mapping` (slot = block * bl
 offset), then reads each request's context back by its blocks. On the CPU in float32 the
 decodes go to a C kernel that reads the blocks in place (`cpu_kernels.py`). Decodes are batched, padded
 to the longest block table; prefill chunks run one by one with a causal mask offset by the
-tokens already in the cache. Positions past a request's length are masked with -inf. GQA
+tokens already in the cache (on the CPU in float32, the same C kernel takes each prefill token as
+a decode of its own length). Positions past a request's length are masked with -inf. GQA
 folds the query heads of one KV head into the rows of one matmul, so KV heads are never
 expanded.
 """
@@ -33,6 +34,7 @@ class PrefillChunk:
     end: int
     block_ids: torch.Tensor  # [nb] blocks holding the context, the chunk's own tokens included
     bias: torch.Tensor  # [Q, nb * block_size] additive causal mask (0 or -inf), float32
+    lens: torch.Tensor  # [Q] int32 tokens each query attends to (its position + 1)
 
 
 @dataclass
@@ -77,7 +79,8 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
 
     d = meta.num_decodes
-    if d and meta.decode_lens is not None and cpu_kernels.usable(q, k_cache):
+    kernel = cpu_kernels.usable(q, k_cache)
+    if d and meta.decode_lens is not None and kernel:
         assert meta.decode_block_table is not None
         cpu_kernels.paged_decode_attention(
             q[:d],
@@ -108,6 +111,18 @@ def paged_attention(
 
     for chunk in meta.prefills:
         n = chunk.end - chunk.start
+        if kernel:  # each query token as a decode of its own length, over the chunk's blocks
+            cpu_kernels.paged_decode_attention(
+                q[chunk.start : chunk.end],
+                k_cache,
+                v_cache,
+                chunk.block_ids.unsqueeze(0).expand(n, -1),
+                chunk.lens,
+                int(chunk.lens[-1]),
+                out[chunk.start : chunk.end],
+                scale,
+            )
+            continue
         qp = q[chunk.start : chunk.end].view(n, num_kv, group, head_dim).permute(1, 0, 2, 3)
         qp = qp.reshape(num_kv, n * group, head_dim)
         kp = k_cache[:, chunk.block_ids].view(num_kv, -1, head_dim)  # [Hkv, L, d]

@@ -159,7 +159,7 @@ class ModelRunner:
         bias = torch.zeros(n, num_blocks * bs, device=device)
         bias.masked_fill_(ctx[None, :] > q_pos[:, None], float("-inf"))
         blocks = torch.tensor(table[:num_blocks], device=device)
-        return PrefillChunk(first, first + n, blocks, bias)
+        return PrefillChunk(first, first + n, blocks, bias, (q_pos + 1).to(torch.int32))
 
     def _decode_context(
         self, tables: list[list[int]], lengths: list[int]
