@@ -357,18 +357,18 @@ static inline __m512 sum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* y[r, n0 + j] for all (zero-padded) rows of x against one expanded tile: 4 rows x 4 outputs
-   at a time, 16 accumulators. */
+/* y[r, n0 + j] for the M rows of x against one expanded tile (rows are read in whole groups
+   of GEMM_ROWS: past M the caller pads), 4 rows x 4 outputs at a time, 16 accumulators. */
 #define GEMM_ROWS 4
-static void tile_gemm(const float* w, const float* x, int64_t M, int64_t K, float* y,
-                      int64_t y_stride, int64_t n0, int64_t valid) {
+static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
+                      float* y, int64_t y_stride, int64_t n0, int64_t valid) {
     for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS) {
         __m512 acc[GEMM_ROWS * TILE_N];
         for (int i = 0; i < GEMM_ROWS * TILE_N; i++) acc[i] = _mm512_setzero_ps();
-        const float* xr = x + r0 * K;
+        const float* xr = x + r0 * x_stride;
         for (int64_t k = 0; k < K; k += 16) {
             __m512 xv[GEMM_ROWS];
-            for (int r = 0; r < GEMM_ROWS; r++) xv[r] = _mm512_loadu_ps(xr + r * K + k);
+            for (int r = 0; r < GEMM_ROWS; r++) xv[r] = _mm512_loadu_ps(xr + r * x_stride + k);
             for (int j = 0; j < TILE_N; j++) {
                 const __m512 wv = _mm512_loadu_ps(w + j * K + k);
                 for (int r = 0; r < GEMM_ROWS; r++)
@@ -393,9 +393,34 @@ void gguf_linear_f32(
     const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
     const int64_t bsize = kind == KIND_Q4 ? sizeof(block_q4) : sizeof(block_q8);
     const int64_t tile_bytes = nb * TILE_N * bsize;
-    const int64_t padded = (M + 3) / 4 * 4;  /* whole GEMM_ROWS groups, zero rows at the end */
+#if defined(__AVX512F__)
+    if (M > GEMV_MAX_ROWS) {
+        /* Many rows: expand each tile once into float32 (L1-sized) and multiply all rows by
+           it; x is read in place, but for a last partial group of rows, copied zero-padded. */
+        const int64_t full = M / GEMM_ROWS * GEMM_ROWS;
+        float* tail = (float*)calloc(GEMM_ROWS * K, sizeof(float));
+        for (int64_t r = full; r < M; r++)
+            memcpy(tail + (r - full) * K, x + r * x_row_stride, sizeof(float) * K);
+        #pragma omp parallel num_threads(num_threads)
+        {
+            float* w = (float*)malloc(sizeof(float) * TILE_N * K);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < ntiles; t++) {
+                expand_tile((const char*)tiles + t * tile_bytes, kind, nb, K, w);
+                const int64_t n0 = t * TILE_N, valid = N - n0 < TILE_N ? N - n0 : TILE_N;
+                tile_gemm(w, x, x_row_stride, full, K, y, y_row_stride, n0, valid);
+                if (full < M)
+                    tile_gemm(w, tail, K, M - full, K, y + full * y_row_stride, y_row_stride, n0,
+                              valid);
+            }
+            free(w);
+        }
+        free(tail);
+        return;
+    }
+#endif
     float* xsum = (float*)malloc(sizeof(float) * M * nb);
-    float* xc = (float*)calloc(padded * K, sizeof(float));
+    float* xc = (float*)malloc(sizeof(float) * M * K);
     for (int64_t r = 0; r < M; r++) {
         memcpy(xc + r * K, x + r * x_row_stride, sizeof(float) * K);
         for (int64_t b = 0; b < nb; b++) {
@@ -404,25 +429,6 @@ void gguf_linear_f32(
             xsum[r * nb + b] = s;
         }
     }
-#if defined(__AVX512F__)
-    if (M > GEMV_MAX_ROWS) {
-        /* Many rows: expand each tile once into float32 (L1-sized) and multiply all rows by it. */
-        #pragma omp parallel num_threads(num_threads)
-        {
-            float* w = (float*)malloc(sizeof(float) * TILE_N * K);
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < ntiles; t++) {
-                expand_tile((const char*)tiles + t * tile_bytes, kind, nb, K, w);
-                const int64_t valid = N - t * TILE_N < TILE_N ? N - t * TILE_N : TILE_N;
-                tile_gemm(w, xc, M, K, y, y_row_stride, t * TILE_N, valid);
-            }
-            free(w);
-        }
-        free(xsum);
-        free(xc);
-        return;
-    }
-#endif
     /* Few rows: expand each block in registers for ROWS_AT_ONCE rows at a time. */
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < ntiles; t++) {
