@@ -5,9 +5,9 @@ model's 135M weights are 540 MB per token. GGUF files already hold most of them 
 (0.56-0.63 bytes a weight) or Q8_0 (1.06). Where a linear layer's weight came from such blocks,
 the layer keeps them beside its float32 weight, rearranged for the C kernel
 (`csrc/cpu_kernels.c`, `gguf_linear_f32`), which expands each block to float32 in registers and
-multiplies in float32: the same weights, read at a fifth of the bytes. Products of more rows
-(prefill, large batches) are bound by arithmetic instead and stay on the float32 weight
-(oneDNN's GEMM does more of it per cycle than this kernel).
+multiplies in float32: the same weights, read at a fifth of the bytes. Products of many rows
+(prefill) are bound by arithmetic instead and stay on the float32 weight (oneDNN's GEMM does
+more of it per cycle than this kernel).
 
 Flow: the GGUF loader attaches each tensor's raw blocks to the dequantized tensor it yields
 (`attach`); a layer's weight loader takes the rows or columns of its own shard (`blocks_of`,
@@ -29,9 +29,10 @@ KIND_Q4, KIND_Q8 = 0, 1  # the kernel's block kinds
 # GGUF type -> (bytes per block, kernel kind)
 _RAW = {"Q4_0": (18, KIND_Q4), "Q4_1": (20, KIND_Q4), "Q8_0": (34, KIND_Q8)}
 # Up to this many rows the kernel beats oneDNN's float32 GEMM in a decode step (default model,
-# whole engine: 1.9x at 1 row, 1.6x at 4, 1.5x at 12, 1.4x at 16, 1.08x at 32, 0.9x at 64):
-# from 9 rows the kernel expands each 4-row tile once and multiplies every row by it.
-MAX_ROWS = 32
+# whole engine: 1.9x at 1 row, 1.6x at 4, 1.5x at 12, 1.2-1.3x at 24-32, 1.08-1.13x at 64,
+# 1.03x at 96; from 9 rows the kernel expands each 4-row tile once and multiplies every row by
+# it, and at 64 rows it wins by reading 80 MB of blocks instead of 425 MB of float32).
+MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
