@@ -215,6 +215,10 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
+    def drop_gguf_blocks(self) -> None:
+        """Forget the loaded blocks (an embedding table that is not also the LM head)."""
+        self._gguf = None
+
     def pack_lm_head(self) -> None:
         """Make the CPU weight copies for `logits` (only where this is the LM head)."""
         self.packed = cpu_kernels.pack_weight(self.weight)

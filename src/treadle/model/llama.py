@@ -154,8 +154,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)
 
     def pack(self) -> None:
-        """CPU: a packed copy of the LM head only (the embedding table is looked up by row)."""
+        """CPU: copies of the LM head only (the embedding table is looked up by row)."""
         self.lm_head.pack_lm_head()
+        if self.lm_head is not self.model.embed_tokens:
+            self.model.embed_tokens.drop_gguf_blocks()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
