@@ -106,5 +106,7 @@ def test_default_model_decodes_on_the_gguf_blocks(default_model_path: str) -> No
     linears = [m for m in model.modules() if hasattr(m, "quant") and m is not model.lm_head]
     assert len(linears) == 4 * arch.num_layers
     assert all(m.quant is not None for m in linears)
+    # ... and, having the packed copy as well, no longer needs its float32 weight
+    assert all(m.packed is not None and m.weight.numel() == 0 for m in linears)
     assert model.lm_head.quant is not None
     assert model.lm_head.quant.kind == quantized.KIND_Q8

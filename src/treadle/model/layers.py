@@ -34,6 +34,16 @@ def _linear(
     return cpu_kernels.linear(x, weight, bias, packed)
 
 
+def _drop_unused_weight(
+    weight: nn.Parameter, packed: torch.Tensor | None, quant: quantized.QuantizedWeight | None
+) -> None:
+    """Free the plain weight of a linear layer that has both CPU copies: every call then goes
+    to one of them (the blocks up to `quantized.MAX_ROWS` float32 rows, the packed weight
+    beyond and in bfloat16), so it would only take memory (425 MB for the default model)."""
+    if packed is not None and quant is not None:
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(
@@ -108,6 +118,7 @@ class ColumnParallelLinear(nn.Module):
             parts, self.weight.shape[0], self.weight.device
         )
         self._gguf_parts = {}
+        _drop_unused_weight(self.weight, self.packed, self.quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.weight, self.bias, self.packed, self.quant)
@@ -179,6 +190,7 @@ class RowParallelLinear(nn.Module):
             [self._gguf], self.weight.shape[0], self.weight.device
         )
         self._gguf = None
+        _drop_unused_weight(self.weight, self.packed, self.quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(_linear(x, self.weight, None, self.packed, self.quant))

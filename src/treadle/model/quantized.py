@@ -126,13 +126,14 @@ def usable(x: torch.Tensor, weight: QuantizedWeight | None) -> bool:
         and x.dim() == 2
         and x.dtype == torch.float32
         and 0 < x.shape[0] <= MAX_ROWS
-        and x.stride(1) == 1
     )
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     lib = cpu_kernels.load()
     assert lib is not None
+    if x.stride(1) != 1:
+        x = x.contiguous()
     rows = x.shape[0]
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     lib.gguf_linear_f32(
