@@ -7,7 +7,8 @@ rows (at 4-32 rows, 1.5-2x slower than oneDNN with a prepacked weight: the rows 
 batch). Each linear layer keeps a oneDNN-packed copy of its weight (`pack_weight`, made once
 after loading) and `linear` uses it from `PACKED_MIN_ROWS` rows up (and always in bfloat16,
 where the stock kernel is slow at any size); the weight memory doubles. Layers loaded from
-GGUF blocks use those up to `quantized.MAX_ROWS` rows instead.
+GGUF blocks use those up to `quantized.MAX_ROWS` rows instead, and then free the plain weight
+(layers.py), which no call reads any more.
 
 Attention: the PyTorch path gathers every decoding request's context blocks into a contiguous
 buffer per layer (an `index_select` as large as the whole context, then two matmuls over it,
