@@ -125,7 +125,7 @@ def usable(x: torch.Tensor, weight: QuantizedWeight | None) -> bool:
         weight is not None
         and x.dim() == 2
         and x.dtype == torch.float32
-        and 0 < x.shape[0] <= MAX_ROWS
+        and x.shape[0] <= MAX_ROWS
     )
 
 
