@@ -122,10 +122,7 @@ class QuantizedWeight:
 def usable(x: torch.Tensor, weight: QuantizedWeight | None) -> bool:
     """Whether `x @ W^T` goes through the quantized weight: float32, few rows."""
     return (
-        weight is not None
-        and x.dim() == 2
-        and x.dtype == torch.float32
-        and x.shape[0] <= MAX_ROWS
+        weight is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
     )
 
 
