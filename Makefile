@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest bench serve clean
+.PHONY: install test lint typecheck pytest bench bench-peers serve clean
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -39,6 +39,13 @@ bench: install
 	$(BIN)/python benchmarks/serve_bench.py
 	$(BIN)/python benchmarks/tp_bench.py
 	$(BIN)/python benchmarks/dp_bench.py
+
+# llama.cpp's llama-server, the peer of benchmarks/peer_bench.py, built from the source vendored
+# in the llama-cpp-python sdist into $(PEERS)/ (native, and AVX2-only): not part of `make test`.
+PEERS ?= .peers
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+bench-peers: install
+	benchmarks/build_llama_server.sh $(BIN)/python $(PEERS) "$(LLAMA_CPP_PYTHON)"
 
 # Sets everything up, then serves the default model (SmolLM2-135M-Instruct) on $(HOST):$(PORT).
 serve: install

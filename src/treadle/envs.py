@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 
 def _int(name: str, default: int) -> int:
@@ -29,6 +30,12 @@ def msgpack_zero_copy_threshold() -> int:
 
 def allow_insecure_serialization() -> bool:
     return _bool("TREADLE_ALLOW_INSECURE_SERIALIZATION", False)
+
+
+def zmq_max_msg_bytes() -> int:
+    """Largest message part a treadle socket accepts from another process (ZMQ_MAXMSGSIZE; a
+    peer that sends more is disconnected); senders refuse to send more. Default 64 MiB."""
+    return _int("TREADLE_ZMQ_MAX_MSG_BYTES", 64 << 20)
 
 
 def mq_max_chunk_bytes() -> int:
@@ -66,3 +73,25 @@ def ringbuffer_warning_interval() -> float:
 def cpu_kernels() -> bool:
     """Compile and use treadle's C attention kernel on the CPU (needs a C compiler)."""
     return _bool("TREADLE_CPU_KERNELS", True)
+
+
+def cpu_isa() -> str | None:
+    """Force the CPU kernels' ISA level (avx512, avx2, portable); unset: the CPU's best."""
+    value = os.environ.get("TREADLE_CPU_ISA", "").strip().lower()
+    return value or None
+
+
+def cpu_threads() -> int | None:
+    """Threads per engine core (or TP worker) for the model; unset: cores / local engines."""
+    value = os.environ.get("TREADLE_CPU_THREADS", "").strip()
+    return int(value) if value else None
+
+
+def cache_dir() -> Path:
+    """Where treadle caches what it builds (kernels, tokenizer files): TREADLE_CACHE_DIR, else
+    $XDG_CACHE_HOME/treadle, else ~/.cache/treadle."""
+    value = os.environ.get("TREADLE_CACHE_DIR")
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "treadle"

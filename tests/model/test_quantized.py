@@ -1,7 +1,8 @@
-"""The GGUF-block linear kernel against `gguf`'s own dequantization: random blocks of each type
-the kernel reads, 1 to `MAX_ROWS` rows (both of its paths: blocks expanded in registers up to
-8 rows, tiles expanded once beyond), output sizes that are not whole tiles, strided rows,
-a bias, and the row/column slices that tensor parallelism takes."""
+"""The GGUF-block linear kernel against `gguf`'s own dequantization, at every ISA level this CPU
+runs (`portable` always): random blocks of each type the kernel reads, 0 to 96 rows (both of
+its paths: blocks expanded in registers up to 8 rows, tiles expanded once beyond, with every
+remainder of the register tiles' row groups), output sizes that are not whole tiles, strided
+rows, a bias, and the row/column slices that tensor parallelism takes."""
 
 from __future__ import annotations
 
@@ -10,13 +11,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle.model import cpu_kernels, quantized
+from treadle.model import cpu_kernels, linear_method, quantized
+from treadle.model.cpu_kernels import Kernels
+from treadle.model.linear_method import DenseLinear, GGUFLinear
 from treadle.model.quantized import GGUFBlocks, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None,
     reason="no C compiler here (or TREADLE_CPU_KERNELS=0): the kernel cannot be built",
 )
+
+
+@pytest.fixture(params=cpu_kernels.available_isas())
+def kernels(request: pytest.FixtureRequest) -> Kernels:
+    return cpu_kernels.kernels_for(request.param)
+
+
+def gguf_linear(
+    kernels: Kernels, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    method = GGUFLinear(kernels, weight, DenseLinear(torch.empty(0)), max_rows=1 << 20)
+    return method.apply(x, bias)
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
@@ -45,8 +60,8 @@ def dequantized(blocks: GGUFBlocks) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 13, quantized.MAX_ROWS])
-def test_kernel_matches_the_dequantized_weight(kind: str, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 10, 11, 12, 13, 64, 96])
+def test_kernel_matches_the_dequantized_weight(kernels: Kernels, kind: str, rows: int) -> None:
     blocks = random_blocks(kind, 203, 576)  # 203: not a whole number of tiles
     weight = QuantizedWeight.build([blocks], 203, torch.device("cpu"))
     assert weight is not None
@@ -54,13 +69,21 @@ def test_kernel_matches_the_dequantized_weight(kind: str, rows: int) -> None:
     torch.manual_seed(rows)
     x = torch.randn(rows, 700)[:, 50:626]  # strided rows, as the slices of a fused output
     bias = torch.randn(203)
-    assert quantized.usable(x, weight)
-    got = quantized.linear(x, weight, bias)
+    got = gguf_linear(kernels, x, weight, bias)
     expected = F.linear(x, reference, bias)
     assert (got - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
-def test_shards_and_stacked_parts_match() -> None:
+def test_zero_rows() -> None:
+    weight = QuantizedWeight.build([random_blocks("Q4_1", 8, 64)], 8, torch.device("cpu"))
+    assert weight is not None
+    assert gguf_linear(cpu_kernels.kernels_for("portable"), torch.empty(0, 64), weight).shape == (
+        0,
+        8,
+    )
+
+
+def test_shards_and_stacked_parts_match(kernels: Kernels) -> None:
     """Rows of two parts stacked (q/k/v, gate/up), then a column shard (row-parallel)."""
     a, b = random_blocks("Q4_1", 64, 1536, seed=1), random_blocks("Q4_1", 32, 1536, seed=2)
     full = torch.cat([dequantized(a), dequantized(b)])
@@ -69,17 +92,17 @@ def test_shards_and_stacked_parts_match() -> None:
     weight = QuantizedWeight.build(parts, 72, torch.device("cpu"))
     assert weight is not None and weight.in_features == 768
     expected = F.linear(x, torch.cat([full[16:56], full[64:]])[:, 768:])
-    got = quantized.linear(x, weight, None)
+    got = gguf_linear(kernels, x, weight)
     assert got.shape == expected.shape
     assert (got - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
-def test_padding_rows_give_zero_logits() -> None:
+def test_padding_rows_give_zero_logits(kernels: Kernels) -> None:
     """The last TP rank's vocabulary shard is padded: those rows come out as zeros."""
     blocks = random_blocks("Q8_0", 10, 64)
     weight = QuantizedWeight.build([blocks], 16, torch.device("cpu"))
     assert weight is not None
-    out = quantized.linear(torch.randn(1, 64), weight, None)
+    out = gguf_linear(kernels, torch.randn(1, 64), weight)
     assert out.shape == (1, 16) and bool((out[:, 10:] == 0).all()) and bool(out[:, :10].abs().sum())
 
 
@@ -90,9 +113,16 @@ def test_when_the_kernel_does_not_apply() -> None:
         QuantizedWeight.build([q4, random_blocks("Q8_0", 8, 64)], 16, torch.device("cpu")) is None
     )
     assert q4.cols(16, 32) is None  # not on a block boundary
-    weight = QuantizedWeight.build([q4], 8, torch.device("cpu"))
-    assert not quantized.usable(torch.randn(quantized.MAX_ROWS + 1, 64), weight)
-    assert not quantized.usable(torch.randn(1, 64, dtype=torch.bfloat16), weight)
+    weight = torch.nn.Parameter(dequantized(q4))
+    quant = QuantizedWeight.build([q4], 8, torch.device("cpu"))
+    kernels = cpu_kernels.kernels_for("portable")
+    # no kernels (bfloat16, CUDA, TREADLE_CPU_KERNELS=0): the weight itself, or its packed copy
+    assert not isinstance(linear_method.choose(weight, quant, None), GGUFLinear)
+    method = linear_method.choose(weight, quant, kernels)
+    assert isinstance(method, GGUFLinear)
+    # beyond the crossover, rows go to the other copy
+    x = torch.randn(method.max_rows + 1, 64)
+    torch.testing.assert_close(method.apply(x, None), F.linear(x, dequantized(q4)))
 
 
 def test_default_model_decodes_on_the_gguf_blocks(default_model_path: str) -> None:
@@ -103,10 +133,11 @@ def test_default_model_decodes_on_the_gguf_blocks(default_model_path: str) -> No
     source = resolve_model(default_model_path)
     arch = read_arch(source)
     model = load_model(source, arch, torch.float32, torch.device("cpu"), 64)
-    linears = [m for m in model.modules() if hasattr(m, "quant") and m is not model.lm_head]
+    linears = [m for m in model.modules() if hasattr(m, "method") and m is not model.lm_head]
     assert len(linears) == 4 * arch.num_layers
-    assert all(m.quant is not None for m in linears)
+    assert all(isinstance(m.method, GGUFLinear) for m in linears)
     # ... and, having the packed copy as well, no longer needs its float32 weight
-    assert all(m.packed is not None and m.weight.numel() == 0 for m in linears)
-    assert model.lm_head.quant is not None
-    assert model.lm_head.quant.kind == quantized.KIND_Q8
+    assert all(isinstance(m.method.beyond, linear_method.PackedLinear) for m in linears)
+    assert all(m.weight.numel() == 0 for m in linears)
+    head = model.lm_head.method
+    assert isinstance(head, GGUFLinear) and head.quant.kind == quantized.KIND_Q8

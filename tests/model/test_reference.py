@@ -1,7 +1,9 @@
-"""Reference equality with Hugging Face transformers on the same weights (float32, greedy)."""
+"""Reference equality with Hugging Face transformers on the same weights (float32, greedy), at
+every ISA level of the C kernels this CPU runs (`portable` always) and on the PyTorch paths."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -24,6 +26,7 @@ PROMPTS = [
 ]
 
 
+@functools.cache
 def _hf_greedy(
     model_path: str, gguf_file: str | None
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -52,7 +55,7 @@ def _hf_greedy(
 
 def _capture_logits(llm: LLM) -> list[torch.Tensor]:
     """Record every logits tensor the engine computes (a spy on the real computation)."""
-    model = llm.engine_core.executor.worker.runner.model  # type: ignore[union-attr]
+    model = _model(llm)
     captured: list[torch.Tensor] = []
     real = model.compute_logits
 
@@ -71,10 +74,27 @@ def _engine_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TREADLE_ENABLE_MULTIPROCESSING", "0")
 
 
-def _check_against_hf(model_path: str, gguf_file: str | None, **llm_kwargs: object) -> None:
+@pytest.fixture(params=cpu_kernels.available_isas())
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the engine on the C kernels of one ISA level (TREADLE_CPU_ISA)."""
+    monkeypatch.setenv("TREADLE_CPU_ISA", request.param)
+    monkeypatch.setattr(cpu_kernels, "_selected", [])
+    return str(request.param)
+
+
+def _model(llm: LLM):  # type: ignore[no-untyped-def]
+    return llm.engine_core.executor.worker.runner.model  # type: ignore[union-attr]
+
+
+def _check_against_hf(
+    model_path: str, gguf_file: str | None, isa: str | None, **llm_kwargs: object
+) -> None:
+    """`isa`: the level the model must run on; None: the PyTorch paths."""
     ref_tokens, ref_logits = _hf_greedy(model_path, gguf_file)
     path = os.path.join(model_path, gguf_file) if gguf_file else model_path
     llm = LLM(path, dtype="float32", **llm_kwargs)  # type: ignore[arg-type]
+    kernels = _model(llm).model.layers[0].mlp.kernels
+    assert (kernels.isa if kernels is not None else None) == isa
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
 
@@ -93,13 +113,14 @@ def _check_against_hf(model_path: str, gguf_file: str | None, **llm_kwargs: obje
 
 
 @pytest.mark.slow
-def test_default_gguf_model_matches_transformers(default_model_path: str) -> None:
-    _check_against_hf(os.path.dirname(default_model_path), os.path.basename(default_model_path))
+def test_default_gguf_model_matches_transformers(default_model_path: str, isa: str) -> None:
+    path = default_model_path
+    _check_against_hf(os.path.dirname(path), os.path.basename(path), isa)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_match_transformers(tiny_model_factory, family: str) -> None:  # type: ignore[no-untyped-def]
-    _check_against_hf(str(tiny_model_factory(family)), None)
+def test_tiny_models_match_transformers(tiny_model_factory, family: str, isa: str) -> None:  # type: ignore[no-untyped-def]
+    _check_against_hf(str(tiny_model_factory(family)), None, isa)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -111,9 +132,8 @@ def test_tiny_models_match_transformers_on_the_pytorch_paths(
     """The same with the C kernels off (TREADLE_CPU_KERNELS=0, or no compiler): the PyTorch
     paths that bfloat16 and CUDA take."""
     monkeypatch.setenv("TREADLE_CPU_KERNELS", "0")
-    monkeypatch.setattr(cpu_kernels, "_loaded", [None])
-    assert not cpu_kernels.small_ops(torch.zeros(1))
-    _check_against_hf(str(tiny_model_factory(family)), None)
+    monkeypatch.setattr(cpu_kernels, "_selected", [])
+    _check_against_hf(str(tiny_model_factory(family)), None, None)
 
 
 def test_tiny_model_same_tokens_with_chunked_prefill_prefix_cache_and_preemption(
@@ -147,7 +167,7 @@ def test_tiny_model_same_tokens_with_chunked_prefill_prefix_cache_and_preemption
     runner = probe.engine_core.executor.worker.runner
     assert isinstance(runner, ModelRunner)
     per_block = runner.kv_bytes_per_block()
-    small = LLM(path, dtype="float32", kv_cache_memory=10 * per_block)
+    small = LLM(path, dtype="float32", kv_cache_memory=10 * per_block, max_model_len=160)
     outs = small.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.engine_core.scheduler.num_preemptions > 0

@@ -1,30 +1,25 @@
-"""CPU fast paths: prepacked oneDNN weights for the linear layers, and treadle's C kernels
-(`csrc/cpu_kernels.c`) for decode attention, GGUF-block linear layers (`quantized.py`) and the
-small per-layer operations.
+"""treadle's C kernels for the CPU (`csrc/`): which ISA level to use, building and caching one
+library per level, and typed calls into it.
 
-Linear layers: PyTorch's default CPU GEMM is fast for one row (a GEMV) but slow for a few
-rows (at 4-32 rows, 1.5-2x slower than oneDNN with a prepacked weight: the rows of a decode
-batch). Each linear layer keeps a oneDNN-packed copy of its weight (`pack_weight`, made once
-after loading) and `linear` uses it from `PACKED_MIN_ROWS` rows up (and always in bfloat16,
-where the stock kernel is slow at any size); the weight memory doubles. Layers loaded from
-GGUF blocks use those up to `quantized.MAX_ROWS` rows instead, and then free the plain weight
-(layers.py), which no call reads any more.
+The kernels: decode/prefill attention over the paged KV cache (`paged_decode_attention`),
+linear layers on GGUF blocks (`gguf_linear`, see `quantized.py`) and the small per-layer ops
+(RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write), float32 throughout.
 
-Attention: the PyTorch path gathers every decoding request's context blocks into a contiguous
-buffer per layer (an `index_select` as large as the whole context, then two matmuls over it,
-padded to the longest request). The kernel walks each request's block table instead and reads
-every K/V row once, only up to the request's own length: one task per (request, KV head), the
-query heads of that KV head together, in float32.
+ISA levels, best first: `avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C), `portable`
+(no flags: any CPU the compiler targets). The level is chosen once per process from the CPU's
+flags (`detect_isa`), or forced with `TREADLE_CPU_ISA` (a level this CPU can run: a lower one
+lets the AVX2 path be tested and measured on an AVX-512 machine; `treadle/__init__.py` then also
+caps PyTorch's and oneDNN's own kernels at that level, so the whole process behaves as on such
+a CPU). Each level is compiled with its own flags, never `-march=native`, into
+`$TREADLE_CACHE_DIR/kernels` (default `~/.cache/treadle`), named by a hash of the sources, the
+level, the flags and the compiler: a cache shared between machines never hands one CPU a
+library built for another. The library says which level it was built for
+(`treadle_kernel_isa`), and that is checked on load.
 
-Small ops (`small_ops`): RMSNorm, residual add + RMSNorm, RoPE in place, SiLU * up and the KV
-cache write, one C call each instead of 2-10 PyTorch ops (each costs more to dispatch than to
-compute at decode sizes); float32 on the CPU only.
-
-The kernels are compiled on first use with the system C compiler (`cc -O3 -march=native
--fopenmp`, about a second) into `~/.cache/treadle/kernels/`, and loaded with ctypes (which
-releases the GIL during the call). OpenMP resolves to the `libgomp.so.1` that PyTorch already
-loaded, so both share one thread pool. Without a compiler, or with `TREADLE_CPU_KERNELS=0`,
-everything stays on the PyTorch paths.
+The model asks once, at load time, whether it runs on these kernels (`for_model`: float32 on
+the CPU, a compiler present, `TREADLE_CPU_KERNELS` not 0) and then calls the `Kernels` object
+it was given; nothing here is looked up per call. The calls release the GIL (ctypes), and
+OpenMP resolves to the `libgomp.so.1` PyTorch already loaded, so both share one thread pool.
 """
 
 from __future__ import annotations
@@ -32,251 +27,304 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from treadle import envs
 from treadle.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCE_FILE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-
-_lock = threading.Lock()
-_loaded: list[ctypes.CDLL | None] = []  # [] = not tried yet
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "treadle" / "kernels"
-
-
-def _compile() -> ctypes.CDLL:
-    source = _SOURCE_FILE.read_text()
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels_{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src = Path(tmp) / "kernel.c"
-            src.write_text(source)
-            built = Path(tmp) / "kernel.so"
-            cmd = [
-                os.environ.get("CC", "cc"),
-                "-O3",
-                "-march=native",
-                "-fopenmp",
-                "-fno-math-errno",
-                "-shared",
-                "-fPIC",
-                str(src),
-                "-o",
-                str(built),
-            ]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-            os.replace(built, target)  # atomic: a concurrent process sees all of it or nothing
-    lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_attention_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64]
-    fn.argtypes += [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int]
-    fn.restype = None
-    f32, c_int = ctypes.c_float, ctypes.c_int
-    signatures = {
-        "gguf_linear_f32": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
-        "rms_norm_f32": [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int],
-        "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
-        "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
-        "silu_and_mul_f32": [ptr, i64, i64, ptr, c_int],
-        "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64],
-    }
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = None
-    return lib
+ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
+# The CPU flags (as /proc/cpuinfo names them) each x86 level's code needs.
+_LEVEL_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
+# Compiler flags per level: the psABI level names (GCC >= 11, Clang >= 12), then the same
+# feature set spelled out for older compilers.
+_LEVEL_CC_FLAGS = {
+    "avx512": (["-march=x86-64-v4"], ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
+                                       "-mavx2", "-mfma", "-mf16c"]),
+    "avx2": (["-march=x86-64-v3"], ["-mavx2", "-mfma", "-mf16c"]),
+    "portable": ([], []),
+}  # fmt: skip
+_COMMON_CC_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("cpu_kernels.c", "common.h", "avx512.h", "avx2.h", "portable.h")
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (no compiler, or turned off); tried once per process."""
-    with _lock:
-        if not _loaded:
-            lib = None
-            if envs.cpu_kernels():
-                try:
-                    lib = _compile()
-                except (OSError, subprocess.SubprocessError) as e:
-                    detail = getattr(e, "stderr", b"") or b""
-                    logger.warning(
-                        "CPU kernels unavailable (%s%s); using the PyTorch paths",
-                        e,
-                        (": " + detail.decode(errors="replace")[-500:]) if detail else "",
-                    )
-            _loaded.append(lib)
-        return _loaded[0]
-
-
-def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles this call: float32 on the CPU, head size a multiple of 16."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
-        and q.shape[-1] % 16 == 0
-        and k_cache.is_contiguous()
-        and load() is not None
-    )
-
-
-def paged_decode_attention(
-    q: torch.Tensor,  # [D, H, d], rows may be strided, heads contiguous
-    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d]
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [D, nb] int64
-    lens: torch.Tensor,  # [D] int32
-    max_len: int,
-    out: torch.Tensor,  # [D, H * d], rows may be strided
-    scale: float,
-) -> None:
-    lib = load()
-    assert lib is not None
-    num_reqs, num_heads, head_dim = q.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.contiguous()
-    num_kv, num_blocks, block_size, _ = k_cache.shape
-    lib.paged_decode_attention_f32(
-        q.data_ptr(),
-        q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_table.data_ptr(),
-        block_table.stride(0),
-        lens.data_ptr(),
-        out.data_ptr(),
-        out.stride(0),
-        num_reqs,
-        num_heads,
-        num_kv,
-        head_dim,
-        num_blocks,
-        block_size,
-        scale,
-        max_len,
-        torch.get_num_threads(),
-    )
-
-
-PACKED_MIN_ROWS = 3  # below this, float32 stays on PyTorch's GEMV (faster at 1-2 rows)
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's prepacked copy of a `[out, in]` weight, or None where it does not apply."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype not in (torch.float32, torch.bfloat16)
-        or not envs.cpu_kernels()
-        or not torch.backends.mkldnn.is_available()
-    ):
-        return None
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
-        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except (RuntimeError, AttributeError) as e:  # a build without these ops
-        logger.info("oneDNN weight packing unavailable (%s); using F.linear", e)
-        return None
-    return packed
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
 
 
-def use_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether `x` goes through the packed weight: the faster path for its rows and dtype."""
-    return (
-        packed is not None
-        and x.dim() == 2
-        and (x.shape[0] >= PACKED_MIN_ROWS or x.dtype == torch.bfloat16)
+def detect_isa() -> str:
+    """The best level this CPU runs."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "portable"
+    flags = cpu_flags()
+    if not flags:  # no /proc/cpuinfo (e.g. macOS): PyTorch's own cpuid reading
+        capability = torch.backends.cpu.get_cpu_capability().lower()
+        return {"avx512": "avx512", "avx2": "avx2"}.get(capability, "portable")
+    for level in ("avx512", "avx2"):
+        if _LEVEL_CPU_FLAGS[level] <= flags:
+            return level
+    return "portable"
+
+
+def select_isa() -> str:
+    """`TREADLE_CPU_ISA` when set, else the best level this CPU runs."""
+    best = detect_isa()
+    forced = envs.cpu_isa()
+    if forced is None:
+        return best
+    if forced not in ISA_LEVELS:
+        raise ValueError(f"TREADLE_CPU_ISA={forced!r}: choose one of {', '.join(ISA_LEVELS)}")
+    if ISA_LEVELS.index(forced) < ISA_LEVELS.index(best):
+        raise ValueError(f"TREADLE_CPU_ISA={forced}, but this CPU runs at most the {best} level")
+    return forced
+
+
+def _compiler() -> tuple[str, str]:
+    """(the C compiler command, its version line), for the build and the cache key."""
+    cc = os.environ.get("CC", "cc")
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    return cc, out.stdout.partition("\n")[0]
+
+
+def _kernel_dir() -> Path:
+    """The kernel cache, or (where it cannot be written, e.g. a read-only home) a private
+    directory for this process, so that the kernels still run, only built again next time."""
+    path = envs.cache_dir() / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    fallback = Path(tempfile.mkdtemp(prefix="treadle-kernels-"))
+    logger.warning(
+        "Cannot write the kernel cache %s; building in %s for this process only "
+        "(set TREADLE_CACHE_DIR to a writable directory to keep it)",
+        path,
+        fallback,
     )
+    return fallback
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-) -> torch.Tensor:
-    """x W^T (+ b), through the packed weight where that is faster."""
-    if use_packed(x, packed):
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), packed, bias, "none", [], ""
+def _build(isa: str) -> Path:
+    """The library for `isa`, compiled into the cache unless it is there already."""
+    cc, version = _compiler()
+    sources = b"".join((_CSRC / name).read_bytes() for name in _SOURCES)
+    last_error: subprocess.CalledProcessError | None = None
+    for flags in _LEVEL_CC_FLAGS[isa]:
+        key = hashlib.sha256(
+            b"\0".join([sources, isa.encode(), " ".join(flags).encode(), version.encode()])
+        ).hexdigest()[:16]
+        target = _kernel_dir() / f"cpu_kernels_{isa}_{key}.so"
+        if target.exists():
+            return target
+        logger.info("Compiling treadle's CPU kernels for %s (%s %s)", isa, cc, " ".join(flags))
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / "kernel.so"
+            cmd = [cc, *_COMMON_CC_FLAGS, *flags, str(_CSRC / "cpu_kernels.c"), "-o", str(built)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+            except subprocess.CalledProcessError as e:
+                last_error = e  # e.g. a compiler without -march=x86-64-v3: try the long form
+                continue
+            os.replace(built, target)  # atomic: a concurrent process sees all of it or nothing
+        return target
+    assert last_error is not None
+    raise last_error
+
+
+i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "paged_decode_attention_f32": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64]
+    + [i64] * 6
+    + [f32, i64, c_int],
+    "gguf_linear_f32": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
+    "rms_norm_f32": [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int],
+    "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
+    "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
+    "silu_and_mul_f32": [ptr, i64, i64, ptr, c_int],
+    "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64],
+}
+
+
+class Kernels:
+    """One ISA level's compiled library, with a typed method per kernel."""
+
+    def __init__(self, isa: str, path: Path) -> None:
+        self.isa = isa
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.treadle_kernel_isa.restype = ctypes.c_char_p
+        built_for = lib.treadle_kernel_isa().decode()
+        if built_for != isa:  # the compiler ignored the level's flags
+            raise OSError(f"{path.name} was built for {built_for!r}, not {isa!r}")
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._lib = lib
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,  # [D, H, d], rows may be strided, heads contiguous
+        k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d]
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,  # [D, nb] int64 (row stride 0 allowed)
+        lens: torch.Tensor,  # [D] int32
+        max_len: int,
+        out: torch.Tensor,  # [D, H * d], rows may be strided
+        scale: float,
+    ) -> None:
+        num_reqs, num_heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        num_kv, num_blocks, block_size, _ = k_cache.shape
+        self._lib.paged_decode_attention_f32(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_table.data_ptr(), block_table.stride(0), lens.data_ptr(), out.data_ptr(),
+            out.stride(0), num_reqs, num_heads, num_kv, head_dim, num_blocks, block_size, scale,
+            max_len, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def gguf_linear(
+        self, x: torch.Tensor, tiles: torch.Tensor, kind: int, out_features: int
+    ) -> torch.Tensor:
+        """x [M, K] (rows may be strided) times a weight in the tiled GGUF layout."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows, k = x.shape
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+        self._lib.gguf_linear_f32(
+            x.data_ptr(), x.stride(0), rows, k, tiles.data_ptr(), kind, out_features,
+            out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, n] (rows may be strided) -> RMSNorm(x) * weight, a new tensor."""
+        rows, n = x.shape
+        out = torch.empty(rows, n)
+        self._lib.rms_norm_f32(
+            x.data_ptr(), x.stride(0), rows, n, weight.data_ptr(), eps, out.data_ptr(), n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += y (in place, both [T, n] contiguous); returns RMSNorm(residual) * weight."""
+        rows, n = residual.shape
+        out = torch.empty(rows, n)
+        self._lib.add_rms_norm_f32(
+            residual.data_ptr(), y.data_ptr(), rows, n, weight.data_ptr(), eps, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Neox RoPE in place on x [T, H, d] (heads contiguous, rows may be strided); cos/sin
+        are the tokens' rows, [T, d] contiguous (or [T, 1, d])."""
+        rows, heads, d = x.shape
+        self._lib.rope_f32(
+            x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(), sin.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2n] contiguous, gate then up -> silu(gate) * up, [T, n]."""
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, n)
+        self._lib.silu_and_mul_f32(
+            gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads()
         )
         return out
-    return F.linear(x, weight, bias)
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [T, Hkv, d], heads contiguous, rows `stride(0)` apart
+        v: torch.Tensor,  # the same shape, its own row stride
+        slots: torch.Tensor,  # [T] int64
+        k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d] contiguous
+        v_cache: torch.Tensor,
+    ) -> None:
+        rows, num_kv, d = k.shape
+        self._lib.write_kv_f32(
+            k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), rows, num_kv, d,
+            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.shape[1] * k_cache.shape[2],
+        )  # fmt: skip
 
 
-# ---- The small per-layer operations (rows of a step; see csrc/cpu_kernels.c) -----------------
+def available_isas() -> list[str]:
+    """The levels this CPU runs, best first (`portable` always)."""
+    return list(ISA_LEVELS[ISA_LEVELS.index(detect_isa()) :])
 
 
-def small_ops(x: torch.Tensor) -> bool:
-    """Whether the C versions of the small per-layer ops take `x`: float32 on the CPU."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
+_lock = threading.Lock()
+_built: dict[str, Kernels] = {}
+_selected: list[Kernels | None] = []  # [] = not chosen yet
 
 
-def _lib() -> ctypes.CDLL:
-    lib = load()
-    assert lib is not None
-    return lib
+def kernels_for(isa: str) -> Kernels:
+    """One level's library, built on first use (OSError or SubprocessError if it cannot be)."""
+    with _lock:
+        if isa not in _built:
+            _built[isa] = Kernels(isa, _build(isa))
+        return _built[isa]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, n] (rows may be strided) -> RMSNorm(x) * weight, a new tensor."""
-    rows, n = x.shape
-    out = torch.empty(rows, n)
-    _lib().rms_norm_f32(
-        x.data_ptr(), x.stride(0), rows, n, weight.data_ptr(), eps, out.data_ptr(), n,
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+def load() -> Kernels | None:
+    """This process's kernels (`select_isa`'s level), or None: turned off, or no compiler.
+    A bad `TREADLE_CPU_ISA` raises ValueError."""
+    if not _selected:
+        kernels = None
+        if envs.cpu_kernels():
+            isa = select_isa()
+            try:
+                kernels = kernels_for(isa)
+            except (OSError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", b"") or b""
+                logger.warning(
+                    "CPU kernels unavailable (%s%s); using the PyTorch paths",
+                    e,
+                    (": " + detail.decode(errors="replace")[-500:]) if detail else "",
+                )
+        with _lock:
+            if not _selected:
+                _selected.append(kernels)
+    return _selected[0]
 
 
-def add_rms_norm(
-    residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """residual += y (in place, both [T, n] contiguous); returns RMSNorm(residual) * weight."""
-    rows, n = residual.shape
-    out = torch.empty(rows, n)
-    _lib().add_rms_norm_f32(
-        residual.data_ptr(), y.data_ptr(), rows, n, weight.data_ptr(), eps, out.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+def for_model(device: torch.device, dtype: torch.dtype) -> Kernels | None:
+    """The kernels a model on `device` in `dtype` runs on, or None (the PyTorch paths)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    return load()
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Neox RoPE in place on x [T, H, d] (heads contiguous, rows may be strided); cos/sin are
-    the tokens' rows, [T, d] contiguous (or [T, 1, d])."""
-    rows, heads, d = x.shape
-    _lib().rope_f32(
-        x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(), sin.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2n] contiguous, gate then up -> silu(gate) * up, [T, n]."""
-    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, n)
-    _lib().silu_and_mul_f32(gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def write_kv(
-    k: torch.Tensor,  # [T, Hkv, d], rows `stride(0)` apart, as v
-    v: torch.Tensor,
-    slots: torch.Tensor,  # [T] int64
-    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d] contiguous
-    v_cache: torch.Tensor,
-) -> None:
-    rows, num_kv, d = k.shape
-    _lib().write_kv_f32(
-        k.data_ptr(), v.data_ptr(), k.stride(0), rows, num_kv, d, slots.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1] * k_cache.shape[2],
-    )  # fmt: skip
+def describe(kernels: Kernels | None) -> str:
+    """For the start-up log: the level and library in use, or why there is none."""
+    if kernels is not None:
+        return f"{kernels.isa} ({kernels.path.name})"
+    if not envs.cpu_kernels():
+        return "off (TREADLE_CPU_KERNELS=0)"
+    return "none (PyTorch paths)"

@@ -9,39 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.model import cpu_kernels, quantized
+from treadle.model import linear_method, quantized
 from treadle.model.arch import UnsupportedModelError
+from treadle.model.cpu_kernels import Kernels
 from treadle.model.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
 def _attach_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
-
-
-def _linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor | None,
-    quant: quantized.QuantizedWeight | None,
-) -> torch.Tensor:
-    """x W^T (+ b) on the fastest copy of W for these rows: the GGUF blocks for a few float32
-    rows, oneDNN's packed weight for more, else the weight itself."""
-    if quantized.usable(x, quant):
-        assert quant is not None
-        return quantized.linear(x, quant, bias)
-    return cpu_kernels.linear(x, weight, bias, packed)
-
-
-def _drop_unused_weight(
-    weight: nn.Parameter, packed: torch.Tensor | None, quant: quantized.QuantizedWeight | None
-) -> None:
-    """Free the plain weight of a linear layer that has both CPU copies: every call then goes
-    to one of them (the blocks up to `quantized.MAX_ROWS` float32 rows, the packed weight
-    beyond and in bfloat16), so it would only take memory (425 MB for the default model)."""
-    if packed is not None and quant is not None:
-        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -57,14 +33,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _attach_loader(nn.Parameter(torch.ones(size)), default_weight_loader)
+        self.kernels: Kernels | None = None
+
+    def prepare(self, kernels: Kernels | None) -> None:
+        """After loading: run on the C kernels (float32 on the CPU) or on PyTorch."""
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x) * weight; with `residual`, first `residual += x` (in place) and then
         the norm of the sum (the residual stream between sublayers)."""
-        if x.dim() == 2 and x.stride(1) == 1 and cpu_kernels.small_ops(x):
+        if self.kernels is not None and x.dim() == 2:  # rows of a step (not per-head norms)
             if residual is None:
-                return cpu_kernels.rms_norm(x, self.weight, self.eps)
-            return cpu_kernels.add_rms_norm(residual, x.contiguous(), self.weight, self.eps)
+                return self.kernels.rms_norm(x, self.weight, self.eps)
+            return self.kernels.add_rms_norm(residual, x.contiguous(), self.weight, self.eps)
         if residual is not None:
             x = residual.add_(x)
         dtype = x.dtype
@@ -90,8 +71,7 @@ class ColumnParallelLinear(nn.Module):
             if bias
             else None
         )
-        self.packed: torch.Tensor | None = None
-        self.quant: quantized.QuantizedWeight | None = None
+        self.method: linear_method.LinearMethod = linear_method.DenseLinear(self.weight)
         self._gguf_parts: dict[int, quantized.GGUFBlocks | None] = {}
 
     def _shard_source(self, shard: int) -> tuple[int, int]:
@@ -110,18 +90,15 @@ class ColumnParallelLinear(nn.Module):
             blocks = quantized.blocks_of(loaded)
             self._gguf_parts[shard] = blocks.rows(src_offset, size) if blocks else None
 
-    def pack(self) -> None:
-        """Make the CPU weight copies (after loading): oneDNN-packed, and GGUF blocks."""
-        self.packed = cpu_kernels.pack_weight(self.weight)
+    def prepare(self, kernels: Kernels | None) -> None:
+        """After loading: choose how to multiply (linear_method.py)."""
         parts = [self._gguf_parts.get(i) for i in range(len(self.local_sizes))]
-        self.quant = quantized.QuantizedWeight.build(
-            parts, self.weight.shape[0], self.weight.device
-        )
+        quant = quantized.QuantizedWeight.build(parts, self.weight.shape[0], self.weight.device)
         self._gguf_parts = {}
-        _drop_unused_weight(self.weight, self.packed, self.quant)
+        self.method = linear_method.choose(self.weight, quant, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias, self.packed, self.quant)
+        return self.method.apply(x, self.bias)
 
 
 def default_weight_loader_slice(
@@ -173,8 +150,7 @@ class RowParallelLinear(nn.Module):
             if bias
             else None
         )
-        self.packed: torch.Tensor | None = None
-        self.quant: quantized.QuantizedWeight | None = None
+        self.method: linear_method.LinearMethod = linear_method.DenseLinear(self.weight)
         self._gguf: quantized.GGUFBlocks | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -183,17 +159,16 @@ class RowParallelLinear(nn.Module):
         blocks = quantized.blocks_of(loaded)
         self._gguf = blocks.cols(start, self.local_in) if blocks else None
 
-    def pack(self) -> None:
-        """Make the CPU weight copies (after loading): oneDNN-packed, and GGUF blocks."""
-        self.packed = cpu_kernels.pack_weight(self.weight)
-        self.quant = quantized.QuantizedWeight.build(
+    def prepare(self, kernels: Kernels | None) -> None:
+        """After loading: choose how to multiply (linear_method.py)."""
+        quant = quantized.QuantizedWeight.build(
             [self._gguf], self.weight.shape[0], self.weight.device
         )
         self._gguf = None
-        _drop_unused_weight(self.weight, self.packed, self.quant)
+        self.method = linear_method.choose(self.weight, quant, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(_linear(x, self.weight, None, self.packed, self.quant))
+        y = all_reduce(self.method.apply(x, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -209,8 +184,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _attach_loader(
             nn.Parameter(torch.zeros(self.local_vocab, hidden)), self.weight_loader
         )
-        self.packed: torch.Tensor | None = None
-        self.quant: quantized.QuantizedWeight | None = None
+        self.method: linear_method.LinearMethod = linear_method.DenseLinear(self.weight, True)
         self._gguf: quantized.GGUFBlocks | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -231,23 +205,15 @@ class VocabParallelEmbedding(nn.Module):
         """Forget the loaded blocks (an embedding table that is not also the LM head)."""
         self._gguf = None
 
-    def pack_lm_head(self) -> None:
-        """Make the CPU weight copies for `logits` (only where this is the LM head)."""
-        self.packed = cpu_kernels.pack_weight(self.weight)
-        self.quant = quantized.QuantizedWeight.build(
-            [self._gguf], self.local_vocab, self.weight.device
-        )
+    def prepare_lm_head(self, kernels: Kernels | None) -> None:
+        """After loading, where this is the LM head: choose how `logits` multiplies. The
+        embedding lookup keeps reading `weight` by rows, so the weight is never freed."""
+        quant = quantized.QuantizedWeight.build([self._gguf], self.local_vocab, self.weight.device)
         self._gguf = None
+        self.method = linear_method.choose(self.weight, quant, kernels, lm_head=True)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if quantized.usable(hidden, self.quant):
-            assert self.quant is not None
-            local = quantized.linear(hidden, self.quant, None)
-        elif cpu_kernels.use_packed(hidden, self.packed):
-            local = cpu_kernels.linear(hidden, self.weight, None, self.packed)
-        else:
-            # matmul, not F.linear: at batch 1 on CPU it is markedly faster for this matrix.
-            local = torch.matmul(hidden, self.weight.t())
+        local = self.method.apply(hidden, None)
         return all_gather_last_dim(local)[..., : self.vocab_size]
 
 
@@ -279,10 +245,12 @@ class RotaryEmbedding(nn.Module):
         )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, d] rotated; in place where the C kernel takes it (then x itself is returned)."""
-    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cpu_kernels.small_ops(x):
-        cpu_kernels.rope_(x, cos, sin)
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: Kernels | None
+) -> torch.Tensor:
+    """x [T, H, d] (heads contiguous) rotated; in place on the C kernels (x itself returned)."""
+    if kernels is not None:
+        kernels.rope_(x, cos, sin)
         return x
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

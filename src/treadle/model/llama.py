@@ -8,9 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch
-from treadle.model.attention import AttentionMetadata, paged_attention
+from treadle.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttention,
+    select_backend,
+)
+from treadle.model.cpu_kernels import Kernels
 from treadle.model.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -46,6 +51,13 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.kernels: Kernels | None = None
+        self.backend: AttentionBackend = TorchAttention()
+
+    def prepare(self, kernels: Kernels | None) -> None:
+        """After loading: RoPE and attention on the C kernels or on PyTorch."""
+        self.kernels = kernels
+        self.backend = select_backend(kernels, self.head_dim)
 
     def forward(
         self,
@@ -62,8 +74,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        q, k = apply_rotary(q, cos, sin, self.kernels), apply_rotary(k, cos, sin, self.kernels)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)
 
 
@@ -74,11 +86,15 @@ class MLP(nn.Module):
             arch.hidden_size, [arch.intermediate_size, arch.intermediate_size]
         )
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size)
+        self.kernels: Kernels | None = None
+
+    def prepare(self, kernels: Kernels | None) -> None:
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.small_ops(gate_up):
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -153,9 +169,15 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
         return self.model.norm(x, residual)
 
-    def pack(self) -> None:
-        """CPU: copies of the LM head only (the embedding table is looked up by row)."""
-        self.lm_head.pack_lm_head()
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        layer: DecoderLayer = self.model.layers[0]  # type: ignore[assignment]
+        return layer.self_attn.backend
+
+    def prepare(self, kernels: Kernels | None) -> None:
+        """After loading: the LM head chooses how to multiply (the embedding table is only
+        looked up by row, so an untied one forgets its GGUF blocks)."""
+        self.lm_head.prepare_lm_head(kernels)
         if self.lm_head is not self.model.embed_tokens:
             self.model.embed_tokens.drop_gguf_blocks()
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from treadle.config import ModelSource
 from treadle.logger import init_logger
+from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch, UnsupportedModelError
 from treadle.model.llama import LlamaForCausalLM
 from treadle.model.quantized import GGUFBlocks, attach, kernel_type
@@ -70,10 +71,11 @@ def load_model(
         _gguf_weights(source.path, arch) if source.is_gguf else _safetensors_weights(source.path)
     )
     model.load_weights(weights)
+    kernels = cpu_kernels.for_model(device, dtype)
     for module in model.modules():
-        pack = getattr(module, "pack", None)
-        if callable(pack):
-            pack()  # CPU: oneDNN-packed weight copies (cpu_kernels.py)
+        prepare = getattr(module, "prepare", None)
+        if callable(prepare):
+            prepare(kernels)  # each layer picks its implementation, once
     return model.eval()
 
 

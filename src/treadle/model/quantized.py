@@ -6,12 +6,13 @@ model's 135M weights are 540 MB per token. GGUF files already hold most of them 
 the layer keeps them beside its float32 weight, rearranged for the C kernel
 (`csrc/cpu_kernels.c`, `gguf_linear_f32`), which expands each block to float32 in registers and
 multiplies in float32: the same weights, read at a fifth of the bytes. Products of many rows
-(prefill) are bound by arithmetic instead and stay on the float32 weight (oneDNN's GEMM does
-more of it per cycle than this kernel).
+(prefill) are bound by arithmetic instead and go to oneDNN's GEMM (`linear_method.py` says
+where the line falls).
 
 Flow: the GGUF loader attaches each tensor's raw blocks to the dequantized tensor it yields
 (`attach`); a layer's weight loader takes the rows or columns of its own shard (`blocks_of`,
-`GGUFBlocks.rows/cols`); after loading, `QuantizedWeight.build` lays them out for the kernel.
+`GGUFBlocks.rows/cols`); after loading, `QuantizedWeight.build` lays them out for the kernel,
+and `linear_method.GGUFLinear` calls it.
 """
 
 from __future__ import annotations
@@ -21,18 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treadle.model import cpu_kernels
-
 BLOCK = 32  # weights per GGUF block (Q4_0, Q4_1, Q8_0)
 TILE_N = 4  # output rows stored side by side (the kernel's TILE_N)
 KIND_Q4, KIND_Q8 = 0, 1  # the kernel's block kinds
 # GGUF type -> (bytes per block, kernel kind)
 _RAW = {"Q4_0": (18, KIND_Q4), "Q4_1": (20, KIND_Q4), "Q8_0": (34, KIND_Q8)}
-# Up to this many rows the kernel beats oneDNN's float32 GEMM in a decode step (default model,
-# whole engine: 1.9x at 1 row, 1.6x at 4, 1.5x at 12, 1.2-1.3x at 24-32, 1.08-1.13x at 64,
-# 1.03x at 96; from 9 rows the kernel expands each 4-row tile once and multiplies every row by
-# it, and at 64 rows it wins by reading 80 MB of blocks instead of 425 MB of float32).
-MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -83,12 +77,11 @@ class QuantizedWeight:
         cls, parts: list[GGUFBlocks | None], out_features: int, device: torch.device
     ) -> QuantizedWeight | None:
         """The parts' rows stacked (zero rows up to `out_features`), or None where the kernel
-        does not apply: a part missing or of another type, not on the CPU, kernels off."""
+        does not apply: a part missing or of another type, not on the CPU."""
         if (
             device.type != "cpu"
             or not parts
             or any(p is None or not kernel_type(p.kind) for p in parts)
-            or cpu_kernels.load() is None
         ):
             return None
         kinds = {p.kind for p in parts if p is not None}
@@ -117,32 +110,3 @@ class QuantizedWeight:
         return cls(
             torch.from_numpy(np.ascontiguousarray(tiles)), kernel_kind, out_features, nb * BLOCK
         )
-
-
-def usable(x: torch.Tensor, weight: QuantizedWeight | None) -> bool:
-    """Whether `x @ W^T` goes through the quantized weight: float32, few rows."""
-    return (
-        weight is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
-    )
-
-
-def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    lib = cpu_kernels.load()
-    assert lib is not None
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    rows = x.shape[0]
-    out = torch.empty(rows, weight.out_features, dtype=torch.float32)
-    lib.gguf_linear_f32(
-        x.data_ptr(),
-        x.stride(0),
-        rows,
-        weight.in_features,
-        weight.tiles.data_ptr(),
-        weight.kind,
-        weight.out_features,
-        out.data_ptr(),
-        out.stride(0),
-        torch.get_num_threads(),
-    )
-    return out if bias is None else out.add_(bias)

@@ -36,6 +36,8 @@ class ModelRunner:
         seed: int,
     ) -> None:
         self.model = model
+        # Dense -inf masks only for a backend that reads them (the C kernels read lengths).
+        self.needs_mask = model.attention_backend.needs_mask
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -139,10 +141,10 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), prefills=prefills)
         if decode_tables:
             meta.num_decodes = len(decode_tables)
-            meta.decode_block_table, meta.decode_bias = self._decode_context(
-                decode_tables, decode_lens
-            )
+            meta.decode_block_table = self._decode_block_table(decode_tables, decode_lens)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
+            if self.needs_mask:
+                meta.decode_bias = self._decode_mask(decode_lens, meta.decode_block_table.shape[1])
             meta.decode_max_len = max(decode_lens)
         return (
             torch.tensor(ids, device=device),
@@ -154,25 +156,27 @@ class ModelRunner:
     def _prefill_chunk(self, first: int, start: int, n: int, table: list[int]) -> PrefillChunk:
         bs, device = self.block_size, self.device
         num_blocks = -(-(start + n) // bs)
-        ctx = torch.arange(num_blocks * bs, device=device)
         q_pos = torch.arange(start, start + n, device=device)
-        bias = torch.zeros(n, num_blocks * bs, device=device)
-        bias.masked_fill_(ctx[None, :] > q_pos[:, None], float("-inf"))
         blocks = torch.tensor(table[:num_blocks], device=device)
-        return PrefillChunk(first, first + n, blocks, bias, (q_pos + 1).to(torch.int32))
+        chunk = PrefillChunk(first, first + n, blocks, (q_pos + 1).to(torch.int32))
+        if self.needs_mask:
+            ctx = torch.arange(num_blocks * bs, device=device)
+            chunk.bias = torch.zeros(n, num_blocks * bs, device=device)
+            chunk.bias.masked_fill_(ctx[None, :] > q_pos[:, None], float("-inf"))
+        return chunk
 
-    def _decode_context(
-        self, tables: list[list[int]], lengths: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        bs, device = self.block_size, self.device
-        max_blocks = -(-max(lengths) // bs)
+    def _decode_block_table(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        """The decoding requests' block tables, padded with block 0 to the longest context."""
+        max_blocks = -(-max(lengths) // self.block_size)
         padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
-        block_table = torch.tensor(padded, device=device)
-        ctx = torch.arange(max_blocks * bs, device=device)
-        lens = torch.tensor(lengths, device=device)
-        bias = torch.zeros(len(tables), max_blocks * bs, device=device)
-        bias.masked_fill_(ctx[None, :] >= lens[:, None], float("-inf"))
-        return block_table, bias
+        return torch.tensor(padded, device=self.device)
+
+    def _decode_mask(self, lengths: list[int], max_blocks: int) -> torch.Tensor:
+        """[D, max_blocks * block_size]: 0 inside each request's context, -inf past it."""
+        ctx = torch.arange(max_blocks * self.block_size, device=self.device)
+        lens = torch.tensor(lengths, device=self.device)
+        mask = torch.zeros(len(lengths), max_blocks * self.block_size, device=self.device)
+        return mask.masked_fill_(ctx[None, :] >= lens[:, None], float("-inf"))
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
         p = state.sampling_params

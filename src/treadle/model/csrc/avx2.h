@@ -1,0 +1,216 @@
+/* treadle's CPU kernels at the AVX2 level (x86-64-v3: AVX2, FMA, F16C): 8-wide registers, 16
+   of them. Included by cpu_kernels.c; it provides attend_d64, tile_rows, expand_tile and
+   tile_gemm, with the register tiles sized for 16 registers instead of AVX-512's 32. */
+#include <immintrin.h>
+
+#define TREADLE_ISA "avx2"
+#define HAVE_ATTEND_D64 1
+#define D64_BLOCK 16                 /* tokens per cache block this path expects */
+#define D64_BLOCK_FLOATS (D64_BLOCK * 64)
+#define D64_MAX_GROUP 4
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 8 lane sums of v[0..7] as one vector (lane i = the sum of v[i]): a transposing add
+   tree of 9 operations where 8 separate reductions take about 40. */
+static inline __m256 sum8(const __m256 v[8]) {
+    /* hadd(a, b) = [a01 a23 b01 b23 | a45 a67 b45 b67] */
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* h0 = [v0 v1 v2 v3 summed over lanes 0-3 | the same over lanes 4-7], h1 for v4..v7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+/* One (request, KV head) task for head size 64 and up to 4 query heads per KV head. The K
+   pass keeps a token's key in 8 registers and reads the query heads from L1; the dot products
+   of 8 tokens are reduced together (sum8). The V pass accumulates one head at a time in 8
+   registers over a block that stays in L1. Blocks are asked for two ahead, as at AVX-512. */
+static void attend_d64(const float* qh, int64_t group, const float* kh, const float* vh,
+                       const int64_t* table, int64_t len, float scale, float* scores,
+                       int64_t max_len, float* out) {
+    const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
+    #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * D64_BLOCK_FLOATS \
+                                         : vh + table[(i) - num_used] * D64_BLOCK_FLOATS)
+    prefetch_block(D64_AHEAD(0), D64_BLOCK_FLOATS);
+    if (1 < 2 * num_used) prefetch_block(D64_AHEAD(1), D64_BLOCK_FLOATS);
+    __m256 part[D64_MAX_GROUP][8];
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const float* kb = kh + table[b] * D64_BLOCK_FLOATS;
+        if (b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(b + 2), D64_BLOCK_FLOATS);
+        const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
+        for (int64_t o = 0; o < n; o++, t++) {
+            const float* kt = kb + o * 64;
+            __m256 k[8];
+            for (int i = 0; i < 8; i++) k[i] = _mm256_loadu_ps(kt + 8 * i);
+            for (int64_t j = 0; j < group; j++) {
+                const float* qj = qh + j * 64;
+                __m256 d = _mm256_mul_ps(k[0], _mm256_loadu_ps(qj));
+                for (int i = 1; i < 8; i++) d = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qj + 8 * i), d);
+                part[j][t & 7] = d;
+            }
+            if ((t & 7) == 7 || t == len - 1) {
+                const int64_t t0 = t & ~(int64_t)7, filled = t - t0 + 1;
+                for (int64_t j = 0; j < group; j++) {
+                    for (int64_t i = filled; i < 8; i++) part[j][i] = _mm256_setzero_ps();
+                    const __m256 s = _mm256_mul_ps(sum8(part[j]), vscale);
+                    if (filled == 8) _mm256_storeu_ps(scores + j * max_len + t0, s);
+                    else {
+                        float tmp[8];
+                        _mm256_storeu_ps(tmp, s);
+                        memcpy(scores + j * max_len + t0, tmp, sizeof(float) * filled);
+                    }
+                }
+            }
+        }
+    }
+    softmax_rows(scores, group, len, max_len);
+    memset(out, 0, sizeof(float) * group * 64);
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const float* vb = vh + table[b] * D64_BLOCK_FLOATS;
+        if (num_used + b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(num_used + b + 2), D64_BLOCK_FLOATS);
+        const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
+        for (int64_t j = 0; j < group; j++) {
+            float* oj = out + j * 64;
+            const float* sj = scores + j * max_len + t;
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(oj + 8 * i);
+            for (int64_t o = 0; o < n; o++) {
+                const __m256 p = _mm256_broadcast_ss(sj + o);
+                const float* vt = vb + o * 64;
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * i), a[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(oj + 8 * i, a[i]);
+        }
+        t += n;
+    }
+    #undef D64_AHEAD
+}
+
+/* A block's 32 quants as float32 in 4 registers, in order (d and m not applied). Q4: the 16
+   bytes go to both 128-bit lanes, a byte shuffle widens 8 of them to 32-bit lanes, and the low
+   and high nibbles are an AND and a shift of the same register (weights i and i + 16). */
+static inline void quants_q4(const block_q4* b, __m256 w[4]) {
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)b->qs));
+    const __m256i bytes0_7 = _mm256_setr_epi8(
+        0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i bytes8_15 = _mm256_setr_epi8(
+        8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+        12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256i t0 = _mm256_shuffle_epi8(raw, bytes0_7), t1 = _mm256_shuffle_epi8(raw, bytes8_15);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(t0, low));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(t1, low));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(t0, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(t1, 4));
+}
+
+static inline void quants_q8(const block_q8* b, __m256 w[4]) {
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b->qs + 8 * i))));
+}
+
+static inline void block_quants(const char* blocks, int kind, int j, __m256 w[4], float* d, float* m) {
+    if (kind == KIND_Q4) {
+        const block_q4* blk = (const block_q4*)blocks + j;
+        quants_q4(blk, w);
+        *d = blk->d, *m = blk->m;
+    } else {
+        const block_q8* blk = (const block_q8*)blocks + j;
+        quants_q8(blk, w);
+        *d = blk->d, *m = blk->m;
+    }
+}
+
+/* One tile (TILE_N outputs) for ROWS rows of x: per block and output, d * (q . x) in a
+   register accumulator and m * sum(x) beside it; `rows` is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void tile_rows_n(
+    const char* tile, int kind, int64_t nb, const float* x, int64_t K, const float* xsum,
+    const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    const int64_t bsize = block_bytes(kind);
+    __m256 acc[TILE_N][ROWS_AT_ONCE];
+    float macc[TILE_N][ROWS_AT_ONCE];
+    for (int j = 0; j < TILE_N; j++)
+        for (int r = 0; r < rows; r++) {
+            acc[j][r] = _mm256_setzero_ps();
+            macc[j][r] = 0.f;
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blocks = tile + b * TILE_N * bsize;
+        for (int64_t off = 0; off < TILE_N * bsize; off += 64)
+            _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
+        for (int j = 0; j < TILE_N; j++) {
+            __m256 w[4];
+            float d, m;
+            block_quants(blocks, kind, j, w, &d, &m);
+            const __m256 dv = _mm256_set1_ps(d);
+            for (int r = 0; r < rows; r++) {
+                const float* xr = x + r * K + b * 32;
+                __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+                s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), s);
+                s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), s);
+                s = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), s);
+                acc[j][r] = _mm256_fmadd_ps(dv, s, acc[j][r]);
+                macc[j][r] += m * xsum[r * nb + b];
+            }
+        }
+    }
+    for (int j = 0; j < TILE_N; j++)
+        for (int r = 0; r < rows; r++) out[j][r] = hsum8(acc[j][r]) + macc[j][r];
+}
+
+static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                      const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    if (rows == 1) tile_rows_n(tile, kind, nb, x, K, xsum, 1, out);
+    else tile_rows_n(tile, kind, nb, x, K, xsum, 2, out);
+}
+
+/* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */
+static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float* w) {
+    const int64_t bsize = block_bytes(kind);
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blocks = tile + b * TILE_N * bsize;
+        for (int j = 0; j < TILE_N; j++) {
+            __m256 q[4];
+            float d, m;
+            block_quants(blocks, kind, j, q, &d, &m);
+            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(w + j * K + b * 32 + 8 * i, _mm256_fmadd_ps(q[i], dv, mv));
+        }
+    }
+}
+
+/* y[r, n0 + j] for the M rows of x against one expanded tile (rows are read in whole groups
+   of GEMM_ROWS: past M the caller pads), 3 rows x 4 outputs at a time: 12 accumulators, the
+   3 rows of x and one weight vector fill the 16 registers. */
+#define GEMM_ROWS 3
+static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
+                      float* y, int64_t y_stride, int64_t n0, int64_t valid) {
+    for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS) {
+        __m256 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+        const float* xr = x + r0 * x_stride;
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 xv[GEMM_ROWS];
+            for (int r = 0; r < GEMM_ROWS; r++) xv[r] = _mm256_loadu_ps(xr + r * x_stride + k);
+            for (int j = 0; j < TILE_N; j++) {
+                const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+                for (int r = 0; r < GEMM_ROWS; r++)
+                    acc[r * TILE_N + j] = _mm256_fmadd_ps(xv[r], wv, acc[r * TILE_N + j]);
+            }
+        }
+        float sums[16];
+        _mm256_storeu_ps(sums, sum8(acc));
+        _mm256_storeu_ps(sums + 8, sum8(acc + 8));
+        const int64_t rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < valid; j++) y[(r0 + r) * y_stride + n0 + j] = sums[r * TILE_N + j];
+    }
+}

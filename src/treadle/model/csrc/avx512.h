@@ -1,0 +1,195 @@
+/* treadle's CPU kernels at the AVX-512 level (x86-64-v4: F, BW, DQ, VL): 16-wide registers.
+   Included by cpu_kernels.c; it provides attend_d64, tile_rows, expand_tile and tile_gemm. */
+#include <immintrin.h>
+
+#define TREADLE_ISA "avx512"
+#define HAVE_ATTEND_D64 1
+#define D64_BLOCK 16                 /* tokens per cache block this path expects */
+#define D64_BLOCK_FLOATS (D64_BLOCK * 64)
+#define D64_MAX_GROUP 4
+
+/* One (request, KV head) task for head size 64 and up to 4 query heads per KV head (the common
+   shapes): the query heads and the output sums stay in registers, and the blocks are asked for
+   two ahead (the K pass runs on into the first V blocks). */
+static void attend_d64(const float* qh, int64_t group, const float* kh, const float* vh,
+                       const int64_t* table, int64_t len, float scale, float* scores,
+                       int64_t max_len, float* out) {
+    const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
+    __m512 qv[D64_MAX_GROUP][4];
+    for (int64_t j = 0; j < group; j++)
+        for (int i = 0; i < 4; i++) qv[j][i] = _mm512_loadu_ps(qh + j * 64 + i * 16);
+    /* block i of the K pass, then block i - num_used of the V pass */
+    #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * D64_BLOCK_FLOATS \
+                                         : vh + table[(i) - num_used] * D64_BLOCK_FLOATS)
+    prefetch_block(D64_AHEAD(0), D64_BLOCK_FLOATS);
+    if (1 < 2 * num_used) prefetch_block(D64_AHEAD(1), D64_BLOCK_FLOATS);
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const float* kb = kh + table[b] * D64_BLOCK_FLOATS;
+        if (b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(b + 2), D64_BLOCK_FLOATS);
+        const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
+        for (int64_t o = 0; o < n; o++, t++) {
+            const float* kt = kb + o * 64;
+            const __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16);
+            const __m512 k2 = _mm512_loadu_ps(kt + 32), k3 = _mm512_loadu_ps(kt + 48);
+            for (int64_t j = 0; j < group; j++) {
+                __m512 d = _mm512_mul_ps(qv[j][0], k0);
+                d = _mm512_fmadd_ps(qv[j][1], k1, d);
+                d = _mm512_fmadd_ps(qv[j][2], k2, d);
+                d = _mm512_fmadd_ps(qv[j][3], k3, d);
+                scores[j * max_len + t] = _mm512_reduce_add_ps(d) * scale;
+            }
+        }
+    }
+    softmax_rows(scores, group, len, max_len);
+    __m512 acc[D64_MAX_GROUP][4];
+    for (int64_t j = 0; j < group; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const float* vb = vh + table[b] * D64_BLOCK_FLOATS;
+        if (num_used + b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(num_used + b + 2), D64_BLOCK_FLOATS);
+        const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
+        for (int64_t o = 0; o < n; o++, t++) {
+            const float* vt = vb + o * 64;
+            const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
+            const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+            for (int64_t j = 0; j < group; j++) {
+                const __m512 p = _mm512_set1_ps(scores[j * max_len + t]);
+                acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+                acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+                acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+                acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+            }
+        }
+    }
+    #undef D64_AHEAD
+    for (int64_t j = 0; j < group; j++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + j * 64 + i * 16, acc[j][i]);
+}
+
+static inline void expand_q4(const block_q4* b, __m512* lo, __m512* hi) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)b->qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512 d = _mm512_set1_ps(b->d);
+    *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))));
+    *hi = _mm512_mul_ps(
+        d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))));
+}
+
+static inline void expand_q8(const block_q8* b, __m512* lo, __m512* hi) {
+    const __m512 d = _mm512_set1_ps(b->d);
+    *lo = _mm512_mul_ps(
+        d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b->qs))));
+    *hi = _mm512_mul_ps(
+        d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b->qs + 16)))));
+}
+
+/* One tile (TILE_N outputs) for ROWS_AT_ONCE rows of x or fewer. */
+static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                      const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    const int64_t bsize = block_bytes(kind);
+    __m512 acc[TILE_N][ROWS_AT_ONCE][2];
+    float macc[TILE_N][ROWS_AT_ONCE];
+    for (int j = 0; j < TILE_N; j++)
+        for (int r = 0; r < ROWS_AT_ONCE; r++) {
+            acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
+            macc[j][r] = 0.f;
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blocks = tile + b * TILE_N * bsize;
+        _mm_prefetch(blocks + 8 * TILE_N * bsize, _MM_HINT_T0);
+        _mm_prefetch(blocks + 8 * TILE_N * bsize + 64, _MM_HINT_T0);
+        __m512 xv[ROWS_AT_ONCE][2];
+        for (int64_t r = 0; r < rows; r++) {
+            xv[r][0] = _mm512_loadu_ps(x + r * K + b * 32);
+            xv[r][1] = _mm512_loadu_ps(x + r * K + b * 32 + 16);
+        }
+        for (int j = 0; j < TILE_N; j++) {
+            __m512 lo, hi;
+            float m;
+            if (kind == KIND_Q4) {
+                const block_q4* blk = (const block_q4*)blocks + j;
+                expand_q4(blk, &lo, &hi);
+                m = blk->m;
+            } else {
+                const block_q8* blk = (const block_q8*)blocks + j;
+                expand_q8(blk, &lo, &hi);
+                m = blk->m;
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                acc[j][r][0] = _mm512_fmadd_ps(lo, xv[r][0], acc[j][r][0]);
+                acc[j][r][1] = _mm512_fmadd_ps(hi, xv[r][1], acc[j][r][1]);
+                macc[j][r] += m * xsum[r * nb + b];
+            }
+        }
+    }
+    for (int j = 0; j < TILE_N; j++)
+        for (int64_t r = 0; r < rows; r++)
+            out[j][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1])) + macc[j][r];
+}
+
+/* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */
+static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float* w) {
+    const int64_t bsize = block_bytes(kind);
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blocks = tile + b * TILE_N * bsize;
+        for (int j = 0; j < TILE_N; j++) {
+            __m512 lo, hi, m;
+            if (kind == KIND_Q4) {
+                const block_q4* blk = (const block_q4*)blocks + j;
+                expand_q4(blk, &lo, &hi);
+                m = _mm512_set1_ps(blk->m);
+            } else {
+                const block_q8* blk = (const block_q8*)blocks + j;
+                expand_q8(blk, &lo, &hi);
+                m = _mm512_set1_ps(blk->m);
+            }
+            _mm512_storeu_ps(w + j * K + b * 32, _mm512_add_ps(lo, m));
+            _mm512_storeu_ps(w + j * K + b * 32 + 16, _mm512_add_ps(hi, m));
+        }
+    }
+}
+
+/* The 16 lane sums of v[0..15] as one vector (lane i = the sum of v[i]), by a transposing
+   add tree: 45 operations where 16 separate reductions take about 140. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [v2i_01, v2i+1_01, v2i_23, v2i+1_23] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: that lane's sums of v4i .. v4i+3 */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0+1 and 2+3, of b2i then of b2i+1 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* y[r, n0 + j] for the M rows of x against one expanded tile (rows are read in whole groups
+   of GEMM_ROWS: past M the caller pads), 4 rows x 4 outputs at a time, 16 accumulators. */
+#define GEMM_ROWS 4
+static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
+                      float* y, int64_t y_stride, int64_t n0, int64_t valid) {
+    for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS) {
+        __m512 acc[GEMM_ROWS * TILE_N];
+        for (int i = 0; i < GEMM_ROWS * TILE_N; i++) acc[i] = _mm512_setzero_ps();
+        const float* xr = x + r0 * x_stride;
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 xv[GEMM_ROWS];
+            for (int r = 0; r < GEMM_ROWS; r++) xv[r] = _mm512_loadu_ps(xr + r * x_stride + k);
+            for (int j = 0; j < TILE_N; j++) {
+                const __m512 wv = _mm512_loadu_ps(w + j * K + k);
+                for (int r = 0; r < GEMM_ROWS; r++)
+                    acc[r * TILE_N + j] = _mm512_fmadd_ps(xv[r], wv, acc[r * TILE_N + j]);
+            }
+        }
+        float sums[GEMM_ROWS * TILE_N];
+        _mm512_storeu_ps(sums, sum16(acc));
+        const int64_t rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < valid; j++) y[(r0 + r) * y_stride + n0 + j] = sums[r * TILE_N + j];
+    }
+}

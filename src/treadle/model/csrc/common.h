@@ -1,0 +1,85 @@
+/* What every ISA level of treadle's CPU kernels shares: the GGUF block layout, exp, prefetch,
+   softmax and the scalar dot product. Included once, by cpu_kernels.c. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (Cephes' expf: Cody-Waite reduction and a degree-6 polynomial, about
+   1 ulp), written so that the compiler vectorizes the loops that call it. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* Ask for a block's rows ahead of use: blocks lie anywhere in the cache, so the hardware
+   prefetcher cannot guess the next one. */
+static inline void prefetch_block(const float* block, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 1);
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Softmax in place over the first `len` scores of each of `rows` rows, `stride` apart. */
+static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t stride) {
+    for (int64_t j = 0; j < rows; j++) {
+        float* s = scores + j * stride;
+        float m = s[0];
+        for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+        float total = 0.f;
+        #pragma omp simd reduction(+:total)
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = exp_nonpositive(s[t] - m);
+            total += s[t];
+        }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+}
+
+/* ---- GGUF blocks in the kernel's layout ---------------------------------------------------
+
+   Weight layout (made once at load by quantized.py): the output rows go in tiles of TILE_N; a
+   tile stores, for each block of 32 inputs, the TILE_N rows' blocks side by side, so that one
+   thread's tiles are one sequential stream of memory:
+
+       tiles[N / TILE_N][K / 32][TILE_N] of
+         Q4 (Q4_0, Q4_1): struct { float d, m; uint8_t qs[16]; }   24 bytes
+                          w[i] = d * q[i] + m, q[i] = qs[i] & 15, q[i + 16] = qs[i] >> 4
+                          (Q4_0 is d * (q - 8): m = -8 d)
+         Q8_0:            struct { float d, m; int8_t qs[32]; }    40 bytes, m = 0, w[i] = d * qs[i]
+
+   Few rows: y[r, n] = sum_b d_nb * (q_nb . x_rb) + m_nb * sum(x_rb), each block expanded in
+   registers (`tile_rows`; the block sums of x are made once per call). Many rows: each tile is
+   expanded once to float32 (`expand_tile`) and every row multiplied by it (`tile_gemm`). N is
+   padded to a whole tile (zero rows, never written out). */
+
+#define TILE_N 4
+#define ROWS_AT_ONCE 2   /* rows of x per pass of tile_rows */
+#define GEMV_MAX_ROWS 8  /* beyond this many rows, expand each tile once */
+
+typedef struct { float d, m; uint8_t qs[16]; } block_q4;
+typedef struct { float d, m; int8_t qs[32]; } block_q8;
+
+enum { KIND_Q4 = 0, KIND_Q8 = 1 };
+
+static inline int64_t block_bytes(int kind) {
+    return kind == KIND_Q4 ? (int64_t)sizeof(block_q4) : (int64_t)sizeof(block_q8);
+}

@@ -1,0 +1,51 @@
+/* treadle's CPU kernels for any CPU (no ISA flags: SSE2 on x86-64, NEON on arm64 as the
+   compiler sees fit): plain C loops written for the auto-vectorizer. Included by cpu_kernels.c;
+   it provides tile_rows, expand_tile and tile_gemm (attention takes the generic loop). */
+
+#define TREADLE_ISA "portable"
+#define HAVE_ATTEND_D64 0
+
+/* A block's 32 weights as float32, w = d q + m. */
+static inline void block_weights(const char* blocks, int kind, int j, float w[32]) {
+    if (kind == KIND_Q4) {
+        const block_q4* blk = (const block_q4*)blocks + j;
+        for (int i = 0; i < 16; i++) {
+            w[i] = blk->d * (float)(blk->qs[i] & 15) + blk->m;
+            w[i + 16] = blk->d * (float)(blk->qs[i] >> 4) + blk->m;
+        }
+    } else {
+        const block_q8* blk = (const block_q8*)blocks + j;
+        for (int i = 0; i < 32; i++) w[i] = blk->d * (float)blk->qs[i];
+    }
+}
+
+static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                      const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    (void)xsum;
+    const int64_t bsize = block_bytes(kind);
+    for (int j = 0; j < TILE_N; j++)
+        for (int64_t r = 0; r < rows; r++) out[j][r] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blocks = tile + b * TILE_N * bsize;
+        for (int j = 0; j < TILE_N; j++) {
+            float w[32];
+            block_weights(blocks, kind, j, w);
+            for (int64_t r = 0; r < rows; r++) out[j][r] += dot(w, x + r * K + b * 32, 32);
+        }
+    }
+}
+
+static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float* w) {
+    const int64_t bsize = block_bytes(kind);
+    for (int64_t b = 0; b < nb; b++)
+        for (int j = 0; j < TILE_N; j++)
+            block_weights(tile + b * TILE_N * bsize, kind, j, w + j * K + b * 32);
+}
+
+#define GEMM_ROWS 1
+static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
+                      float* y, int64_t y_stride, int64_t n0, int64_t valid) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t j = 0; j < valid; j++)
+            y[r * y_stride + n0 + j] = dot(x + r * x_stride, w + j * K, K);
+}

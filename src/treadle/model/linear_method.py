@@ -1,0 +1,123 @@
+"""How a linear layer computes x W^T (+ b): chosen once per layer after loading (`choose`), from
+the copies of its weight it has and the row counts at which each is the fastest on this CPU.
+
+- `DenseLinear`: the weight itself (`F.linear`): CUDA, and CPUs without oneDNN.
+- `PackedLinear`: oneDNN's prepacked copy of the weight from `PACKED_MIN_ROWS` rows up (any
+  rows in bfloat16): PyTorch's default CPU GEMM is fast for one row (a GEMV) but 1.5-2x slower
+  than oneDNN with a prepacked weight at 4-32 rows, the rows of a decode batch.
+- `GGUFLinear`: the layer's GGUF blocks through the C kernel (`quantized.py`) up to
+  `GGUF_MAX_ROWS[isa]` rows, the packed (or dense) method beyond: at decode sizes a step is
+  bound by reading the weights, and the blocks are a fifth of the bytes of float32.
+
+A layer with both the blocks and the packed copy frees its float32 weight: no call reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from treadle import envs
+from treadle.logger import init_logger
+from treadle.model.cpu_kernels import Kernels
+from treadle.model.quantized import QuantizedWeight
+
+logger = init_logger(__name__)
+
+PACKED_MIN_ROWS = 3  # below this, float32 stays on PyTorch's GEMV (faster at 1-2 rows)
+
+# Up to this many float32 rows the GGUF-block kernel is faster than oneDNN's packed float32
+# GEMM, per ISA level: measured in the engine on the default model (decode steps of N running
+# requests, side by side; `benchmarks/linear_crossover.py` measures the layers alone).
+# AVX-512 (2-core Zen 4): 1.9x at 1 row, 1.5x at 12, 1.2-1.3x at 24-32, 1.08x at 64, 1.03x
+# at 96. AVX2 (the same CPU at TREADLE_CPU_ISA=avx2, oneDNN capped at AVX2 too): see README.
+GGUF_MAX_ROWS = {"avx512": 64, "avx2": 64, "portable": 64}
+
+
+class LinearMethod:
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseLinear(LinearMethod):
+    def __init__(self, weight: torch.Tensor, matmul: bool = False) -> None:
+        self.weight = weight
+        # matmul(x, W^T), not F.linear: for the LM head at one row on the CPU it is markedly
+        # faster.
+        self.matmul = matmul
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.matmul and bias is None:
+            return torch.matmul(x, self.weight.t())
+        return F.linear(x, self.weight, bias)
+
+
+class PackedLinear(DenseLinear):
+    def __init__(self, weight: torch.Tensor, packed: torch.Tensor, matmul: bool = False) -> None:
+        super().__init__(weight, matmul)
+        self.packed = packed
+        self.min_rows = 0 if weight.dtype == torch.bfloat16 else PACKED_MIN_ROWS
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] < self.min_rows:
+            return super().apply(x, bias)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed, bias, "none", [], ""
+        )
+        return out
+
+
+class GGUFLinear(LinearMethod):
+    def __init__(
+        self, kernels: Kernels, quant: QuantizedWeight, beyond: LinearMethod, max_rows: int
+    ) -> None:
+        self.kernels = kernels
+        self.quant = quant
+        self.beyond = beyond
+        self.max_rows = max_rows
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return self.beyond.apply(x, bias)
+        q = self.quant
+        out = self.kernels.gguf_linear(x, q.tiles, q.kind, q.out_features)
+        return out if bias is None else out.add_(bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's prepacked copy of a `[out, in]` weight, or None where it does not apply."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not envs.cpu_kernels()
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, AttributeError) as e:  # a build without these ops
+        logger.info("oneDNN weight packing unavailable (%s); using F.linear", e)
+        return None
+    return packed
+
+
+def choose(
+    weight: torch.nn.Parameter,
+    quant: QuantizedWeight | None,
+    kernels: Kernels | None,
+    lm_head: bool = False,
+) -> LinearMethod:
+    """The method for a loaded layer; frees `weight` (in place) where no call would read it.
+    The LM head's weight stays: it is also the (tied) embedding table, looked up by rows."""
+    packed = pack_weight(weight)
+    dense = (
+        DenseLinear(weight, lm_head) if packed is None else PackedLinear(weight, packed, lm_head)
+    )
+    if quant is None or kernels is None:
+        return dense
+    max_rows = GGUF_MAX_ROWS[kernels.isa]
+    if packed is not None and max_rows >= PACKED_MIN_ROWS - 1 and not lm_head:
+        # Every row count now goes to the blocks or to the packed copy (425 MB for the
+        # default model in float32).
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    return GGUFLinear(kernels, quant, dense, max_rows)
