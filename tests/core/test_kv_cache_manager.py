@@ -184,3 +184,37 @@ def test_reset_prefix_cache_forgets_hashes():
     assert kv.get_computed_blocks(make_request(range(9)))[1] == 0
     assert all(b.hash is None for b in kv.blocks)
     check_invariants(kv)
+
+
+def test_block_keys_are_sha256_of_the_parent_key_and_the_tokens():
+    import hashlib
+    from array import array
+
+    from treadle.core.kv_cache_manager import block_key
+
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    req = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(kv, req)
+    first = hashlib.sha256(kv.root + array("q", [1, 2, 3, 4]).tobytes()).digest()
+    assert req.block_hashes == [first, block_key(first, [5, 6, 7, 8])]
+    # The root is random per manager: another engine's keys are not predictable from here.
+    assert KVCacheManager(16, BS, enable_prefix_caching=True).root != kv.root
+
+
+def test_a_key_collision_never_shares_kv(monkeypatch: pytest.MonkeyPatch):
+    """With a hash that collides for everything (as Python's hash() can be made to), a hit
+    is still used only when the cached block holds the same tokens after the same parent."""
+    import treadle.core.kv_cache_manager as kvm
+
+    monkeypatch.setattr(kvm, "block_key", lambda parent, tokens: b"collides")
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    admit(kv, make_request([1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    assert len(kv.cached) == 1  # every full block has the same key: only the first is cached
+    # Another first block under the same key: not shared.
+    _, num_hit = kv.get_computed_blocks(make_request([9, 9, 9, 9, 5, 6, 7, 8, 0]))
+    assert num_hit == 0
+    # Same first block: shared; the second block's key finds the first block, whose parent
+    # and tokens differ: not shared.
+    _, num_hit = kv.get_computed_blocks(make_request([1, 2, 3, 4, 1, 2, 3, 4, 0]))
+    assert num_hit == 4
+    check_invariants(kv)

@@ -5,12 +5,19 @@ Invariants:
   0, in `free` in LRU order: least recently freed first).
 - A block whose hash is set holds exactly the tokens of that hash; it stays findable in
   `cached` while free, until it is taken for new tokens (then its hash is dropped).
-- Block hashes are chained: hash(parent hash, this block's token ids), so equal hashes mean
-  equal whole prefixes. Only full blocks are hashed.
+- Block keys are chained: sha256(parent key + this block's token ids as int64), starting from
+  a random root per manager, so equal keys mean equal whole prefixes short of a sha256
+  collision (vLLM's default since GHSA-rm76-4mrf-v9r8; Python's `hash()` of small ints
+  collides at will). A cached block also keeps its parent key and its tokens, and a hit is
+  used only if both match the request's: a collision can cost a hit, never share KV. Only full
+  blocks are hashed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -21,7 +28,15 @@ from treadle.core.request import Request
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
+    # Set with `hash`: what it was computed from, checked on every hit.
+    parent: bytes | None = None
+    tokens: tuple[int, ...] | None = None
+
+
+def block_key(parent: bytes, token_ids: list[int]) -> bytes:
+    """The key of a full block: sha256 of the parent's key and the block's token ids."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 class KVCacheManager:
@@ -30,7 +45,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, Block] = {}
+        self.cached: dict[bytes, Block] = {}
+        self.root = os.urandom(32)  # the parent key of every first block
         self.req_blocks: dict[str, list[Block]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
@@ -54,11 +70,17 @@ class KVCacheManager:
         self._hash_full_blocks(req)
         hits: list[Block] = []
         max_blocks = (req.num_tokens - 1) // self.block_size
-        for block_hash in req.block_hashes[:max_blocks]:
+        size, tokens, parent = self.block_size, req.all_token_ids, self.root
+        for i, block_hash in enumerate(req.block_hashes[:max_blocks]):
             block = self.cached.get(block_hash)
-            if block is None:
+            if (
+                block is None
+                or block.parent != parent
+                or block.tokens != tuple(tokens[i * size : (i + 1) * size])
+            ):
                 break
             hits.append(block)
+            parent = block_hash
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
@@ -95,9 +117,14 @@ class KVCacheManager:
         self._hash_full_blocks(req)
         blocks = self.req_blocks.get(req.request_id, [])
         num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
-        for block, block_hash in zip(blocks[:num_full], req.block_hashes[:num_full], strict=True):
+        size, tokens = self.block_size, req.all_token_ids
+        for i, (block, block_hash) in enumerate(
+            zip(blocks[:num_full], req.block_hashes[:num_full], strict=True)
+        ):
             if block.hash is None and block_hash not in self.cached:
                 block.hash = block_hash
+                block.parent = req.block_hashes[i - 1] if i else self.root
+                block.tokens = tuple(tokens[i * size : (i + 1) * size])
                 self.cached[block_hash] = block
 
     def free_request(self, req: Request) -> None:
@@ -110,20 +137,20 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
-            block.hash = None
+            block.hash = block.parent = block.tokens = None
         self.cached.clear()
 
     def _take_free_block(self) -> Block:
         _, block = self.free.popitem(last=False)
         if block.hash is not None:
             del self.cached[block.hash]
-            block.hash = None
+            block.hash = block.parent = block.tokens = None
         block.ref_count = 1
         return block
 
     def _hash_full_blocks(self, req: Request) -> None:
         hashes, size = req.block_hashes, self.block_size
-        parent = hashes[-1] if hashes else 0
+        parent = hashes[-1] if hashes else self.root
         for start in range(len(hashes) * size, req.num_tokens - size + 1, size):
-            parent = hash((parent, tuple(req.all_token_ids[start : start + size])))
+            parent = block_key(parent, req.all_token_ids[start : start + size])
             hashes.append(parent)

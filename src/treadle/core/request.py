@@ -31,7 +31,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # kv_cache_manager.block_key
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
