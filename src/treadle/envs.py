@@ -95,3 +95,17 @@ def cache_dir() -> Path:
         return Path(value)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "treadle"
+
+
+# What TREADLE_CPU_ISA also tells PyTorch's own kernels and oneDNN, so that a process forced to
+# a lower level behaves as it would on such a CPU (their own variables win where set).
+_ISA_CAPS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
+
+
+def apply_cpu_isa_caps() -> None:
+    """Called when treadle is imported, before PyTorch picks its kernels; children inherit."""
+    for name, value in _ISA_CAPS.get(cpu_isa() or "", {}).items():
+        os.environ.setdefault(name, value)

@@ -163,6 +163,7 @@ _SIGNATURES = {
     "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
     "silu_and_mul_f32": [ptr, i64, i64, ptr, c_int],
     "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64],
+    "decode_layers_f32": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int],
 }
 
 
@@ -181,6 +182,8 @@ class Kernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         self._lib = lib
+        # Raw: its arguments are the structs fused_decode.py lays out.
+        self.decode_layers = lib.decode_layers_f32
 
     def paged_decode_attention(
         self,

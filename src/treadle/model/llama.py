@@ -16,6 +16,7 @@ from treadle.model.attention import (
     select_backend,
 )
 from treadle.model.cpu_kernels import Kernels
+from treadle.model.fused_decode import FusedDecoder
 from treadle.model.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -154,6 +155,10 @@ class LlamaForCausalLM(nn.Module):
             if arch.tie_word_embeddings
             else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         )
+        self.fused: FusedDecoder | None = None
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers)  # type: ignore[arg-type]
 
     def forward(
         self,
@@ -164,6 +169,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
+        if self.fused is not None and self.fused.applies(meta):
+            return self.fused.forward(x, cos_sin, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
@@ -171,15 +178,16 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def attention_backend(self) -> AttentionBackend:
-        layer: DecoderLayer = self.model.layers[0]  # type: ignore[assignment]
-        return layer.self_attn.backend
+        return self.decoder_layers()[0].self_attn.backend
 
     def prepare(self, kernels: Kernels | None) -> None:
-        """After loading: the LM head chooses how to multiply (the embedding table is only
-        looked up by row, so an untied one forgets its GGUF blocks)."""
+        """After loading, once every layer has chosen its implementation: the LM head chooses
+        how to multiply (the embedding table is only looked up by row, so an untied one
+        forgets its GGUF blocks), and decode steps take the fused path where it applies."""
         self.lm_head.prepare_lm_head(kernels)
         if self.lm_head is not self.model.embed_tokens:
             self.model.embed_tokens.drop_gguf_blocks()
+        self.fused = FusedDecoder.build(kernels, self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

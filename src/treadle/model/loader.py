@@ -74,8 +74,9 @@ def load_model(
     kernels = cpu_kernels.for_model(device, dtype)
     for module in model.modules():
         prepare = getattr(module, "prepare", None)
-        if callable(prepare):
+        if module is not model and callable(prepare):
             prepare(kernels)  # each layer picks its implementation, once
+    model.prepare(kernels)  # then the model, which looks at its layers' choices
     return model.eval()
 
 

@@ -245,3 +245,83 @@ void write_kv_f32(const float* k, const float* v, int64_t k_stride, int64_t v_st
             memcpy(v_cache + dst, v + t * v_stride + h * d, sizeof(float) * d);
         }
 }
+
+/* ---- A whole decode step's decoder layers in one call ---------------------------------------
+
+   What the model's modules do for a step of M decode tokens (M <= the GGUF kernel's rows),
+   run here as one call instead of ~12 Python-to-C calls per layer: at one request the Python
+   dispatch cost as much as the arithmetic (a CPU's answer to a CUDA graph). Each step is the
+   same C function the modules call, in the same order, so the results are the same bits.
+   For each layer, with the residual stream r (r = the embeddings at the first layer):
+
+       h = RMSNorm(r) | r += x, h = RMSNorm(r)         input norm (x: the previous MLP out)
+       q, k, v = h Wqkv (+ b); RoPE(q, k); cache <- k, v; a = attention(q, cache)
+       r += a Wo, h = RMSNorm(r)                        post-attention norm
+       x = (silu(h Wgate) * h Wup) Wdown
+
+   and after the last layer out = RMSNorm(r + x) (the final norm). */
+
+typedef struct {
+    const float* input_norm;
+    const float* post_norm;
+    const void* qkv;        /* tiles of each linear layer, and their block kinds */
+    const void* o;
+    const void* gate_up;
+    const void* down;
+    const float* qkv_bias;  /* or NULL */
+    float* k_cache;         /* [num_kv, num_blocks, block_size, head_dim] */
+    float* v_cache;
+    int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+} decode_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_layers;
+    int64_t num_blocks, block_size;
+    float eps, scale;
+    const float* final_norm;
+} decode_model;
+
+void decode_layers_f32(
+    const decode_model* m, const decode_layer* layers,
+    const float* emb, int64_t M,                    /* [M, hidden]: the tokens' embeddings */
+    const float* cos, const float* sin,             /* [M, head_dim]: their positions' rows */
+    const int64_t* slots,                           /* [M] where each token's K/V goes */
+    const int64_t* block_table, int64_t table_stride, const int32_t* lens, int64_t max_len,
+    float* out, int num_threads)                    /* [M, hidden]: the final norm's output */
+{
+    const int64_t H = m->hidden, d = m->head_dim, I = m->intermediate;
+    const int64_t q_size = m->heads * d, kv_size = m->kv_heads * d;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    float* residual = (float*)malloc(sizeof(float) * M * H);
+    float* h = (float*)malloc(sizeof(float) * M * H);
+    float* x = (float*)malloc(sizeof(float) * M * H);
+    float* qkv = (float*)malloc(sizeof(float) * M * qkv_size);
+    float* attn = (float*)malloc(sizeof(float) * M * q_size);
+    float* gate_up = (float*)malloc(sizeof(float) * M * 2 * I);
+    float* act = (float*)malloc(sizeof(float) * M * I);
+    memcpy(residual, emb, sizeof(float) * M * H);
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const decode_layer* L = layers + l;
+        if (l == 0) rms_norm_f32(residual, H, M, H, L->input_norm, m->eps, h, H, num_threads);
+        else add_rms_norm_f32(residual, x, M, H, L->input_norm, m->eps, h, num_threads);
+        gguf_linear_f32(h, H, M, H, L->qkv, L->qkv_kind, qkv_size, qkv, qkv_size, num_threads);
+        if (L->qkv_bias)
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t i = 0; i < qkv_size; i++) qkv[r * qkv_size + i] += L->qkv_bias[i];
+        rope_f32(qkv, qkv_size, M, m->heads, d, cos, sin, num_threads);
+        rope_f32(qkv + q_size, qkv_size, M, m->kv_heads, d, cos, sin, num_threads);
+        write_kv_f32(qkv + q_size, qkv + q_size + kv_size, qkv_size, qkv_size, M, m->kv_heads, d,
+                     slots, L->k_cache, L->v_cache, m->num_blocks * m->block_size);
+        paged_decode_attention_f32(qkv, qkv_size, L->k_cache, L->v_cache, block_table,
+                                   table_stride, lens, attn, q_size, M, m->heads, m->kv_heads, d,
+                                   m->num_blocks, m->block_size, m->scale, max_len, num_threads);
+        gguf_linear_f32(attn, q_size, M, q_size, L->o, L->o_kind, H, x, H, num_threads);
+        add_rms_norm_f32(residual, x, M, H, L->post_norm, m->eps, h, num_threads);
+        gguf_linear_f32(h, H, M, H, L->gate_up, L->gate_up_kind, 2 * I, gate_up, 2 * I,
+                        num_threads);
+        silu_and_mul_f32(gate_up, M, I, act, num_threads);
+        gguf_linear_f32(act, I, M, I, L->down, L->down_kind, H, x, H, num_threads);
+    }
+    add_rms_norm_f32(residual, x, M, H, m->final_norm, m->eps, out, num_threads);
+    free(residual); free(h); free(x); free(qkv); free(attn); free(gate_up); free(act);
+}

@@ -1,0 +1,211 @@
+"""treadle beside llama.cpp's `llama-server`, on the same machine, GGUF and prompts, in one run.
+
+Workloads (random token-id prompts of 128 tokens, 128 output tokens, greedy, ignore_eos, streamed
+over HTTP by `treadle bench serve`'s client):
+  single  8 requests one after another: TPOT (the single-stream speed)
+  c16     64 requests at concurrency 16: output tok/s
+  c64     128 requests at concurrency 64: output tok/s
+llama-server runs with `-t 2 -np <concurrency>` (a slot per concurrent request), restarted per
+workload; treadle serves them all from one start. Both start-to-healthy times are reported.
+
+ISA levels: `--isa native` runs treadle at this CPU's best level beside `llama-server-native`;
+`--isa avx2` runs treadle with TREADLE_CPU_ISA=avx2 (its kernels, PyTorch's and oneDNN's capped
+at AVX2) beside `llama-server-avx2` (built without AVX-512), so that an AVX-512 machine measures
+what an AVX2-only CPU gets. Build the peers first: `make bench-peers`.
+
+Acceptance targets (issue 11): treadle's single-stream TPOT <= 1.1x llama.cpp's; c16 and c64
+output tok/s >= 1.5x llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
+
+from serve_bench import Server  # noqa: E402
+from treadle.cli.bench import compute_metrics, random_prompts, run_benchmark  # noqa: E402
+from treadle.config import DEFAULT_MODEL_NAME, resolve_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+INPUT_LEN, OUTPUT_LEN = 128, 128
+WORKLOADS = {"single": (8, 1), "c16": (64, 16), "c64": (128, 64)}  # name: (requests, concurrency)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on 127.0.0.1, its output in a log file."""
+
+    def __init__(self, binary: Path, gguf: str, slots: int, log_path: Path) -> None:
+        self.port = free_port()  # llama-server cannot report an OS-chosen port back
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        ctx = slots * (INPUT_LEN + OUTPUT_LEN + 64)
+        cmd = [str(binary), "-m", gguf, "-t", "2", "-np", str(slots), "-c", str(ctx)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = 120.0) -> float:
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            with (
+                contextlib.suppress(urllib.error.URLError, OSError),
+                urllib.request.urlopen(self.url + "/health", timeout=5) as resp,
+            ):
+                if resp.status == 200:
+                    return time.perf_counter() - self.started
+            time.sleep(0.05)
+        raise TimeoutError(f"llama-server not healthy in {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def run_workload(url: str, model: str, name: str) -> dict[str, Any]:
+    num, concurrency = WORKLOADS[name]
+    prompts = random_prompts(num, INPUT_LEN, seed={"single": 2, "c16": 1, "c64": 0}[name])
+    records, duration = asyncio.run(
+        run_benchmark(
+            url,
+            model,
+            prompts,
+            OUTPUT_LEN,
+            max_concurrency=concurrency,
+            ignore_eos=True,
+            disable_tqdm=True,
+        )
+    )
+    metrics = compute_metrics(records, duration)
+    if metrics["failed"]:
+        raise RuntimeError(f"{name}: {metrics['failed']} requests failed: {metrics['first_error']}")
+    if metrics["total_output_tokens"] != num * OUTPUT_LEN:
+        raise RuntimeError(
+            f"{name}: {metrics['total_output_tokens']} tokens, not {num * OUTPUT_LEN}"
+        )
+    return metrics
+
+
+def warm_up(url: str, model: str) -> None:
+    """One short request first, so that no workload pays for first-request set-up."""
+    asyncio.run(run_benchmark(url, model, random_prompts(2, 16, 99), 4, disable_tqdm=True))
+
+
+def bench_llama(binary: Path, gguf: str, names: list[str], tmp: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in names:
+        server = LlamaServer(binary, gguf, WORKLOADS[name][1], tmp / f"llama-{name}.log")
+        try:
+            out[f"{name}_startup_s"] = server.wait_healthy()
+            warm_up(server.url, "model")
+            out[name] = run_workload(server.url, "model", name)
+        finally:
+            server.stop()
+    return out
+
+
+def bench_treadle(isa: str, names: list[str], tmp: Path) -> dict[str, Any]:
+    if isa != "native":
+        os.environ["TREADLE_CPU_ISA"] = isa
+    server = Server(tmp / "treadle.log")
+    out: dict[str, Any] = {}
+    try:
+        out["startup_s"] = server.wait_healthy()
+        warm_up(server.url, DEFAULT_MODEL_NAME)
+        for name in names:
+            out[name] = run_workload(server.url, DEFAULT_MODEL_NAME, name)
+    except BaseException:
+        print(server.output()[-4000:], file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+        os.environ.pop("TREADLE_CPU_ISA", None)
+    return out
+
+
+def figure(name: str, m: dict[str, Any]) -> float:
+    """The workload's headline: TPOT (ms, lower is better) or output tok/s."""
+    return float(m["median_tpot_ms"] if name == "single" else m["output_throughput"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native")
+    parser.add_argument("--workloads", default="single,c16,c64")
+    parser.add_argument("--peers", default=str(ROOT / ".peers"), help="where llama-server-* are")
+    parser.add_argument("--result-file", default=None)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    names = args.workloads.split(",")
+    binary = Path(args.peers) / f"llama-server-{args.isa}"
+    if not binary.exists():
+        print(f"{binary} is missing: build it with `make bench-peers`", file=sys.stderr)
+        return 2
+    gguf = resolve_model(None).path
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next(
+            line.partition(":")[2].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    from treadle.model.cpu_kernels import detect_isa
+
+    level = detect_isa() if args.isa == "native" else args.isa
+    print(f"CPU: {cpu} ({detect_isa()}); treadle at {level} beside {binary.name}; {gguf}")
+    with tempfile.TemporaryDirectory(prefix="treadle-peer-bench-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        llama = bench_llama(binary, gguf, names, tmp)
+        ours = bench_treadle(args.isa, names, tmp)
+    print(f"\n{'workload':10s} {'treadle':>10s} {'llama.cpp':>10s} {'ratio':>7s}  target")
+    ratios = {}
+    for name in names:
+        a, b = figure(name, ours[name]), figure(name, llama[name])
+        if name == "single":
+            ratios[name] = a / b
+            print(f"{'TPOT ms':10s} {a:10.2f} {b:10.2f} {a / b:7.2f}  <= 1.1")
+        else:
+            ratios[name] = a / b
+            print(f"{name + ' tok/s':10s} {a:10.1f} {b:10.1f} {a / b:7.2f}  >= 1.5")
+    llama_start = max(v for k, v in llama.items() if k.endswith("_startup_s"))
+    print(f"{'healthy s':10s} {ours['startup_s']:10.2f} {llama_start:10.2f}")
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(
+                {"cpu": cpu, "isa": level, "treadle": ours, "llama.cpp": llama, "ratios": ratios},
+                f,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
