@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +14,7 @@ from treadle.config import ModelSource
 from treadle.logger import init_logger
 from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch, UnsupportedModelError
+from treadle.model.gguf_file import GGUFFile, GGUFFormatError
 from treadle.model.llama import LlamaForCausalLM
 from treadle.model.quantized import GGUFBlocks, attach, kernel_type
 
@@ -49,8 +49,8 @@ class ModelLoadError(RuntimeError):
 
 def read_arch(source: ModelSource) -> ModelArch:
     if source.is_gguf:
-        reader = open_gguf(source.path)
-        return ModelArch.from_gguf_fields(gguf_fields(reader), {t.name for t in reader.tensors})
+        gguf = open_gguf(source.path)
+        return ModelArch.from_gguf_fields(gguf.fields, {t.name for t in gguf.tensors})
     return ModelArch.from_hf_dir(source.path)
 
 
@@ -97,50 +97,32 @@ def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read {file}: {e}") from e
 
 
-def open_gguf(path: str) -> Any:
-    import gguf
-
+def open_gguf(path: str) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:
+        return GGUFFile(path)
+    except (OSError, GGUFFormatError) as e:
         raise ModelLoadError(
             f"{path} is not a readable GGUF file (truncated or corrupt?): {e}"
         ) from e
 
 
-def gguf_fields(reader: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        try:
-            fields[key] = field.contents()
-        except Exception:  # exotic field types we never need
-            continue
-    return fields
-
-
 def _gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
-
-    reader = open_gguf(path)
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF", leave=False):
-        kind = tensor.tensor_type.name
+    gguf = open_gguf(path)
+    for tensor in tqdm(gguf.tensors, desc="Loading GGUF", leave=False):
+        kind = tensor.kind
         if kind not in GGUF_SUPPORTED_TYPES:
             raise UnsupportedModelError(
                 f"GGUF tensor {tensor.name} has type {kind}; treadle reads {sorted(GGUF_SUPPORTED_TYPES)}"
             )
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
+            array = tensor.dequantize()
         except Exception as e:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name} is unreadable (truncated?): {e}"
             ) from e
-        shape = tuple(int(n) for n in reversed(tensor.shape))
-        array = np.array(array, dtype=np.float32).reshape(shape)  # owned and writable
         # The blocks themselves too, for the few-row kernel (quantized.py).
         blocks = (
-            GGUFBlocks(kind, np.asarray(tensor.data).reshape(shape[0], -1))
-            if kernel_type(kind) and len(shape) == 2
-            else None
+            GGUFBlocks(kind, tensor.data) if kernel_type(kind) and len(tensor.shape) == 2 else None
         )
         name = _hf_name(tensor.name)
         if arch.family in ("llama", "mistral") and name.endswith(
