@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from treadle.cli.bench import add_bench_parser
-from treadle.cli.serve import add_serve_parser
-from treadle.config import ModelConfig, field_docs
+from treadle.cli.serve import add_serve_parser, cli_docs
+from treadle.config import ModelConfig
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="treadle", description="treadle: a readable LLM serving engine"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    docs = field_docs(ModelConfig)
+    docs = cli_docs(ModelConfig)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--model", default=None, help=docs["model"])

@@ -29,9 +29,14 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def cli_docs(cls: type) -> dict[str, str]:
+    """`field_docs` made safe as argparse help (which %-formats it: `90%` would crash)."""
+    return {name: doc.replace("%", "%%") for name, doc in field_docs(cls).items()}
+
+
 def add_serve_parser(sub: Any) -> None:
-    model_doc, cache_doc = field_docs(ModelConfig), field_docs(CacheConfig)
-    sched_doc, par_doc = field_docs(SchedulerConfig), field_docs(ParallelConfig)
+    model_doc, cache_doc = cli_docs(ModelConfig), cli_docs(CacheConfig)
+    sched_doc, par_doc = cli_docs(SchedulerConfig), cli_docs(ParallelConfig)
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", nargs="?", default=None, help=model_doc["model"])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -146,12 +151,13 @@ def serve(args: argparse.Namespace) -> int:
     # The CLI starts children with spawn unless told otherwise (ARCHITECTURE §7).
     os.environ.setdefault("TREADLE_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("TREADLE_LOGGING_LEVEL", args.log_level.upper())
+    from treadle.cli.supervise import bind_http_socket
     from treadle.config import resolve_model
     from treadle.entrypoints.openai.api_server import run_server
     from treadle.executor.multiproc import check_parallel_layout
     from treadle.frontend.async_llm import AsyncLLM
     from treadle.ipc.process import set_process_title
-    from treadle.model.loader import read_arch
+    from treadle.worker.worker import check_config, model_arch
 
     api_servers = (
         args.data_parallel_size if args.api_server_count is None else args.api_server_count
@@ -199,7 +205,8 @@ def serve(args: argparse.Namespace) -> int:
         if api_servers < 1 and not args.headless:
             raise ValueError(f"--api-server-count must be at least 1, not {api_servers}")
         if args.tensor_parallel_size > 1:
-            check_parallel_layout(read_arch(source), args.tensor_parallel_size)
+            check_parallel_layout(model_arch(source), args.tensor_parallel_size)
+        check_config(config)  # dtype, max_model_len, KV budget: before any process starts
         name = args.served_model_name or (
             DEFAULT_MODEL_NAME
             if args.model is None
@@ -209,14 +216,21 @@ def serve(args: argparse.Namespace) -> int:
             from treadle.cli.supervise import run_headless
 
             return run_headless(config, args.shutdown_timeout)
+        sock = bind_http_socket(args.host, args.port)  # a port in use fails before loading
         if api_servers > 1:
             from treadle.cli.supervise import run_api_servers
 
-            return run_api_servers(config, name, source.path, api_servers, args)
+            return run_api_servers(config, name, source.path, api_servers, args, sock)
         engine = AsyncLLM(config, name, shutdown_timeout=args.shutdown_timeout)
     except KeyboardInterrupt:
         return 0
+    except (ValueError, FileNotFoundError) as e:  # what the user asked for cannot work
+        print(f"treadle serve: error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:
         print(f"treadle serve: error: {e}", file=sys.stderr)
         return 1
-    return run_server(engine, name, source.path, args.host, args.port, args.api_key, args.log_level)
+    port = sock.getsockname()[1]
+    return run_server(
+        engine, name, source.path, args.host, port, args.api_key, args.log_level, sock=sock
+    )

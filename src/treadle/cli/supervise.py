@@ -41,11 +41,19 @@ logger = init_logger(__name__)
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
-    """The listening socket every API server accepts on (port 0: the OS picks one)."""
+    """The HTTP socket, bound before any engine loads so that a port in use is reported at
+    once (port 0: the OS picks one). Raises `ValueError` saying what to change."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
+            "(or --host), or stop the process that holds it"
+        ) from None
     return sock
 
 
@@ -71,8 +79,14 @@ class _Stop:
 
 
 def run_api_servers(
-    config: EngineConfig, model_name: str, model_path: str, count: int, args: argparse.Namespace
+    config: EngineConfig,
+    model_name: str,
+    model_path: str,
+    count: int,
+    args: argparse.Namespace,
+    sock: socket.socket,
 ) -> int:
+    """Serve with `count` API server processes on the bound HTTP socket `sock` (closed here)."""
     metrics_dir = None
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         metrics_dir = tempfile.mkdtemp(prefix="treadle-metrics-")
@@ -80,7 +94,6 @@ def run_api_servers(
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop.on_signal)
     signal.signal(signal.SIGINT, stop.on_signal)
-    sock = bind_http_socket(args.host, args.port)
     launcher: EngineLauncher | None = None
     api_servers: list[ChildProcess] = []
     addresses: list[list[str]] = []

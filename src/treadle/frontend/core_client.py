@@ -49,6 +49,7 @@ from treadle.wire.engine import (
     EngineCoreRequest,
     EngineCoreRequestType,
 )
+from treadle.worker.worker import check_config
 
 logger = init_logger(__name__)
 
@@ -379,7 +380,7 @@ class AsyncMPClient(MPClient):
         client_index: int = 0,
         attach: AttachTo | None = None,
     ):
-        super().__init__(config, shutdown_timeout, client_index, attach)
+        # Set before the engines start: shutdown() (also on a failed start) reads them.
         self.on_outputs = on_outputs
         self.on_dead = on_dead
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -388,6 +389,7 @@ class AsyncMPClient(MPClient):
         self._tasks: list[asyncio.Task[None]] = []
         self._failed = False
         self._watch_disconnects = attach is not None or config.parallel.multi_node
+        super().__init__(config, shutdown_timeout, client_index, attach)
 
     def start(self) -> None:
         """Start reading outputs; call from inside the running event loop."""
@@ -497,6 +499,7 @@ class InprocClient:
     def __init__(self, config: EngineConfig):
         from treadle.core.engine_core import EngineCore
 
+        check_config(config)  # the same start-up checks as the launcher's
         self.engine_core = EngineCore(config)
         self.info = EngineInfo(
             self.engine_core.num_blocks, self.engine_core.max_model_len, self.engine_core.vocab_size

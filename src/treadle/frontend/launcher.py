@@ -40,6 +40,7 @@ from treadle.ipc.zmq_utils import (
     remove_ipc_files,
 )
 from treadle.logger import init_logger
+from treadle.worker.worker import check_config
 
 logger = init_logger(__name__)
 
@@ -56,6 +57,7 @@ class EngineLauncher:
     def __init__(self, config: EngineConfig, shutdown_timeout: float = 0.0, front_end: bool = True):
         p = config.parallel
         p.check()
+        check_config(config)  # a mistake in the flags fails here, before any process starts
         self.num_engines = p.data_parallel_size
         host = front_end_host(config)
         if host is not None or not front_end:

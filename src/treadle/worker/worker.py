@@ -3,9 +3,12 @@ holds the KV cache, and runs steps. The executor calls its methods by name."""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
-from treadle.config import EngineConfig, resolve_model
+from treadle.config import EngineConfig, ModelSource, resolve_model
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.model.loader import load_model, read_arch
@@ -17,7 +20,15 @@ logger = init_logger(__name__)
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 GPU_KV_CACHE_FRACTION = 0.9
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's names: `half` is float16, `float` is float32.
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+DTYPE_NAMES = ("auto", *_DTYPES)
 
 
 def pick_device() -> torch.device:
@@ -27,11 +38,15 @@ def pick_device() -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: float32 on CPU (on this class of CPU, 2-core AVX-512, bfloat16 matmuls at these
     sizes were measured slower than float32; see README), bfloat16 on CUDA."""
+    check_dtype_name(name)
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
     return _DTYPES[name]
+
+
+def check_dtype_name(name: str) -> None:
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPE_NAMES)}")
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
@@ -40,9 +55,96 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
         return limit
     if requested < 1 or requested > limit:
         raise ValueError(
-            f"max_model_len {requested} must be between 1 and the model's limit {limit}"
+            f"max_model_len {requested} is out of range: this model takes at most {limit} "
+            f"tokens (max_position_embeddings); pass --max-model-len {limit} or less"
         )
     return requested
+
+
+def kv_bytes_per_block(arch: ModelArch, dtype: torch.dtype, block_size: int, tp: int = 1) -> int:
+    """K and V of one block on one rank: 2 x kv heads (this rank's share) x head_dim x dtype
+    size x block_size x layers."""
+    kv_heads = max(1, arch.num_kv_heads // tp)
+    return 2 * kv_heads * arch.head_dim * dtype.itemsize * block_size * arch.num_layers
+
+
+def check_kv_budget(
+    budget: int,
+    per_block: int,
+    block_size: int,
+    max_model_len: int,
+    source: str = "--kv-cache-memory",
+) -> int:
+    """The number of blocks `budget` bytes hold; raises `ValueError` (saying how much memory
+    `max_model_len` needs and which length would fit) when one request of `max_model_len`
+    tokens would not fit: it could never run, or be preempted forever."""
+    num_blocks = budget // per_block
+    needed_blocks = -(-max_model_len // block_size)
+    if num_blocks >= needed_blocks:
+        return int(num_blocks)
+    fits = num_blocks * block_size
+    needed_mib = -(-needed_blocks * per_block // (1 << 20))
+    raise ValueError(
+        f"the KV cache is too small for max_model_len {max_model_len}: one request of that "
+        f"length needs {_size(needed_blocks * per_block)} of KV cache, but {_size(budget)} "
+        f"({source}) holds {f'only {fits} tokens' if fits else f'no block of {block_size} tokens'}; "
+        f"raise --kv-cache-memory to {needed_mib}MiB or more"
+        + (f", or pass --max-model-len {fits} or less" if fits else "")
+    )
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} bytes"
+
+
+def model_arch(source: ModelSource) -> ModelArch:
+    """`read_arch`, remembered per file (and its size and mtime) for this process: reading a
+    GGUF header takes seconds, and the start-up checks, the CLI and the front end all ask."""
+    path = os.path.join(source.path, "config.json") if not source.is_gguf else source.path
+    st = os.stat(path)
+    return _model_arch(source, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _model_arch(source: ModelSource, size: int, mtime_ns: int) -> ModelArch:
+    return read_arch(source)
+
+
+def check_config(config: EngineConfig) -> None:
+    """The start-up checks that need no device and no weights, run before any process starts:
+    the dtype name, max_model_len against the model's limit (config.json or GGUF header) and,
+    when the budget is known without loading (an explicit --kv-cache-memory, or the CPU
+    default), whether the KV cache holds one request of max_model_len. Raises `ValueError`
+    with one line that says what to change. The engine checks the same again after loading
+    (`Worker.determine_num_blocks`), where a CUDA budget is known."""
+    scheduler = config.scheduler
+    for name, value in (
+        ("--block-size", config.cache.block_size),
+        ("--max-num-seqs", scheduler.max_num_seqs),
+        ("--max-num-batched-tokens", scheduler.max_num_batched_tokens),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, not {value}")
+    check_dtype_name(config.model.dtype)
+    arch = model_arch(resolve_model(config.model.model))
+    max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
+    budget = config.cache.kv_cache_memory
+    if budget is None:
+        if torch.backends.cuda.is_built():
+            return  # a fraction of free device memory: known only once the model is loaded
+        budget, source = CPU_DEFAULT_KV_CACHE_BYTES, "the CPU default"
+    else:
+        source = "--kv-cache-memory"
+    name = config.model.dtype
+    dtype = torch.float32 if name == "auto" else _DTYPES[name]  # auto is float32 on CPU
+    if name == "auto" and torch.backends.cuda.is_built():
+        dtype = torch.bfloat16  # the smaller one: never refuse what the device may accept
+    block_size = config.cache.block_size
+    per_block = kv_bytes_per_block(arch, dtype, block_size, config.parallel.tensor_parallel_size)
+    check_kv_budget(budget, per_block, block_size, max_model_len, source)
 
 
 class Worker:
@@ -67,18 +169,17 @@ class Worker:
         assert self.runner is not None
         per_block = self.runner.kv_bytes_per_block()
         budget = self.config.cache.kv_cache_memory
+        source = "--kv-cache-memory"
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * GPU_KV_CACHE_FRACTION)
+                source = f"{GPU_KV_CACHE_FRACTION:.0%} of the free device memory"
             else:
                 budget = CPU_DEFAULT_KV_CACHE_BYTES
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory {budget} bytes holds no KV block (one block needs {per_block} bytes)"
-            )
-        return int(num_blocks)
+                source = "the CPU default"
+        block_size = self.config.cache.block_size
+        return check_kv_budget(budget, per_block, block_size, self.max_model_len, source)
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
