@@ -137,7 +137,9 @@ def _build(isa: str) -> Path:
         target = _kernel_dir() / f"cpu_kernels_{isa}_{key}.so"
         if target.exists():
             return target
-        logger.info("Compiling treadle's CPU kernels for %s (%s %s)", isa, cc, " ".join(flags))
+        logger.info(
+            "Compiling treadle's CPU kernels for %s (%s %s)", isa, cc, " ".join(flags) or "-O3"
+        )
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / "kernel.so"
             cmd = [cc, *_COMMON_CC_FLAGS, *flags, str(_CSRC / "cpu_kernels.c"), "-o", str(built)]
@@ -324,10 +326,12 @@ def for_model(device: torch.device, dtype: torch.dtype) -> Kernels | None:
     return load()
 
 
-def describe(kernels: Kernels | None) -> str:
-    """For the start-up log: the level and library in use, or why there is none."""
+def describe(kernels: Kernels | None, device: torch.device, dtype: torch.dtype) -> str:
+    """For the start-up log: which kernels a model runs on, and why not treadle's."""
     if kernels is not None:
-        return f"{kernels.isa} ({kernels.path.name})"
+        return f"treadle's {kernels.isa} CPU kernels ({kernels.path.name})"
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"PyTorch ({device.type}, {str(dtype).removeprefix('torch.')})"
     if not envs.cpu_kernels():
-        return "off (TREADLE_CPU_KERNELS=0)"
-    return "none (PyTorch paths)"
+        return "PyTorch (TREADLE_CPU_KERNELS=0)"
+    return "PyTorch (treadle's CPU kernels could not be built)"

@@ -77,6 +77,13 @@ def load_model(
         if module is not model and callable(prepare):
             prepare(kernels)  # each layer picks its implementation, once
     model.prepare(kernels)  # then the model, which looks at its layers' choices
+    fused = model.fused
+    logger.info(
+        "Model runs on %s%s%s",
+        cpu_kernels.describe(kernels, device, dtype),
+        f" with {torch.get_num_threads()} threads" if device.type == "cpu" else "",
+        f"; decode steps of up to {fused.max_rows} requests in one fused call" if fused else "",
+    )
     return model.eval()
 
 
