@@ -67,7 +67,7 @@ def blocks_of(tensor: torch.Tensor) -> GGUFBlocks | None:
 class QuantizedWeight:
     """A weight `[N, K]` in the kernel's tiled layout (see `csrc/cpu_kernels.c`)."""
 
-    tiles: torch.Tensor  # uint8, [ceil(N / TILE_N), K / 32, TILE_N, block bytes]
+    tiles: torch.Tensor  # uint8, [ceil(N / TILE_N), K / 32, TILE_N, 20 (Q4) or 34 (Q8) bytes]
     kind: int
     out_features: int
     in_features: int
@@ -94,18 +94,15 @@ class QuantizedWeight:
         if rows > out_features:
             return None
         blocks = raw.reshape(rows, nb, nbytes)
-        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-        if kind == "Q4_1":
-            m, qs = blocks[..., 2:4].copy().view(np.float16).astype(np.float32), blocks[..., 4:]
-        else:  # Q4_0: w = d (q - 8); Q8_0: w = d q
-            m = -8.0 * d if kind == "Q4_0" else np.zeros_like(d)
-            qs = blocks[..., 2:]
+        if kind == "Q4_0":  # d (q - 8) = d q + m with m = -8 d, exact in half precision
+            d = blocks[..., 0:2].copy().view(np.float16)
+            m = (d * np.float16(-8)).view(np.uint8)
+            blocks = np.concatenate([blocks[..., 0:2], m, blocks[..., 2:]], axis=-1)
+        # else Q4_1 (d, m, qs) and Q8_0 (d, qs) are the kernel's layout already
         padded = -(-out_features // TILE_N) * TILE_N
-        width = 8 + qs.shape[-1]
+        width = blocks.shape[-1]
         out = np.zeros((padded, nb, width), dtype=np.uint8)
-        out[:rows, :, 0:4] = d.view(np.uint8)
-        out[:rows, :, 4:8] = m.view(np.uint8)
-        out[:rows, :, 8:] = qs
+        out[:rows] = blocks
         tiles = out.reshape(padded // TILE_N, TILE_N, nb, width).transpose(0, 2, 1, 3)
         return cls(
             torch.from_numpy(np.ascontiguousarray(tiles)), kernel_kind, out_features, nb * BLOCK

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #define TREADLE_ISA "avx2"
+#define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
 #define D64_BLOCK_FLOATS (D64_BLOCK * 64)
@@ -120,11 +121,11 @@ static inline void block_quants(const char* blocks, int kind, int j, __m256 w[4]
     if (kind == KIND_Q4) {
         const block_q4* blk = (const block_q4*)blocks + j;
         quants_q4(blk, w);
-        *d = blk->d, *m = blk->m;
+        *d = BLOCK_D(blk), *m = Q4_M(blk);
     } else {
         const block_q8* blk = (const block_q8*)blocks + j;
         quants_q8(blk, w);
-        *d = blk->d, *m = blk->m;
+        *d = BLOCK_D(blk), *m = 0.f;
     }
 }
 

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #define TREADLE_ISA "avx512"
+#define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
 #define D64_BLOCK_FLOATS (D64_BLOCK * 64)
@@ -69,14 +70,14 @@ static void attend_d64(const float* qh, int64_t group, const float* kh, const fl
 static inline void expand_q4(const block_q4* b, __m512* lo, __m512* hi) {
     const __m128i raw = _mm_loadu_si128((const __m128i*)b->qs);
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 d = _mm512_set1_ps(b->d);
+    const __m512 d = _mm512_set1_ps(BLOCK_D(b));
     *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))));
     *hi = _mm512_mul_ps(
         d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))));
 }
 
 static inline void expand_q8(const block_q8* b, __m512* lo, __m512* hi) {
-    const __m512 d = _mm512_set1_ps(b->d);
+    const __m512 d = _mm512_set1_ps(BLOCK_D(b));
     *lo = _mm512_mul_ps(
         d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b->qs))));
     *hi = _mm512_mul_ps(
@@ -109,11 +110,10 @@ static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, in
             if (kind == KIND_Q4) {
                 const block_q4* blk = (const block_q4*)blocks + j;
                 expand_q4(blk, &lo, &hi);
-                m = blk->m;
+                m = Q4_M(blk);
             } else {
-                const block_q8* blk = (const block_q8*)blocks + j;
-                expand_q8(blk, &lo, &hi);
-                m = blk->m;
+                expand_q8((const block_q8*)blocks + j, &lo, &hi);
+                m = 0.f;
             }
             for (int64_t r = 0; r < rows; r++) {
                 acc[j][r][0] = _mm512_fmadd_ps(lo, xv[r][0], acc[j][r][0]);
@@ -137,11 +137,10 @@ static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float
             if (kind == KIND_Q4) {
                 const block_q4* blk = (const block_q4*)blocks + j;
                 expand_q4(blk, &lo, &hi);
-                m = _mm512_set1_ps(blk->m);
+                m = _mm512_set1_ps(Q4_M(blk));
             } else {
-                const block_q8* blk = (const block_q8*)blocks + j;
-                expand_q8(blk, &lo, &hi);
-                m = _mm512_set1_ps(blk->m);
+                expand_q8((const block_q8*)blocks + j, &lo, &hi);
+                m = _mm512_setzero_ps();
             }
             _mm512_storeu_ps(w + j * K + b * 32, _mm512_add_ps(lo, m));
             _mm512_storeu_ps(w + j * K + b * 32 + 16, _mm512_add_ps(hi, m));

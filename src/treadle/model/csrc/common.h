@@ -61,10 +61,15 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t strid
    thread's tiles are one sequential stream of memory:
 
        tiles[N / TILE_N][K / 32][TILE_N] of
-         Q4 (Q4_0, Q4_1): struct { float d, m; uint8_t qs[16]; }   24 bytes
+         Q4 (Q4_0, Q4_1): struct { half d, m; uint8_t qs[16]; }   20 bytes (GGUF's Q4_1)
                           w[i] = d * q[i] + m, q[i] = qs[i] & 15, q[i + 16] = qs[i] >> 4
-                          (Q4_0 is d * (q - 8): m = -8 d)
-         Q8_0:            struct { float d, m; int8_t qs[32]; }    40 bytes, m = 0, w[i] = d * qs[i]
+                          (Q4_0 is d * (q - 8): m = -8 d, exact in half precision)
+         Q8_0:            struct { half d; int8_t qs[32]; }        34 bytes (GGUF's Q8_0)
+                          w[i] = d * qs[i]
+
+   The scales stay IEEE half floats, as in the file: a decode step is bound by reading these
+   bytes, and float32 scales would be a fifth more of them. Each level converts them its own
+   way (F16C where it has it: `half_to_float`).
 
    Few rows: y[r, n] = sum_b d_nb * (q_nb . x_rb) + m_nb * sum(x_rb), each block expanded in
    registers (`tile_rows`; the block sums of x are made once per call). Many rows: each tile is
@@ -75,11 +80,31 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t strid
 #define ROWS_AT_ONCE 2   /* rows of x per pass of tile_rows */
 #define GEMV_MAX_ROWS 8  /* beyond this many rows, expand each tile once */
 
-typedef struct { float d, m; uint8_t qs[16]; } block_q4;
-typedef struct { float d, m; int8_t qs[32]; } block_q8;
+typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4;
+typedef struct { uint16_t d; int8_t qs[32]; } block_q8;
 
 enum { KIND_Q4 = 0, KIND_Q8 = 1 };
 
 static inline int64_t block_bytes(int kind) {
     return kind == KIND_Q4 ? (int64_t)sizeof(block_q4) : (int64_t)sizeof(block_q8);
 }
+
+/* IEEE half -> float in plain C (the AVX levels use F16C's instruction instead). */
+static inline float half_to_float_c(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000 | (mant << 13);           /* inf, nan */
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (mant << 13);  /* normal */
+    else if (mant == 0) bits = sign;                                    /* zero */
+    else {                                                              /* subnormal */
+        exp = 113;
+        while (!(mant & 0x400)) { mant <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+    }
+    union { uint32_t u; float f; } v = { bits };
+    return v.f;
+}
+
+/* A block's scale and minimum as floats (a Q8 block has no minimum: 0). */
+#define BLOCK_D(b) half_to_float((b)->d)
+#define Q4_M(b) half_to_float((b)->m)

@@ -3,19 +3,22 @@
    it provides tile_rows, expand_tile and tile_gemm (attention takes the generic loop). */
 
 #define TREADLE_ISA "portable"
+#define half_to_float(h) half_to_float_c(h)
 #define HAVE_ATTEND_D64 0
 
 /* A block's 32 weights as float32, w = d q + m. */
 static inline void block_weights(const char* blocks, int kind, int j, float w[32]) {
     if (kind == KIND_Q4) {
         const block_q4* blk = (const block_q4*)blocks + j;
+        const float d = BLOCK_D(blk), m = Q4_M(blk);
         for (int i = 0; i < 16; i++) {
-            w[i] = blk->d * (float)(blk->qs[i] & 15) + blk->m;
-            w[i + 16] = blk->d * (float)(blk->qs[i] >> 4) + blk->m;
+            w[i] = d * (float)(blk->qs[i] & 15) + m;
+            w[i + 16] = d * (float)(blk->qs[i] >> 4) + m;
         }
     } else {
         const block_q8* blk = (const block_q8*)blocks + j;
-        for (int i = 0; i < 32; i++) w[i] = blk->d * (float)blk->qs[i];
+        const float d = BLOCK_D(blk);
+        for (int i = 0; i < 32; i++) w[i] = d * (float)blk->qs[i];
     }
 }
 
