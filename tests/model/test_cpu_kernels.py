@@ -5,6 +5,8 @@ side of the 8-token groups of the AVX2 path, scattered block tables, strided que
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -100,3 +102,54 @@ def test_prefill_chunks_on_the_kernel_match_the_pytorch_path(
     torch.testing.assert_close(
         attend(kernel_backend), attend(TorchAttention()), rtol=1e-5, atol=1e-5
     )
+
+
+def test_isa_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    best = cpu_kernels.detect_isa()
+    assert cpu_kernels.available_isas()[0] == best
+    assert cpu_kernels.available_isas()[-1] == "portable"
+    monkeypatch.delenv("TREADLE_CPU_ISA", raising=False)
+    assert cpu_kernels.select_isa() == best
+    monkeypatch.setenv("TREADLE_CPU_ISA", "portable")
+    assert cpu_kernels.select_isa() == "portable"
+    monkeypatch.setenv("TREADLE_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="avx512, avx2, portable"):
+        cpu_kernels.select_isa()
+    if best != "avx512":  # a level above this CPU's is refused, never built and run
+        monkeypatch.setenv("TREADLE_CPU_ISA", "avx512")
+        with pytest.raises(ValueError, match="at most"):
+            cpu_kernels.select_isa()
+
+
+def test_each_level_is_its_own_library_that_says_its_level() -> None:
+    names = set()
+    for isa in cpu_kernels.available_isas():
+        kernels = cpu_kernels.kernels_for(isa)
+        assert kernels.isa == isa and f"_{isa}_" in kernels.path.name
+        names.add(kernels.path.name)
+    assert len(names) == len(cpu_kernels.available_isas())
+
+
+def test_the_cache_key_holds_the_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another compiler (here: the same one behind a wrapper that says another version) builds
+    another library, so a cache shared between machines never hands out a foreign build."""
+    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path))
+    first = cpu_kernels._build("portable")
+    wrapper = tmp_path / "othercc"
+    wrapper.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && echo "othercc 99.1" && exit 0\nexec cc "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    second = cpu_kernels._build("portable")
+    assert first != second and first.exists() and second.exists()
+    assert cpu_kernels._build("portable") == second  # and the cache is used
+
+
+def test_an_unwritable_cache_still_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("TREADLE_CACHE_DIR", str(blocked))
+    path = cpu_kernels._build("portable")
+    assert path.exists() and not str(path).startswith(str(blocked))
+    assert cpu_kernels.Kernels("portable", path).isa == "portable"

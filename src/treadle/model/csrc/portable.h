@@ -22,20 +22,33 @@ static inline void block_weights(const char* blocks, int kind, int j, float w[32
     }
 }
 
+/* Per output and row, 32 partial sums that the vectorizer keeps in registers, reduced once at
+   the end (a reduction per block would cost as much as the block's arithmetic). */
 static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
                       const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
     (void)xsum;
     const int64_t bsize = block_bytes(kind);
-    for (int j = 0; j < TILE_N; j++)
-        for (int64_t r = 0; r < rows; r++) out[j][r] = 0.f;
+    float acc[TILE_N][ROWS_AT_ONCE][32];
+    memset(acc, 0, sizeof(acc));
     for (int64_t b = 0; b < nb; b++) {
         const char* blocks = tile + b * TILE_N * bsize;
         for (int j = 0; j < TILE_N; j++) {
             float w[32];
             block_weights(blocks, kind, j, w);
-            for (int64_t r = 0; r < rows; r++) out[j][r] += dot(w, x + r * K + b * 32, 32);
+            for (int64_t r = 0; r < rows; r++) {
+                const float* xb = x + r * K + b * 32;
+                float* a = acc[j][r];
+                #pragma omp simd
+                for (int i = 0; i < 32; i++) a[i] += w[i] * xb[i];
+            }
         }
     }
+    for (int j = 0; j < TILE_N; j++)
+        for (int64_t r = 0; r < rows; r++) {
+            float s = 0.f;
+            for (int i = 0; i < 32; i++) s += acc[j][r][i];
+            out[j][r] = s;
+        }
 }
 
 static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float* w) {
