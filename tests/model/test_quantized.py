@@ -115,10 +115,16 @@ def test_when_the_kernel_does_not_apply() -> None:
     assert q4.cols(16, 32) is None  # not on a block boundary
     weight = torch.nn.Parameter(dequantized(q4))
     quant = QuantizedWeight.build([q4], 8, torch.device("cpu"))
-    kernels = cpu_kernels.kernels_for("portable")
     # no kernels (bfloat16, CUDA, TREADLE_CPU_KERNELS=0): the weight itself, or its packed copy
     assert not isinstance(linear_method.choose(weight, quant, None), GGUFLinear)
-    method = linear_method.choose(weight, quant, kernels)
+    # a level where the blocks are never the faster copy (portable) does not use them either
+    portable = cpu_kernels.kernels_for("portable")
+    assert linear_method.GGUF_MAX_ROWS["portable"] == 0
+    assert not isinstance(linear_method.choose(weight, quant, portable), GGUFLinear)
+    best = cpu_kernels.kernels_for(cpu_kernels.detect_isa())
+    if linear_method.GGUF_MAX_ROWS[best.isa] == 0:
+        pytest.skip(f"this CPU's best level ({best.isa}) never uses the blocks")
+    method = linear_method.choose(weight, quant, best)
     assert isinstance(method, GGUFLinear)
     # beyond the crossover, rows go to the other copy
     x = torch.randn(method.max_rows + 1, 64)

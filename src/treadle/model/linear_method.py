@@ -27,11 +27,15 @@ logger = init_logger(__name__)
 PACKED_MIN_ROWS = 3  # below this, float32 stays on PyTorch's GEMV (faster at 1-2 rows)
 
 # Up to this many float32 rows the GGUF-block kernel is faster than oneDNN's packed float32
-# GEMM, per ISA level: measured in the engine on the default model (decode steps of N running
-# requests, side by side; `benchmarks/linear_crossover.py` measures the layers alone).
-# AVX-512 (2-core Zen 4): 1.9x at 1 row, 1.5x at 12, 1.2-1.3x at 24-32, 1.08x at 64, 1.03x
-# at 96. AVX2 (the same CPU at TREADLE_CPU_ISA=avx2, oneDNN capped at AVX2 too): see README.
-GGUF_MAX_ROWS = {"avx512": 64, "avx2": 64, "portable": 64}
+# GEMM (or PyTorch's GEMV at 1-2 rows), per ISA level: measured on the default model's shapes
+# with `benchmarks/linear_crossover.py` (layers alone) and in the engine (decode steps of N
+# running requests), side by side.
+# - avx512 (2-core Zen 4): 1.9x at 1 row, 1.5x at 12, 1.2-1.3x at 24-32, 1.08x at 64, 1.03x
+#   at 96 in the engine.
+# - avx2 (the same CPU at TREADLE_CPU_ISA=avx2, oneDNN capped at AVX2 too): see README.
+# - portable: the plain-C expansion (no byte-widening instruction in baseline x86-64) is 2-3x
+#   slower than oneDNN even at one row (0.53x for a layer's linears): never.
+GGUF_MAX_ROWS = {"avx512": 64, "avx2": 64, "portable": 0}
 
 
 class LinearMethod:
@@ -113,9 +117,9 @@ def choose(
     dense = (
         DenseLinear(weight, lm_head) if packed is None else PackedLinear(weight, packed, lm_head)
     )
-    if quant is None or kernels is None:
+    max_rows = GGUF_MAX_ROWS[kernels.isa] if kernels is not None else 0
+    if quant is None or kernels is None or max_rows < 1:
         return dense
-    max_rows = GGUF_MAX_ROWS[kernels.isa]
     if packed is not None and max_rows >= PACKED_MIN_ROWS - 1 and not lm_head:
         # Every row count now goes to the blocks or to the packed copy (425 MB for the
         # default model in float32).
