@@ -72,6 +72,8 @@ class ModelConfig:
     """Longest prompt + output, in tokens; default: the model's own limit."""
     seed: int = 0
     """Seed of the sampler for requests that give none."""
+    max_logprobs: int = 20
+    """Most logprobs a request may ask for per token (`logprobs`, chat `top_logprobs`), as vLLM's."""
 
 
 @dataclass(frozen=True)
@@ -146,11 +148,24 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class FrontendConfig:
+    """Limits of the HTTP server, checked before any tokenizing."""
+
+    max_request_body_bytes: int = 8 << 20
+    """Largest HTTP request body; a larger one gets 413."""
+    max_prompt_chars: int | None = None
+    """Longest prompt in characters (each completion prompt, or chat messages and the rendered chat); default: max_model_len x the longest token in the vocabulary, beyond which no prompt can fit."""
+    trust_request_chat_template: bool = False
+    """Accept a chat template sent in a request (`chat_template`, or in `chat_template_kwargs`); templates run code-like Jinja on the server."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -14,6 +14,8 @@ import pytest
 from treadle import LLM, SamplingParams
 from treadle.model.arch import UnsupportedModelError
 from treadle.model.loader import ModelLoadError
+from treadle.validation import InvalidRequest
+from treadle.wire.engine import EngineCoreRequest, FinishReason
 
 TREADLE = str(Path(sys.executable).parent / "treadle")  # the console script a user runs
 
@@ -122,6 +124,40 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(
 def test_bad_sampling_params_name_the_field(kwargs: dict[str, float], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_params_the_model_cannot_take_raise_before_anything_runs(llm: LLM) -> None:
+    cases = [
+        (SamplingParams(logprobs=21), "logprobs", "see --max-logprobs"),
+        (SamplingParams(stop_token_ids=[10**6], min_tokens=2), "stop_token_ids", "49152"),
+    ]
+    for params, field, message in cases:
+        with pytest.raises(InvalidRequest, match=message) as info:
+            llm.generate(["fine", "prompt"], params, use_tqdm=False)
+        assert info.value.param == field
+    stats = llm.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)
+
+
+def test_a_bad_request_sent_straight_to_the_engine_process_is_refused_alone(llm: LLM) -> None:
+    """Over the real sockets, past every front-end check: the engine core answers that
+    request with an error and keeps serving (these used to kill it)."""
+    expected = llm.generate("still fine", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for i, (field, value) in enumerate(
+        [("logprobs", 100_000), ("stop_token_ids", [10**6]), ("top_k", 10**18)]
+    ):
+        params = SamplingParams(max_tokens=4, min_tokens=2, temperature=1.0)
+        setattr(params, field, value)  # as a client that skips SamplingParams' checks
+        llm.engine.add_request(EngineCoreRequest(f"bad{i}", [1, 2, 3], params, eos_token_id=2))
+        out = llm.engine.get_output().outputs[0]
+        if field == "top_k":  # a valid top_k (only larger than the vocabulary) runs
+            while not out.finished:
+                out = llm.engine.get_output().outputs[0]
+            assert out.finish_reason is FinishReason.LENGTH
+            continue
+        assert (out.request_id, out.finish_reason) == (f"bad{i}", FinishReason.ERROR)
+        assert field in str(out.stop_reason)
+    assert llm.generate("still fine", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
 def test_unknown_model_path() -> None:

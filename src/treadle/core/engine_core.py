@@ -14,7 +14,14 @@ from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
 from treadle.model.loader import read_arch
-from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from treadle.validation import InvalidRequest, ModelLimits, check_request, is_finite
+from treadle.wire.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from treadle.worker.worker import resolve_max_model_len
 
 logger = init_logger(__name__)
@@ -33,6 +40,9 @@ class EngineCore:
             explicit=config.model.max_model_len is not None,
         )
         self.vocab_size = self.executor.arch.vocab_size
+        self.limits = ModelLimits(self.vocab_size, self.max_model_len, config.model.max_logprobs)
+        # Outputs of refused requests, by client index, returned by the next step().
+        self._refused: dict[int, list[EngineCoreOutput]] = {}
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len
         )
@@ -48,37 +58,60 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; raises `ValueError` (and changes nothing) if it cannot run."""
-        ids = request.prompt_token_ids
-        if not ids:
-            raise ValueError(f"request {request.request_id}: the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id}: the prompt has {len(ids)} tokens, but "
-                f"max_model_len is {self.max_model_len} (room for at least one output token needed)"
-            )
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(
-                f"request {request.request_id}: token ids must be in [0, {self.vocab_size})"
-            )
+        """Queue a request. Never raises for what a client sent: a request that fails
+        `validation.check_request` (or whose id is already running) is not queued; it finishes
+        at once with `FinishReason.ERROR` and the reason as `stop_reason`, in the outputs of
+        the next `step()`, for its client alone."""
+        try:
+            self._check(request)
+            self.scheduler.add_request(Request.from_engine_core_request(request))
+        except InvalidRequest as e:
+            self.refuse(request.request_id, request.client_index, str(e))
+        except Exception as e:  # a bug, not the client's fault; still only this request's
+            logger.exception("Could not add request %r", getattr(request, "request_id", None))
+            self.refuse(request.request_id, request.client_index, f"internal error: {e!r}")
+
+    def _check(self, request: EngineCoreRequest) -> None:
+        check_request(
+            request.prompt_token_ids,
+            request.sampling_params,
+            self.limits,
+            request.eos_token_id,
+            request.priority,
+        )
+        if not is_finite(request.arrival_time):
+            raise InvalidRequest("arrival_time", f"must be finite, got {request.arrival_time}")
+        if request.prompt_embeds is not None:
+            raise InvalidRequest("prompt_embeds", "are not supported")
         if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already running")
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
+
+    def refuse(self, request_id: str, client_index: int, reason: str) -> None:
+        """Answer a request that will not run (also one that could not even be decoded) with
+        `FinishReason.ERROR` in the next `step()`."""
+        logger.warning("Refused request %r: %s", request_id, reason)
+        out = EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+        self._refused.setdefault(client_index, []).append(out)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or refusals not yet returned by `step()`."""
+        return bool(self._refused) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> dict[int, EngineCoreOutputs]:
-        """schedule -> execute -> update; returns the outputs for each client index."""
-        if not self.scheduler.has_unfinished_requests():
+        """schedule -> execute -> update; returns the outputs for each client index (with the
+        refusals of `add_request` since the last step)."""
+        per_client, self._refused = self._refused, {}
+        if self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            result = self.executor.execute_model(sched)
+            self._apply_eager_aborts()
+            for client, outs in self.scheduler.update_from_output(sched, result).items():
+                per_client.setdefault(client, []).extend(outs)
+        if not per_client:
             return {}
-        sched = self.scheduler.schedule()
-        result = self.executor.execute_model(sched)
-        self._apply_eager_aborts()
-        per_client = self.scheduler.update_from_output(sched, result)
         stats = self.scheduler.make_stats()
         now = time.time()
         return {

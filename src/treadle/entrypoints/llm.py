@@ -25,6 +25,7 @@ from treadle.frontend.tokenizer import load_tokenizer
 from treadle.model.loader import read_arch
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
+from treadle.validation import ModelLimits
 from treadle.wire.engine import SchedulerStats
 
 Conversation = list[dict[str, Any]]
@@ -44,12 +45,17 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         block_size: int = CacheConfig.block_size,
+        max_logprobs: int = ModelConfig.max_logprobs,
     ) -> None:
         source = resolve_model(model)  # fail fast, before any loading, on a bad path
         read_arch(source)  # and on a checkpoint that is corrupt or of an unsupported kind
         self.config = EngineConfig(
             model=ModelConfig(
-                model=source.path, dtype=dtype, max_model_len=max_model_len, seed=seed
+                model=source.path,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                max_logprobs=max_logprobs,
             ),
             cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
@@ -68,7 +74,8 @@ class LLM:
         )
         self.tokenizer = load_tokenizer(source)
         info = self.engine.info
-        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        limits = ModelLimits(info.vocab_size, info.max_model_len, max_logprobs)
+        self.input_processor = InputProcessor(self.tokenizer, limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -108,7 +115,10 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+        Every prompt and its parameters are checked first (`InvalidRequest`, a `ValueError`,
+        naming the field); if the engine core still refuses one, its output finishes with
+        `finish_reason` "error" and the reason in `stop_reason`."""
         prompt_list = _as_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
         priorities = priority or [0] * len(prompt_list)
@@ -120,7 +130,7 @@ class LLM:
             ids, tokenized, params_list, priorities, strict=True
         ):
             requests.append((rid, text, tokens, params, prio))
-            self.input_processor.process(rid, tokens, params, prio)
+            self.input_processor.check(tokens, params, prio)
         for rid, text, tokens, params, prio in requests:
             self._add(rid, text, tokens, params, prio)
         finished: dict[str, RequestOutput] = {}
@@ -159,7 +169,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         text, tokens = self.input_processor.tokenize(prompt)
         rid = str(next(self._ids))
-        self.input_processor.process(rid, tokens, params)
+        self.input_processor.check(tokens, params)
         self._add(rid, text, tokens, params, 0)
         yield from self._run()
 

@@ -25,7 +25,8 @@ from treadle.logger import init_logger
 from treadle.model.loader import read_arch
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
-from treadle.wire.engine import EngineCoreOutputs, SchedulerStats
+from treadle.validation import InvalidRequest, ModelLimits
+from treadle.wire.engine import EngineCoreOutputs, FinishReason, SchedulerStats
 
 logger = init_logger(__name__)
 
@@ -82,7 +83,10 @@ class AsyncLLM:
             self.tokenizer = tokenizer.result()
         info = self.client.info
         self.max_model_len = info.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        limits = ModelLimits(info.vocab_size, info.max_model_len, config.model.max_logprobs)
+        self.input_processor = InputProcessor(
+            self.tokenizer, limits, config.frontend.max_prompt_chars
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.times: dict[str, RequestTimes] = {}
@@ -112,7 +116,8 @@ class AsyncLLM:
         data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the growing output until it finishes; raises `EngineDeadError` if the engine
-        dies, `ValueError` for a prompt the model cannot take or a DP rank that does not exist."""
+        dies, `InvalidRequest` (a `ValueError`) for a request the model cannot take (checked
+        here, or refused by the engine core), `ValueError` for a DP rank that does not exist."""
         if self.dead:
             raise EngineDeadError(self.client.dead_reason or "the engine core is dead")
         requests = []
@@ -136,6 +141,7 @@ class AsyncLLM:
                 await self.client.add_request(request, data_parallel_rank)
             while True:
                 out = await collector.get()
+                _raise_if_refused(out)
                 finished = out.finished
                 yield out
                 if finished:
@@ -186,3 +192,11 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self.client.shutdown()
+
+
+def _raise_if_refused(out: RequestOutput) -> None:
+    """An engine core refuses a request it cannot run with a finish reason "error" (see
+    `EngineCore.add_request`); the caller gets it as the same error the front end raises."""
+    for comp in out.outputs:
+        if comp.finish_reason == str(FinishReason.ERROR):
+            raise InvalidRequest(None, f"the engine refused the request: {comp.stop_reason}")

@@ -1,47 +1,157 @@
-"""Prompts in: text, token ids or chat messages -> a validated `EngineCoreRequest`."""
+"""Prompts in: text, token ids or chat messages -> a validated `EngineCoreRequest`.
+
+Every check goes through `treadle.validation` (the same rules the engine core runs again).
+Text is measured before it is tokenized or rendered: a prompt longer than `max_prompt_chars`
+is refused without the cost of tokenizing it. The methods are synchronous; the HTTP server
+calls the heavy ones (`encode`, `render_chat`) from a thread pool.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from treadle.sampling_params import SamplingParams
+from treadle.validation import InvalidRequest, ModelLimits, check_request
 from treadle.wire.engine import EngineCoreRequest
 
 PromptType = str | dict[str, Any] | list[int]
 
+# Parameters of `apply_chat_template` itself: a client's `chat_template_kwargs` may not set them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters in the vocabulary's longest token string. A token covers at most that many
+    characters of the text, so a text longer than `n` times this cannot fit in `n` tokens."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(t) for t in tokens if t), default=1)
+
+
+def message_chars(messages: Sequence[dict[str, Any]]) -> int:
+    """Characters in the text of chat messages (string values, and those of content parts)."""
+    total = 0
+    for message in messages:
+        for value in message.values():
+            if isinstance(value, str):
+                total += len(value)
+            elif isinstance(value, list):
+                for part in value:
+                    if isinstance(part, dict):
+                        total += sum(len(v) for v in part.values() if isinstance(v, str))
+    return total
+
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Any, limits: ModelLimits, max_prompt_chars: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+        self.limits = limits
+        self.max_model_len = limits.max_model_len
+        self.vocab_size = limits.vocab_size
         self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.max_prompt_chars = (
+            max_prompt_chars
+            if max_prompt_chars is not None
+            else limits.max_model_len * longest_token_chars(tokenizer)
+        )
+
+    def check_chars(self, num_chars: int, param: str = "prompt") -> None:
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequest(
+                param,
+                f"has {num_chars} characters, more than this server takes "
+                f"({self.max_prompt_chars}; see --max-prompt-chars)",
+            )
+
+    def encode(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of `text`, after checking its length in characters."""
+        self.check_chars(len(text), param)
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) for any accepted prompt form."""
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], list(self.tokenizer(prompt["prompt"]).input_ids)
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                return prompt["prompt"], self.encode(prompt["prompt"])
+            raise InvalidRequest("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+        raise InvalidRequest("prompt", f"has an unsupported type {type(prompt).__name__}")
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat as prompt text. `chat_template` replaces the model's own (whether a
+        client may send one is the caller's policy). Raises `InvalidRequest`."""
+        self.check_chars(message_chars(messages), "messages")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise InvalidRequest(
+                "chat_template_kwargs", f"may not set {', '.join(reserved)} (request fields)"
+            )
+        template = kwargs.pop("chat_template", None) or chat_template
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest(
+                "messages", "this model's tokenizer has no chat template; use a plain prompt"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as e:  # a template may raise anything on odd messages
+            raise InvalidRequest(
+                "messages", f"cannot apply the chat template: {type(e).__name__}: {e}"
+            ) from e
+        text = str(text)
+        self.check_chars(len(text), "messages")
+        return text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
-        return str(
-            self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
-        )
+        """`render_chat` with the template's extra variables as keyword arguments."""
+        template = kwargs.pop("chat_template", None)
+        return self.render_chat(messages, add_generation_prompt, template, kwargs)
+
+    def check(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        """`validation.check_request` against this model; raises `InvalidRequest`."""
+        check_request(prompt_token_ids, params, self.limits, self.eos_token_id, priority)
 
     def process(
         self,
@@ -51,17 +161,8 @@ class InputProcessor:
         priority: int = 0,
         client_index: int = 0,
     ) -> EngineCoreRequest:
-        """Validate against the model's limits; raises `ValueError` with what to change."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but this model's maximum context length is "
-                f"{self.max_model_len} tokens: shorten the prompt"
-            )
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        """Validate against the model's limits; raises `InvalidRequest` with what to change."""
+        self.check(prompt_token_ids, params, priority)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

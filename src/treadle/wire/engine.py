@@ -24,11 +24,13 @@ class EngineCoreRequestType(enum.Enum):
 
 
 class FinishReason(enum.IntEnum):
-    """Why a request ended; `str()` gives the OpenAI spelling."""
+    """Why a request ended; `str()` gives the OpenAI spelling. ERROR (as vLLM's): the engine
+    refused or could not run the request; `stop_reason` then carries the message."""
 
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -106,3 +108,20 @@ class StartDPWave(msgspec.Struct, array_like=True, gc=False):
 
     wave: int
     exclude: int
+
+
+def add_request_identity(payload: bytes | memoryview) -> tuple[str, int] | None:
+    """(request_id, client_index) of an ADD payload that did not decode as an
+    `EngineCoreRequest` (e.g. out-of-range sampling params), when it holds them, so that the
+    engine core can still refuse that request (`EngineCore.refuse`) instead of leaving its
+    sender waiting."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+    if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
+        return None
+    client_index = raw[5] if len(raw) > 5 else 0  # array-like: trailing defaults are omitted
+    if not isinstance(client_index, int) or isinstance(client_index, bool):
+        return None
+    return raw[0], client_index

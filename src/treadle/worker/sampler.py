@@ -118,8 +118,8 @@ def _logprobs(logprobs: torch.Tensor, token: int, num_top: int) -> Logprobs:
     rank = int((logprobs > chosen).sum().item()) + 1
     ids = [token]
     values = [float(chosen)]
-    if num_top:
-        top = logprobs.topk(num_top)
+    if num_top:  # the engine core refuses more than the vocabulary; never index past it
+        top = logprobs.topk(min(num_top, logprobs.shape[-1]))
         ids += top.indices.tolist()
         values += top.values.tolist()
     return Logprobs(token_ids=[ids], logprobs=[values], ranks=[rank])

@@ -1,0 +1,211 @@
+"""The one set of rules for what a client may ask of the engine, used at every edge: the HTTP
+server, the offline `LLM`, `SamplingParams` itself, and again the engine core (which must never
+trust what reaches its socket).
+
+Two levels:
+- `check_sampling_params`: rules that need no model (ranges, int64, finite floats, list sizes);
+  `SamplingParams` runs them on construction and so on decoding.
+- `check_request`: everything against the model's `ModelLimits` (vocabulary, context length,
+  `max_logprobs`), plus the request's other fields.
+
+Every failure is an `InvalidRequest` (a `ValueError`) that names the field, so the HTTP server
+answers 400 with OpenAI's `param` and the engine core answers that request alone with an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.sampling_params import SamplingParams
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_N = 128
+"""Most samples per prompt (OpenAI's limit for `n`)."""
+MAX_STOP = 1024
+"""Most stop strings and most stop token ids per request (each is checked on every step)."""
+MAX_PROMPTS = 2048
+"""Most sequences one request may start: its prompts times `n`."""
+DEFAULT_MAX_LOGPROBS = 20
+"""vLLM's `--max-logprobs` default."""
+MIN_TEMPERATURE = 0.01
+"""A temperature in (0, MIN_TEMPERATURE) is raised to it, as vLLM does: smaller ones overflow."""
+
+
+class InvalidRequest(ValueError):
+    """A request the engine will not run. `param` names the field (OpenAI's error `param`),
+    `detail` says what is wrong; `where` only prefixes the message (`SamplingParams.`)."""
+
+    def __init__(self, param: str | None, detail: str, where: str = "") -> None:
+        self.param, self.detail = param, detail
+        super().__init__(f"{where}{param} {detail}" if param else detail)
+
+    @property
+    def message(self) -> str:
+        """The message without `where`, as an HTTP client sees it."""
+        return f"{self.param} {self.detail}" if self.param else self.detail
+
+    def renamed(self, names: dict[str, str]) -> InvalidRequest:
+        """The same error under the client's name for the field (chat's `top_logprobs`)."""
+        if self.param is None or self.param not in names:
+            return self
+        return InvalidRequest(names[self.param], self.detail)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: the served model and the engine's settings."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+
+
+def is_int64(value: Any) -> bool:
+    return isinstance(value, int) and INT64_MIN <= value <= INT64_MAX
+
+
+def is_finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _int(value: Any, param: str, low: int = INT64_MIN, high: int = INT64_MAX) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidRequest(param, f"must be an integer in [{_n(low)}, {_n(high)}], got {value!r}")
+
+
+def _float(value: Any, param: str, low: float, high: float, low_open: bool = False) -> None:
+    ok = is_finite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        if high == math.inf:
+            span = f"> {low}" if low_open else f">= {low}"
+        else:
+            span = f"in ({low}, {high}]" if low_open else f"in [{low}, {high}]"
+        raise InvalidRequest(param, f"must be a finite number {span}, got {value!r}")
+
+
+def _n(bound: int) -> str:
+    return {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1"}.get(bound, str(bound))
+
+
+def check_sampling_params(p: SamplingParams, where: str = "SamplingParams.") -> None:
+    """The rules that need no model. Raises `InvalidRequest` naming the first bad field."""
+    try:
+        _check_sampling_params(p)
+    except InvalidRequest as e:
+        raise InvalidRequest(e.param, e.detail, where) from None
+
+
+def _check_sampling_params(p: SamplingParams) -> None:
+    _int(p.n, "n", 1, MAX_N)
+    _float(p.temperature, "temperature", 0.0, math.inf)
+    _float(p.top_p, "top_p", 0.0, 1.0, low_open=True)
+    _int(p.top_k, "top_k", 0)  # 0 (or vLLM's -1, normalised to 0) means no top-k
+    _float(p.min_p, "min_p", 0.0, 1.0)
+    _float(p.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _float(p.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _float(p.repetition_penalty, "repetition_penalty", 0.0, math.inf, low_open=True)
+    if p.seed is not None:
+        # Sample i of n draws with seed + i, which must stay an int64 too.
+        _int(p.seed, "seed", high=INT64_MAX - (p.n - 1))
+    if p.max_tokens is not None:
+        _int(p.max_tokens, "max_tokens", 1)
+    _int(p.min_tokens, "min_tokens", 0)
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise InvalidRequest(
+            "min_tokens", f"must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}"
+        )
+    if p.logprobs is not None:
+        _int(p.logprobs, "logprobs", 0)
+    _list(p.stop, "stop")
+    if not all(isinstance(s, str) and s for s in p.stop):
+        raise InvalidRequest("stop", "must be non-empty strings")
+    _list(p.stop_token_ids, "stop_token_ids")
+    for t in p.stop_token_ids:
+        _int(t, "stop_token_ids", 0)
+
+
+def _list(value: Any, param: str) -> None:
+    if not isinstance(value, list):
+        raise InvalidRequest(param, f"must be a list, got {type(value).__name__}")
+    if len(value) > MAX_STOP:
+        raise InvalidRequest(param, f"may have at most {MAX_STOP} entries, got {len(value)}")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Every id is an int in [0, vocab_size)."""
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InvalidRequest(param, f"must be token ids in [0, {vocab_size}), got {t!r}")
+
+
+def check_prompt(prompt_token_ids: Sequence[int], limits: ModelLimits) -> None:
+    """A prompt the model can take: not empty, shorter than max_model_len, ids in the vocab."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequest("prompt", "is empty: give at least one token")
+    if n >= limits.max_model_len:
+        raise InvalidRequest(
+            "prompt",
+            f"has {n} tokens, but this model's maximum context length is "
+            f"{limits.max_model_len} tokens (with room for at least one output token): "
+            "shorten the prompt",
+        )
+    check_token_ids(prompt_token_ids, limits.vocab_size, "prompt")
+
+
+def check_batch(num_prompts: int, n: int = 1) -> None:
+    """A request of several prompts (each sampled `n` times) starts at most MAX_PROMPTS
+    sequences."""
+    if num_prompts > MAX_PROMPTS:
+        raise InvalidRequest("prompt", f"may hold at most {MAX_PROMPTS} prompts")
+    if num_prompts * n > MAX_PROMPTS:
+        raise InvalidRequest(
+            "n", f"times the {num_prompts} prompts must be at most {MAX_PROMPTS}, got {n}"
+        )
+
+
+def check_max_tokens(max_tokens: int, prompt_len: int, limits: ModelLimits) -> None:
+    """The HTTP API's rule (OpenAI's): prompt + max_tokens must fit the context."""
+    if prompt_len + max_tokens > limits.max_model_len:
+        raise InvalidRequest(
+            "max_tokens",
+            f"is too large: this model's maximum context length is {limits.max_model_len} "
+            f"tokens, and you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+            f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens.",
+        )
+
+
+def check_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    limits: ModelLimits,
+    eos_token_id: int | None = None,
+    priority: int = 0,
+) -> None:
+    """Everything about one request against the model; raises `InvalidRequest`.
+
+    Runs `check_sampling_params` again too: a `SamplingParams` may have been changed after it
+    was built, and the engine core must not rely on its sender."""
+    from treadle.sampling_params import SamplingParams
+
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest("sampling_params", "must be SamplingParams")
+    check_sampling_params(params, where="")
+    check_prompt(prompt_token_ids, limits)
+    check_token_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    if eos_token_id is not None:
+        check_token_ids([eos_token_id], limits.vocab_size, "eos_token_id")
+    if params.logprobs is not None:
+        most = min(limits.max_logprobs, limits.vocab_size)
+        if params.logprobs > most:
+            raise InvalidRequest(
+                "logprobs",
+                f"asks for {params.logprobs} logprobs per token, more than this server allows "
+                f"({most}; see --max-logprobs)",
+            )
+    _int(priority, "priority")
