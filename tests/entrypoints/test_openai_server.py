@@ -266,6 +266,7 @@ def test_models_tokenize_detokenize_version_metrics(server: RemoteServer) -> Non
     assert (
         models["data"][0]["id"] == "SmolLM2-135M-Instruct"
         and models["data"][0]["max_model_len"] == 512
+        and models["data"][0]["root"] == "SmolLM2-135M-Instruct"  # never a filesystem path
     )
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
     assert tokens["count"] == 5

@@ -13,6 +13,7 @@ from treadle.config import (
     DEFAULT_MODEL_NAME,
     CacheConfig,
     EngineConfig,
+    FrontendConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -45,6 +46,12 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="auto", help=model_doc["dtype"])
     p.add_argument("--max-model-len", type=int, default=None, help=model_doc["max_model_len"])
     p.add_argument("--seed", type=int, default=0, help=model_doc["seed"])
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=ModelConfig.max_logprobs,
+        help=model_doc["max_logprobs"],
+    )
     p.add_argument(
         "--max-num-seqs",
         type=int,
@@ -132,6 +139,21 @@ def add_serve_parser(sub: Any) -> None:
         default=os.environ.get("TREADLE_API_KEY"),
         help="require this key as `Authorization: Bearer KEY` (default: $TREADLE_API_KEY)",
     )
+    front_doc = cli_docs(FrontendConfig)
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=FrontendConfig.max_request_body_bytes,
+        help=front_doc["max_request_body_bytes"] + " Accepts 8MiB or bytes (default 8MiB).",
+    )
+    p.add_argument(
+        "--max-prompt-chars", type=int, default=None, help=front_doc["max_prompt_chars"]
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help=front_doc["trust_request_chat_template"],
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -188,6 +210,7 @@ def serve(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 max_model_len=args.max_model_len,
                 seed=args.seed,
+                max_logprobs=args.max_logprobs,
             ),
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
@@ -199,6 +222,11 @@ def serve(args: argparse.Namespace) -> int:
                 args.data_parallel_start_rank,
                 args.data_parallel_address,
                 args.data_parallel_rpc_port,
+            ),
+            frontend=FrontendConfig(
+                args.max_request_body_bytes,
+                args.max_prompt_chars,
+                args.trust_request_chat_template,
             ),
         )
         config.parallel.check()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import signal
 import socket
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import treadle
 from treadle.config import EngineConfig
+from treadle.entrypoints.openai.body_limit import BodySizeLimit
 from treadle.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,6 +33,7 @@ from treadle.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    fill_limits,
 )
 from treadle.entrypoints.openai.serving import APIError, OpenAIServing, error_body
 from treadle.frontend.async_llm import AsyncLLM
@@ -38,6 +41,7 @@ from treadle.frontend.core_client import AttachTo, EngineDeadError
 from treadle.frontend.metrics import render_metrics
 from treadle.ipc.process import ReadyPipe
 from treadle.logger import init_logger
+from treadle.validation import InvalidRequest
 
 logger = init_logger(__name__)
 
@@ -51,20 +55,50 @@ def build_app(
     api_key: str | None,
     announce: str | None = None,
 ) -> FastAPI:
+    """The HTTP app. `model_path` is only logged: clients see `model_name`, never a path."""
     serving = OpenAIServing(engine, model_name)
+    inputs = serving.inputs
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        logger.info("Serving %s as %r", model_path, model_name)
         if announce:  # uvicorn says where it listens only when it opened the socket itself
             logging.getLogger("uvicorn.error").info("%s", announce)
         yield
+        inputs.shutdown()
 
     app = FastAPI(title="treadle", version=treadle.__version__, lifespan=lifespan)
+    generate_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The schema with this server's bounds (model name, vocabulary, lengths)."""
+        if app.openapi_schema is None:
+            limits = engine.input_processor.limits
+            schema = generate_openapi()
+            fill_limits(
+                schema, model_name, limits.vocab_size, limits.max_model_len, limits.max_logprobs
+            )
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(BodySizeLimit, max_bytes=engine.config.frontend.max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(error_body(e.message, e.status, e.kind, e.param), status_code=e.status)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(_: Request, e: InvalidRequest) -> JSONResponse:
+        return JSONResponse(error_body(e.message, 400, "BadRequestError", e.param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        # A bug, not the client's fault: still answer in OpenAI's shape (uvicorn logs it).
+        return JSONResponse(
+            error_body(f"internal error: {type(e).__name__}", 500, "InternalServerError"),
+            status_code=500,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -84,19 +118,19 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "NotFoundError" if e.status_code == 404 else "HTTPError"
+        kind = {404: "NotFoundError", 413: "RequestTooLargeError"}.get(e.status_code, "HTTPError")
         return JSONResponse(
             error_body(str(e.detail), e.status_code, kind), status_code=e.status_code
         )
 
     if api_key:
+        expected = f"Bearer {api_key}".encode()
 
         @app.middleware("http")
         async def check_key(request: Request, call_next: Any) -> Response:
-            if (
-                request.url.path.startswith("/v1")
-                and request.headers.get("Authorization") != f"Bearer {api_key}"
-            ):
+            given = request.headers.get("Authorization", "").encode()
+            # Constant time: how long a wrong key takes must not tell how much of it was right.
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
                 return JSONResponse(
                     error_body(
                         "Unauthorized: missing or wrong API key", 401, "AuthenticationError"
@@ -132,7 +166,7 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(
-            data=[ModelCard(id=model_name, root=model_path, max_model_len=engine.max_model_len)]
+            data=[ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)]
         )
 
     @app.post("/v1/completions")
@@ -146,23 +180,15 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(req.model)
-        if req.messages is not None:
-            text = engine.input_processor.apply_chat_template(
-                req.messages, add_generation_prompt=req.add_generation_prompt
-            )
-            ids = engine.tokenizer(text, add_special_tokens=False).input_ids
-        elif req.prompt is not None:
-            ids = engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        else:
-            raise APIError("give `prompt` or `messages`", param="prompt")
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_model_len}
+        ids = await inputs.tokenize(
+            req.prompt, req.messages, req.add_special_tokens, req.add_generation_prompt
+        )
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         serving.check_model(req.model)
-        if any(t < 0 or t >= len(engine.tokenizer) for t in req.tokens):
-            raise APIError("token ids out of range", param="tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        return {"prompt": await inputs.detokenize(req.tokens)}
 
     return app
 

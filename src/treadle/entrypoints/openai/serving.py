@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from treadle.entrypoints.openai.inputs import PromptInputs
 from treadle.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -19,8 +20,12 @@ from treadle.entrypoints.openai.protocol import (
 )
 from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import EngineDeadError
+from treadle.logger import init_logger
 from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams
+from treadle.validation import InvalidRequest, check_batch, check_max_tokens, is_int64
+
+logger = init_logger(__name__)
 
 
 class APIError(Exception):
@@ -56,6 +61,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     ).model_dump()
 
 
+def _logprob_work(outputs: Any) -> int:
+    """How many tokens a response must decode for its logprobs (to decide on the thread pool)."""
+    return sum(
+        sum(len(entry) for entry in comp.logprobs)
+        for out in outputs
+        for comp in out.outputs
+        if comp.logprobs is not None
+    )
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -65,29 +80,32 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
+        self.inputs = PromptInputs(engine.input_processor, engine.config.frontend)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
     def _params(
-        self, req: Any, max_tokens: int | None, prompt_len: int, logprobs: int | None
+        self,
+        req: Any,
+        max_tokens: int | None,
+        prompts: list[tuple[str | None, list[int]]],
+        logprobs: int | None,
     ) -> SamplingParams:
-        room = self.engine.max_model_len - prompt_len
+        """The request's `SamplingParams`, checked with every prompt against the model (the
+        same `validation` rules the engine core runs again). Raises `InvalidRequest`."""
+        limits = self.engine.input_processor.limits
+        longest = max(len(ids) for _, ids in prompts)
         if max_tokens is None:
-            max_tokens = max(room, 1)
-        elif max_tokens > room:
-            raise APIError(
-                f"This model's maximum context length is {self.engine.max_model_len} tokens. "
-                f"However, you requested {max_tokens + prompt_len} tokens ({prompt_len} in the "
-                f"messages, {max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                param="max_tokens",
-            )
-        try:
-            return req.sampling_params(max_tokens, logprobs)  # type: ignore[no-any-return]
-        except ValueError as e:
-            raise APIError(str(e).replace("SamplingParams.", "")) from e
+            max_tokens = max(limits.max_model_len - longest, 1)
+        elif is_int64(max_tokens) and max_tokens >= 1:
+            check_max_tokens(max_tokens, longest, limits)
+        params: SamplingParams = req.sampling_params(max_tokens, logprobs)
+        check_batch(len(prompts), params.n)
+        for _, ids in prompts:
+            self.engine.input_processor.check(ids, params, req.priority)
+        return params
 
     def _dp_rank(self, raw: Request) -> int | None:
         """The engine a client asks for with the `X-data-parallel-rank` header (as vLLM)."""
@@ -101,16 +119,6 @@ class OpenAIServing:
                 param="X-data-parallel-rank",
             )
         return int(value)
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise APIError("The prompt is empty.", param="prompt")
-        if len(ids) >= self.engine.max_model_len:
-            raise APIError(
-                f"This model's maximum context length is {self.engine.max_model_len} tokens. "
-                f"However, your prompt has {len(ids)} tokens. Please reduce the length of the prompt.",
-                param="prompt",
-            )
 
     async def _run(
         self,
@@ -153,37 +161,16 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
-        prompts = self._completion_prompts(req.prompt)
-        max_len = max(len(ids) for _, ids in prompts)
-        params = self._params(req, req.max_tokens, max_len, req.logprobs)
+        rank = self._dp_rank(raw)
+        prompts = await self.inputs.completion_prompts(req.prompt, req.echo)
+        params = self._params(req, req.max_tokens, prompts, req.logprobs)
         rid = random_id("cmpl")
-        stream = self._run(prompts, params, rid, req.priority, self._dp_rank(raw))
+        stream = self._run(prompts, params, rid, req.priority, rank)
         if req.stream:
             return StreamingResponse(
                 self._stream_completion(req, prompts, stream, rid), media_type="text/event-stream"
             )
         return await self._until_done(raw, self._full_completion(req, prompts, stream, rid))
-
-    def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str):
-            items: list[Any] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise APIError("The prompt is empty.", param="prompt")
-        out: list[tuple[str | None, list[int]]] = []
-        for item in items:
-            if isinstance(item, str):
-                ids = list(self.tokenizer(item).input_ids)
-                out.append((item, ids))
-            else:
-                if any(t < 0 or t >= self.engine.input_processor.vocab_size for t in item):
-                    raise APIError("Token ids out of range.", param="prompt")
-                out.append((None, list(item)))
-            self._check_prompt(out[-1][1])
-        return out
 
     def _completion_logprobs(
         self, comp: CompletionOutput, start: int, text_offset: int
@@ -217,11 +204,22 @@ class OpenAIServing:
         final: dict[int, RequestOutput] = {}
         async for i, out in stream:
             final[i] = out
+        return await self.inputs.run(
+            _logprob_work(final.values()), self._completion_body, req, prompts, final, rid
+        )
+
+    def _completion_body(
+        self,
+        req: CompletionRequest,
+        prompts: list[tuple[str | None, list[int]]],
+        final: dict[int, RequestOutput],
+        rid: str,
+    ) -> dict[str, Any]:
         choices = []
         completion_tokens = 0
         for i in sorted(final):
             out = final[i]
-            prompt_text: str = prompts[i][0] or self.tokenizer.decode(prompts[i][1])
+            prompt_text = prompts[i][0] or ""  # set for every prompt when echo is asked
             for comp in out.outputs:
                 text = (prompt_text + comp.text) if req.echo else comp.text
                 completion_tokens += len(comp.token_ids)
@@ -260,7 +258,7 @@ class OpenAIServing:
         ) -> tuple[list[dict[str, Any]], bool]:
             delta = comp.text[start[0] :]
             if first and req.echo:
-                delta = (prompts[i][0] or self.tokenizer.decode(prompts[i][1])) + delta
+                delta = (prompts[i][0] or "") + delta
             if not delta and not comp.finished and not first:
                 return [], False
             choice = {
@@ -282,27 +280,24 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
-        if not req.messages:
-            raise APIError("messages must not be empty.", param="messages")
+        rank = self._dp_rank(raw)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequest("top_logprobs", "needs `logprobs: true`")
+        names = {"logprobs": "top_logprobs", "prompt": "messages"}
         try:
-            text = self.engine.input_processor.apply_chat_template(
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )
-        except Exception as e:
-            raise APIError(f"Cannot apply the chat template: {e}", param="messages") from e
-        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        self._check_prompt(ids)
-        top = req.top_logprobs if req.logprobs else None
-        if req.logprobs and top is None:
-            top = 0
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        params = self._params(req, max_tokens, len(ids), top)
+            text, ids = await self.inputs.chat_prompt(req)
+        except InvalidRequest as e:
+            raise e.renamed(names) from None
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:
+            max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+        try:
+            params = self._params(req, max_tokens, [(text, ids)], top)
+        except InvalidRequest as e:
+            raise e.renamed(names) from None
         rid = random_id("chatcmpl")
-        stream = self._run([(text, ids)], params, rid, req.priority, self._dp_rank(raw))
+        stream = self._run([(text, ids)], params, rid, req.priority, rank)
         if req.stream:
             return StreamingResponse(
                 self._stream_chat(req, len(ids), stream, rid), media_type="text/event-stream"
@@ -339,6 +334,11 @@ class OpenAIServing:
         async for _, out in stream:
             final = out
         assert final is not None
+        return await self.inputs.run(
+            _logprob_work([final]), self._chat_body, prompt_len, final, rid
+        )
+
+    def _chat_body(self, prompt_len: int, final: RequestOutput, rid: str) -> dict[str, Any]:
         choices, completion_tokens = [], 0
         for comp in final.outputs:
             completion_tokens += len(comp.token_ids)
@@ -426,9 +426,18 @@ class OpenAIServing:
                 yield _sse(
                     {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
                 )
-        except (EngineDeadError, APIError, ValueError) as e:
+        except EngineDeadError as e:
+            yield _sse(error_body(str(e), 503, "EngineDeadError"))
+        except InvalidRequest as e:
+            yield _sse(error_body(e.message, 400, "BadRequestError", e.param))
+        except APIError as e:
+            yield _sse(error_body(e.message, e.status, e.kind, e.param))
+        except ValueError as e:
+            yield _sse(error_body(str(e), 400, "BadRequestError"))
+        except Exception as e:  # a bug: the client still gets an error event and [DONE]
+            logger.exception("Streaming request %s failed", head.get("id"))
             yield _sse(
-                error_body(str(e), 503 if isinstance(e, EngineDeadError) else 400, type(e).__name__)
+                error_body(f"internal error: {type(e).__name__}", 500, "InternalServerError")
             )
         finally:
             await stream.aclose()  # type: ignore[attr-defined]

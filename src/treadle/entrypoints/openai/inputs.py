@@ -1,0 +1,149 @@
+"""HTTP prompts -> token ids, off the event loop: completion prompts, chat messages, /tokenize
+and /detokenize.
+
+Lengths are checked first (characters before tokenizing, `validation` rules on the ids), and
+work on large texts runs in a small thread pool of this API server (Hugging Face tokenizers
+release the GIL), so a huge prompt never stalls `/health` or other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from treadle.config import FrontendConfig
+from treadle.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from treadle.frontend.input_processor import InputProcessor, message_chars
+from treadle.validation import InvalidRequest, check_batch, check_prompt, check_token_ids
+
+T = TypeVar("T")
+
+INLINE_CHARS = 4096
+"""Text work on fewer characters than this runs inline: a thread hop would cost more."""
+
+Prompt = tuple[str | None, list[int]]  # (text if any, token ids)
+
+
+class PromptInputs:
+    def __init__(self, processor: InputProcessor, frontend: FrontendConfig) -> None:
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.frontend = frontend
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="treadle-text")
+
+    async def run(self, size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)`, in the thread pool when `size` (characters or tokens) is
+        large."""
+        if size < INLINE_CHARS:
+            return fn(*args, **kwargs)
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    async def completion_prompts(self, prompt: Any, echo: bool) -> list[Prompt]:
+        """The prompts of a completions request, each checked against the model. With `echo`,
+        token-id prompts get their text too."""
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise InvalidRequest("prompt", "is empty")
+        check_batch(len(items))
+        limits = self.processor.limits
+        for item in items:
+            if isinstance(item, str):
+                self.processor.check_chars(len(item))
+            else:
+                check_prompt(item, limits)  # cheap, and refuses huge id lists before decoding
+        size = sum(len(item) for item in items)
+        return await self.run(size, self._completion_prompts, items, echo)
+
+    def _completion_prompts(self, items: list[Any], echo: bool) -> list[Prompt]:
+        out: list[Prompt] = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self.processor.encode(item)
+                check_prompt(ids, self.processor.limits)
+                out.append((item, ids))
+            else:
+                out.append((self.tokenizer.decode(item) if echo else None, list(item)))
+        return out
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+        """The rendered chat and its token ids, checked against the model."""
+        if not req.messages:
+            raise InvalidRequest("messages", "must not be empty")
+        kwargs = dict(req.chat_template_kwargs or {})
+        own_template = req.chat_template is not None or "chat_template" in kwargs
+        if own_template and not self.frontend.trust_request_chat_template:
+            raise InvalidRequest(
+                "chat_template",
+                "a request's own chat template is refused: start the server with "
+                "--trust-request-chat-template to allow it",
+            )
+        messages = [m.template_dict() for m in req.messages]
+        self.processor.check_chars(message_chars(messages), "messages")
+        size = message_chars(messages) + (INLINE_CHARS if own_template else 0)
+        return await self.run(
+            size,
+            self._render_and_encode,
+            messages,
+            req.add_generation_prompt,
+            req.chat_template,
+            kwargs,
+        )
+
+    def _render_and_encode(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
+        text = self.processor.render_chat(messages, add_generation_prompt, template, kwargs)
+        # The template already holds the special tokens: do not add them twice.
+        ids = self.processor.encode(text, add_special_tokens=False, param="messages")
+        check_prompt(ids, self.processor.limits)
+        return text, ids
+
+    async def tokenize(
+        self,
+        prompt: str | None,
+        messages: list[ChatMessage] | None,
+        add_special_tokens: bool,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        """/tokenize: a prompt or chat messages (with the model's template) -> token ids."""
+        if messages is not None:
+            dicts = [m.template_dict() for m in messages]
+            self.processor.check_chars(message_chars(dicts), "messages")
+            size = message_chars(dicts)
+            _, ids = await self.run(size, self._render_and_encode_any, dicts, add_generation_prompt)
+            return ids
+        if prompt is None:
+            raise InvalidRequest("prompt", "give `prompt` or `messages`")
+        self.processor.check_chars(len(prompt))
+        return await self.run(len(prompt), self.processor.encode, prompt, add_special_tokens)
+
+    def _render_and_encode_any(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> Prompt:
+        """As `_render_and_encode`, but any length may be counted."""
+        text = self.processor.render_chat(messages, add_generation_prompt)
+        return text, self.processor.encode(text, add_special_tokens=False, param="messages")
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """/detokenize: token ids (each in the vocabulary) -> text."""
+        return await self.run(len(tokens), self._decode, tokens)
+
+    def _decode(self, tokens: list[int]) -> str:
+        check_token_ids(tokens, len(self.tokenizer), "tokens")
+        return str(self.tokenizer.decode(tokens))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,207 @@
+"""Requests that used to kill, wedge or confuse `treadle serve` (issue 12): each gets a 4xx in
+OpenAI's error shape naming the field, `/health` stays prompt while huge inputs are refused
+or tokenized, and the server keeps giving the same greedy text throughout."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from serve_helpers import RemoteServer
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iterator[RemoteServer]:  # type: ignore[no-untyped-def]
+    model = str(tiny_model_factory("llama"))
+    srv = RemoteServer([model, "--max-model-len", "128"], tmp_path_factory.mktemp("bad-requests"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def greedy_text(server: RemoteServer) -> str:
+    """The server's greedy answer before any bad request reached it."""
+    resp = httpx.post(server.url + "/v1/completions", json=GREEDY, timeout=30)
+    assert resp.status_code == 200, resp.text
+    text: str = resp.json()["choices"][0]["text"]
+    assert text
+    return text
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    error: dict[str, Any] = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"]
+    if status == 400:
+        assert error["type"] == "BadRequestError"
+    assert error["param"] == param, error
+    return error
+
+
+BIG = 2**64
+CMPL = "/v1/completions"
+CHATS = "/v1/chat/completions"
+BAD: list[tuple[str, dict[str, Any] | str, str | None]] = [
+    # the four crashes of the issue
+    (CMPL, {"prompt": "hi", "logprobs": 100_000}, "logprobs"),
+    (CHATS, {"messages": CHAT, "logprobs": True, "top_logprobs": 100_000}, "top_logprobs"),
+    (CMPL, {"prompt": "hi", "top_k": 2**63}, "top_k"),
+    (CMPL, {"prompt": "hi", "stop_token_ids": [1_000_000], "min_tokens": 2}, "stop_token_ids"),
+    # 500s with plain-text bodies
+    (CMPL, {"prompt": "hi", "top_k": BIG}, "top_k"),
+    (CMPL, {"prompt": "hi", "seed": BIG}, "seed"),
+    (CMPL, {"prompt": "hi", "priority": BIG}, "priority"),
+    (CMPL, {"prompt": "hi", "stop_token_ids": [BIG]}, "stop_token_ids"),
+    (CMPL, '{"prompt": "hi", "temperature": Infinity}', "temperature"),
+    (CMPL, '{"prompt": "hi", "temperature": NaN}', "temperature"),
+    (CMPL, '{"prompt": "hi", "top_p": -Infinity}', "top_p"),
+    (CMPL, {"prompt": "hi", "max_tokens": 2**63}, "max_tokens"),
+    (CMPL, {"prompt": "hi", "n": 0}, "n"),
+    (CMPL, {"prompt": "hi", "n": 10**6}, "n"),
+    (CMPL, {"prompt": [[]]}, "prompt"),
+    (CMPL, {"prompt": [10**9]}, "prompt"),
+    (CMPL, {"prompt": [BIG]}, "prompt"),
+    (CMPL, {"prompt": [-1]}, "prompt"),
+    (CMPL, {"prompt": ["a"] * 3000}, "prompt"),
+    (CMPL, {"prompt": ["a"] * 100, "n": 100}, "n"),
+    (CMPL, {"prompt": "hi", "stop": ["x"] * 2000}, "stop"),
+    (CHATS, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    (CHATS, {"messages": CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    (CHATS, {"messages": CHAT, "chat_template": "{{ 7 * 7 }}"}, "chat_template"),
+    (CHATS, {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}}, "chat_template"),
+    (CHATS, {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    (CHATS, {"messages": []}, "messages"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {"tokens": [BIG]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[f"{p}:{q}" for p, _, q in BAD])
+def test_a_bad_field_gets_a_400_naming_it_and_the_server_goes_on(
+    server: RemoteServer, greedy_text: str, path: str, body: dict[str, Any] | str, param: str
+) -> None:
+    if isinstance(body, str):  # JSON that Python's json module would not write
+        resp = httpx.post(
+            server.url + path,
+            content=body,
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
+    else:
+        resp = httpx.post(server.url + path, json=body, timeout=30)
+    _assert_error(resp, 400, param)
+    again = httpx.post(server.url + CMPL, json=GREEDY, timeout=30)
+    assert again.json()["choices"][0]["text"] == greedy_text
+
+
+def test_a_bad_field_in_a_stream_is_a_400_before_the_stream(server: RemoteServer) -> None:
+    body = {"prompt": "hi", "stream": True, "logprobs": 100_000}
+    _assert_error(httpx.post(server.url + CMPL, json=body, timeout=30), 400, "logprobs")
+
+
+def test_image_content_is_refused_not_ignored(server: RemoteServer) -> None:
+    part = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    body = {"messages": [{"role": "user", "content": [part]}]}
+    resp = httpx.post(server.url + CHATS, json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
+
+
+def test_text_content_parts_are_joined(server: RemoteServer) -> None:
+    parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]
+    as_parts = {"messages": [{"role": "user", "content": parts}], "max_tokens": 4}
+    as_text = {"messages": [{"role": "user", "content": "Name three\ncolors."}], "max_tokens": 4}
+    a = httpx.post(server.url + CHATS, json={**as_parts, "temperature": 0}, timeout=30).json()
+    b = httpx.post(server.url + CHATS, json={**as_text, "temperature": 0}, timeout=30).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["usage"] == b["usage"]
+
+
+def test_models_shows_no_filesystem_path(server: RemoteServer) -> None:
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert card["root"] == card["id"] and "/" not in json.dumps(card)
+
+
+def _health_latencies_during(server: RemoteServer, send: Any) -> tuple[Any, list[float]]:
+    """Run `send()` in a thread; meanwhile time `/health` again and again."""
+    latencies: list[float] = []
+    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as client:
+        future = pool.submit(send)
+        while not future.done():
+            start = time.monotonic()
+            assert client.get(server.url + "/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.02)
+        return future.result(), latencies
+
+
+def test_huge_prompts_are_refused_before_tokenizing_and_health_stays_prompt(
+    server: RemoteServer, greedy_text: str
+) -> None:
+    """A 10 MB prompt is over the 8 MiB body limit (413, the body is never parsed); a 5 MB one
+    is parsed but refused by its length in characters (400), without tokenizing it (that
+    took 23 s on the event loop)."""
+    for size, status in ((10_000_000, 413), (5_000_000, 400)):
+        prompt = "hello world " * (size // 12)
+        start = time.monotonic()
+        resp, latencies = _health_latencies_during(
+            server, lambda p=prompt: httpx.post(server.url + CMPL, json={"prompt": p}, timeout=60)
+        )
+        error = _assert_error(resp, status, None if status == 413 else "prompt")
+        assert ("--max-request-body-bytes" if status == 413 else "--max-prompt-chars") in error[
+            "message"
+        ]
+        assert time.monotonic() - start < 10
+        assert max(latencies, default=0.0) < 1.0, latencies
+    chat = {"messages": [{"role": "user", "content": prompt}]}
+    _assert_error(httpx.post(server.url + CHATS, json=chat, timeout=60), 400, "messages")
+    _assert_error(httpx.post(server.url + "/tokenize", json={"prompt": prompt}), 400, "prompt")
+    again = httpx.post(server.url + CMPL, json=GREEDY, timeout=30)
+    assert again.json()["choices"][0]["text"] == greedy_text
+
+
+def test_limits_flags_and_a_trusted_request_chat_template(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    """Raised prompt limit: a 2.5 MB prompt is tokenized, off the event loop, then refused as
+    too many tokens; a smaller body limit; a request's own chat template when trusted."""
+    srv = server_factory(
+        [
+            str(tiny_model_factory("llama")),
+            "--max-model-len",
+            "128",
+            "--max-prompt-chars",
+            "3000000",
+            "--max-request-body-bytes",
+            "3MiB",
+            "--trust-request-chat-template",
+        ]
+    )
+    prompt = "hello world " * 210_000  # 2.5 MB, about 420,000 tokens
+    resp, latencies = _health_latencies_during(
+        srv, lambda: httpx.post(srv.url + CMPL, json={"prompt": prompt}, timeout=120)
+    )
+    error = _assert_error(resp, 400, "prompt")
+    assert "tokens" in error["message"] and "maximum context length is 128" in error["message"]
+    assert len(latencies) >= 3, "tokenizing was expected to take a while"
+    assert max(latencies) < 1.0, latencies
+
+    too_big = {"prompt": "x" * (4 << 20)}
+    _assert_error(httpx.post(srv.url + CMPL, json=too_big, timeout=60), 413, None)
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    body = {"messages": CHAT, "chat_template": template, "max_tokens": 2, "temperature": 0}
+    resp = httpx.post(srv.url + CHATS, json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    tokens = httpx.post(
+        srv.url + "/tokenize", json={"prompt": CHAT[0]["content"], "add_special_tokens": False}
+    ).json()
+    assert resp.json()["usage"]["prompt_tokens"] == tokens["count"]
