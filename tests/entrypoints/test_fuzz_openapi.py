@@ -1,0 +1,80 @@
+"""Property-based fuzzing of a live `treadle serve` with schemathesis: requests generated from
+the server's own OpenAPI schema (valid ones, and ones that break it), a bounded number per
+operation. No answer may be a 5xx (nor a 5xx error event inside a stream), nothing may crash
+in the server, and it must give the same greedy text afterwards."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.core.result import Ok
+from serve_helpers import RemoteServer
+
+EXAMPLES = int(os.environ.get("TREADLE_FUZZ_EXAMPLES", "25"))
+"""Examples per operation and generation mode (raise it for a longer hunt)."""
+GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iterator[RemoteServer]:  # type: ignore[no-untyped-def]
+    # A short context keeps every generated request quick on two cores.
+    args = [str(tiny_model_factory("llama")), "--max-model-len", "64"]
+    srv = RemoteServer(args, tmp_path_factory.mktemp("fuzz"))
+    yield srv
+    srv.stop()
+
+
+def _fuzz(server: RemoteServer, operation: schemathesis.APIOperation, mode: GenerationMode) -> int:
+    """Send up to EXAMPLES generated requests; returns how many were sent."""
+    sent = 0
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,  # the same cases every run: a failure reproduces
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(operation.as_strategy(generation_mode=mode))
+    def check(case: schemathesis.Case) -> None:
+        nonlocal sent
+        response = case.call(base_url=server.url, timeout=180)
+        sent += 1
+        where = f"{case.method} {case.path} {case.body!r:.400}"
+        assert response.status_code < 500, f"{where} -> {response.status_code} {response.text}"
+        if "text/event-stream" in str(response.headers.get("content-type")):
+            assert '"code": 5' not in response.text, f"{where} -> {response.text:.400}"
+
+    try:
+        check()
+    except Unsatisfiable:  # nothing to break in an operation without parameters
+        assert mode is GenerationMode.NEGATIVE, operation.path
+    return sent
+
+
+def test_generated_requests_never_get_a_5xx(server: RemoteServer) -> None:
+    before = httpx.post(server.url + "/v1/completions", json=GREEDY, timeout=30).json()
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    operations = [r.ok() for r in schema.get_all_operations() if isinstance(r, Ok)]
+    paths = {op.path for op in operations}
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= paths
+    sent = 0
+    for operation in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            sent += _fuzz(server, operation, mode)
+    assert sent >= len(operations) * 2
+
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    after = httpx.post(server.url + "/v1/completions", json=GREEDY, timeout=30).json()
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    log = server.output()
+    for sign in ("Traceback", "Exception in ASGI application", "Could not add request"):
+        assert sign not in log, log[-4000:]
