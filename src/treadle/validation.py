@@ -137,9 +137,13 @@ def _list(value: Any, param: str) -> None:
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
-    """Every id is an int in [0, vocab_size)."""
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+    """Every id is an int in [0, vocab_size). (Fast on long lists: the loops run in C.)"""
+    if not ids:
+        return
+    if set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        return
+    for t in ids:  # name the first bad one
+        if type(t) is not int or not 0 <= t < vocab_size:
             raise InvalidRequest(param, f"must be token ids in [0, {vocab_size}), got {t!r}")
 
 

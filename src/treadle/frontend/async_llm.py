@@ -120,10 +120,12 @@ class AsyncLLM:
         here, or refused by the engine core), `ValueError` for a DP rank that does not exist."""
         if self.dead:
             raise EngineDeadError(self.client.dead_reason or "the engine core is dead")
+        # Checked once (the n samples differ only in their seeds, which the check covers).
+        self.input_processor.check(prompt_token_ids, params, priority)
         requests = []
         for index, child_id in enumerate(child_request_ids(request_id, params.n)):
             requests.append(
-                self.input_processor.process(
+                self.input_processor.make_request(
                     child_id,
                     prompt_token_ids,
                     child_params(params, index),

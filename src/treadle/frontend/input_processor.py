@@ -163,6 +163,17 @@ class InputProcessor:
     ) -> EngineCoreRequest:
         """Validate against the model's limits; raises `InvalidRequest` with what to change."""
         self.check(prompt_token_ids, params, priority)
+        return self.make_request(request_id, prompt_token_ids, params, priority, client_index)
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        client_index: int = 0,
+    ) -> EngineCoreRequest:
+        """The request, unchecked: for the samples of a request `check` has passed."""
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
