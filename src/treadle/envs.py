@@ -84,7 +84,11 @@ def cpu_isa() -> str | None:
 def cpu_threads() -> int | None:
     """Threads per engine core (or TP worker) for the model; unset: cores / local engines."""
     value = os.environ.get("TREADLE_CPU_THREADS", "").strip()
-    return int(value) if value else None
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"TREADLE_CPU_THREADS={value!r}: give a number of threads, 1 or more")
+    return int(value)
 
 
 def cache_dir() -> Path:
@@ -100,8 +104,16 @@ def cache_dir() -> Path:
 # What TREADLE_CPU_ISA also tells PyTorch's own kernels and oneDNN, so that a process forced to
 # a lower level behaves as it would on such a CPU (their own variables win where set).
 _ISA_CAPS = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+    "portable": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    },
 }
 
 

@@ -89,6 +89,7 @@ def add_serve_parser(sub: Any) -> None:
         default=1,
         help=par_doc["pipeline_parallel_size"],
     )
+    p.add_argument("--cpu-threads", type=int, default=None, help=par_doc["cpu_threads"])
     p.add_argument(
         "-dp",
         "--data-parallel-size",
@@ -222,6 +223,7 @@ def serve(args: argparse.Namespace) -> int:
                 args.data_parallel_start_rank,
                 args.data_parallel_address,
                 args.data_parallel_rpc_port,
+                args.cpu_threads,
             ),
             frontend=FrontendConfig(
                 args.max_request_body_bytes,

@@ -48,7 +48,7 @@ def run_worker(
     if device == "cuda":
         torch.cuda.set_device(rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(config.parallel.model_threads())
     dist.init_process_group(
         "nccl" if device == "cuda" else "gloo",
         init_method=dist_init,
