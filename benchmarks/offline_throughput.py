@@ -4,7 +4,8 @@ Workloads (default model, same dtype for both):
 - batch: 64 prompts of ~128 tokens, 128 new tokens each (ignore_eos), submitted at once;
   transformers runs them in static batches of 16 (left-padded), as a user would write it.
 - single stream: one 32-token prompt, 256 new tokens.
-Prints each figure and the ratios treadle / transformers.
+Prints each figure and the ratios treadle / transformers. With TREADLE_CPU_ISA=avx2 both run
+as on an AVX2-only CPU (treadle's kernels, PyTorch's, oneDNN's and MKL's all capped at AVX2).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import os
 import random
 import time
 
-import torch
-
 os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+import treadle  # noqa: E402, F401 - before any tensor op: TREADLE_CPU_ISA caps PyTorch
+from treadle.model.cpu_kernels import detect_isa, select_isa  # noqa: E402
 
 
 def make_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -106,7 +110,9 @@ def main() -> None:
         )
 
     print(
-        f"\noffline throughput, dtype={args.dtype}, {args.num_prompts} x ~{args.input_len} in / {args.output_len} out"
+        f"\noffline throughput, dtype={args.dtype}, {args.num_prompts} x ~{args.input_len} in / "
+        f"{args.output_len} out, at {select_isa()} (this CPU: {detect_isa()}, "
+        f"PyTorch: {torch.backends.cpu.get_cpu_capability()})"
     )
     for key, value in results.items():
         print(f"  {key:40s} {value:10.2f}")

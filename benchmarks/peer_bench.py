@@ -102,6 +102,7 @@ def run_workload(url: str, model: str, name: str) -> dict[str, Any]:
             max_concurrency=concurrency,
             ignore_eos=True,
             disable_tqdm=True,
+            fresh_connections=True,  # the same client for both servers (see run_benchmark)
         )
     )
     metrics = compute_metrics(records, duration)
@@ -116,17 +117,22 @@ def run_workload(url: str, model: str, name: str) -> dict[str, Any]:
 
 def warm_up(url: str, model: str) -> None:
     """One short request first, so that no workload pays for first-request set-up."""
-    asyncio.run(run_benchmark(url, model, random_prompts(2, 16, 99), 4, disable_tqdm=True))
+    prompts = random_prompts(2, 16, 99)
+    asyncio.run(run_benchmark(url, model, prompts, 4, disable_tqdm=True, fresh_connections=True))
 
 
 def bench_llama(binary: Path, gguf: str, names: list[str], tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
-        server = LlamaServer(binary, gguf, WORKLOADS[name][1], tmp / f"llama-{name}.log")
+        log = tmp / f"llama-{name}.log"
+        server = LlamaServer(binary, gguf, WORKLOADS[name][1], log)
         try:
             out[f"{name}_startup_s"] = server.wait_healthy()
             warm_up(server.url, "model")
             out[name] = run_workload(server.url, "model", name)
+        except BaseException:
+            print(log.read_text()[-4000:], file=sys.stderr)
+            raise
         finally:
             server.stop()
     return out

@@ -193,16 +193,19 @@ async def run_benchmark(
     seed: int = 0,
     disable_tqdm: bool = False,
     api_key: str | None = None,
+    fresh_connections: bool = False,
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt as a streamed completion; returns the records (in prompt order) and the
-    wall time in seconds from the first send to the last finish."""
+    wall time in seconds from the first send to the last finish. `fresh_connections`: one
+    connection per request, for servers that close kept-alive ones after a few requests
+    (llama.cpp's llama-server)."""
     import aiohttp
     from tqdm import tqdm
 
     url = base_url.rstrip("/") + endpoint
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=fresh_connections)
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     bar = tqdm(total=len(prompts), disable=disable_tqdm, desc="Requests")
 
