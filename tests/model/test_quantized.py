@@ -1,6 +1,6 @@
 """The GGUF-block linear kernel against `gguf`'s own dequantization, at every ISA level this CPU
 runs (`portable` always): random blocks of each type the kernel reads, 0 to 96 rows (both of
-its paths: blocks expanded in registers up to 8 rows, tiles expanded once beyond, with every
+its paths: blocks expanded in registers up to 2 rows, tiles expanded once beyond, with every
 remainder of the register tiles' row groups), output sizes that are not whole tiles, strided
 rows, a bias, and the row/column slices that tensor parallelism takes."""
 
