@@ -117,59 +117,82 @@ static inline void quants_q8(const block_q8* b, __m256 w[4]) {
         w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b->qs + 8 * i))));
 }
 
-static inline void block_quants(const char* blocks, int kind, int j, __m256 w[4], float* d, float* m) {
+/* A block's scale and minimum, [d, m, 0, 0] (a Q8 block: [d, 0, 0, 0]), in two instructions. */
+static inline __m128 block_dm(const char* blocks, int kind, int j) {
     if (kind == KIND_Q4) {
-        const block_q4* blk = (const block_q4*)blocks + j;
-        quants_q4(blk, w);
-        *d = BLOCK_D(blk), *m = Q4_M(blk);
-    } else {
-        const block_q8* blk = (const block_q8*)blocks + j;
-        quants_q8(blk, w);
-        *d = BLOCK_D(blk), *m = 0.f;
+        int32_t dm;
+        memcpy(&dm, &((const block_q4*)blocks + j)->d, sizeof(dm));
+        return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
     }
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(((const block_q8*)blocks + j)->d));
 }
 
-/* One tile (TILE_N outputs) for ROWS rows of x: per block and output, d * (q . x) in a
-   register accumulator and m * sum(x) beside it; `rows` is a constant where it is inlined. */
-static inline __attribute__((always_inline)) void tile_rows_n(
-    const char* tile, int kind, int64_t nb, const float* x, int64_t K, const float* xsum,
-    const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
+static inline void block_quants(const char* blocks, int kind, int j, __m256 w[4]) {
+    if (kind == KIND_Q4) quants_q4((const block_q4*)blocks + j, w);
+    else quants_q8((const block_q8*)blocks + j, w);
+}
+
+/* Two outputs (j0, j0 + 1) of a tile against ROWS rows of x: per block, d * (q . x) into a
+   register accumulator per output and row, and [d, m] * [0, sum(x)] beside it (xs2 holds the
+   pairs [0, block sum] per row and block), so that nothing goes through memory. `kind` and
+   `rows` are constants where this is inlined. */
+static inline __attribute__((always_inline)) void two_outputs(
+    const char* tile, const int kind, int64_t nb, int j0, const float* x, int64_t K,
+    const float* xs2, const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
     const int64_t bsize = block_bytes(kind);
-    __m256 acc[TILE_N][ROWS_AT_ONCE];
-    float macc[TILE_N][ROWS_AT_ONCE];
-    for (int j = 0; j < TILE_N; j++)
+    __m256 acc[2][ROWS_AT_ONCE];
+    __m128 macc[2][ROWS_AT_ONCE];
+    for (int jj = 0; jj < 2; jj++)
         for (int r = 0; r < rows; r++) {
-            acc[j][r] = _mm256_setzero_ps();
-            macc[j][r] = 0.f;
+            acc[jj][r] = _mm256_setzero_ps();
+            macc[jj][r] = _mm_setzero_ps();
         }
     for (int64_t b = 0; b < nb; b++) {
         const char* blocks = tile + b * TILE_N * bsize;
-        for (int64_t off = 0; off < TILE_N * bsize; off += 64)
-            _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
-        for (int j = 0; j < TILE_N; j++) {
+        if (j0 == 0)  /* the first pass over the tile brings it into L1 for the second */
+            for (int64_t off = 0; off < TILE_N * bsize; off += 64)
+                _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
+        for (int jj = 0; jj < 2; jj++) {
             __m256 w[4];
-            float d, m;
-            block_quants(blocks, kind, j, w, &d, &m);
-            const __m256 dv = _mm256_set1_ps(d);
+            block_quants(blocks, kind, j0 + jj, w);
+            const __m128 dm = block_dm(blocks, kind, j0 + jj);
+            const __m256 d = _mm256_broadcastss_ps(dm);
             for (int r = 0; r < rows; r++) {
                 const float* xr = x + r * K + b * 32;
                 __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
                 s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), s);
                 s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), s);
                 s = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), s);
-                acc[j][r] = _mm256_fmadd_ps(dv, s, acc[j][r]);
-                macc[j][r] += m * xsum[r * nb + b];
+                acc[jj][r] = _mm256_fmadd_ps(d, s, acc[jj][r]);
+                if (kind == KIND_Q4) {
+                    const __m128 xs = _mm_castpd_ps(_mm_load_sd((const double*)(xs2 + 2 * (r * nb + b))));
+                    macc[jj][r] = _mm_fmadd_ps(dm, xs, macc[jj][r]);
+                }
             }
         }
     }
-    for (int j = 0; j < TILE_N; j++)
-        for (int r = 0; r < rows; r++) out[j][r] = hsum8(acc[j][r]) + macc[j][r];
+    for (int jj = 0; jj < 2; jj++)
+        for (int r = 0; r < rows; r++)
+            out[j0 + jj][r] = hsum8(acc[jj][r]) + _mm_cvtss_f32(_mm_shuffle_ps(macc[jj][r], macc[jj][r], 1));
 }
 
+static inline __attribute__((always_inline)) void tile_rows_n(
+    const char* tile, const int kind, int64_t nb, const float* x, int64_t K, const float* xs2,
+    const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    for (int j0 = 0; j0 < TILE_N; j0 += 2) two_outputs(tile, kind, nb, j0, x, K, xs2, rows, out);
+}
+
+/* One tile (TILE_N outputs) for `rows` (1 or 2) rows of x, specialized per block kind and row
+   count so that the inner loop has no branches. */
 static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
-                      const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    if (rows == 1) tile_rows_n(tile, kind, nb, x, K, xsum, 1, out);
-    else tile_rows_n(tile, kind, nb, x, K, xsum, 2, out);
+                      const float* xs2, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    if (kind == KIND_Q4) {
+        if (rows == 1) tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 1, out);
+        else tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 2, out);
+    } else {
+        if (rows == 1) tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 1, out);
+        else tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 2, out);
+    }
 }
 
 /* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */
@@ -179,9 +202,10 @@ static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float
         const char* blocks = tile + b * TILE_N * bsize;
         for (int j = 0; j < TILE_N; j++) {
             __m256 q[4];
-            float d, m;
-            block_quants(blocks, kind, j, q, &d, &m);
-            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+            block_quants(blocks, kind, j, q);
+            const __m128 dm = block_dm(blocks, kind, j);
+            const __m256 dv = _mm256_broadcastss_ps(dm);
+            const __m256 mv = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 1));
             for (int i = 0; i < 4; i++)
                 _mm256_storeu_ps(w + j * K + b * 32 + 8 * i, _mm256_fmadd_ps(q[i], dv, mv));
         }

@@ -67,64 +67,93 @@ static void attend_d64(const float* qh, int64_t group, const float* kh, const fl
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + j * 64 + i * 16, acc[j][i]);
 }
 
-static inline void expand_q4(const block_q4* b, __m512* lo, __m512* hi) {
+/* A block's 32 quants as float32 in 2 registers, in order (d and m not applied). */
+static inline void quants_q4(const block_q4* b, __m512* lo, __m512* hi) {
     const __m128i raw = _mm_loadu_si128((const __m128i*)b->qs);
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 d = _mm512_set1_ps(BLOCK_D(b));
-    *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))));
-    *hi = _mm512_mul_ps(
-        d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))));
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
 }
 
-static inline void expand_q8(const block_q8* b, __m512* lo, __m512* hi) {
-    const __m512 d = _mm512_set1_ps(BLOCK_D(b));
-    *lo = _mm512_mul_ps(
-        d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b->qs))));
-    *hi = _mm512_mul_ps(
-        d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b->qs + 16)))));
+static inline void quants_q8(const block_q8* b, __m512* lo, __m512* hi) {
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b->qs)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b->qs + 16))));
 }
 
-/* One tile (TILE_N outputs) for ROWS_AT_ONCE rows of x or fewer. */
-static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
-                      const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+static inline void block_quants(const char* blocks, int kind, int j, __m512* lo, __m512* hi) {
+    if (kind == KIND_Q4) quants_q4((const block_q4*)blocks + j, lo, hi);
+    else quants_q8((const block_q8*)blocks + j, lo, hi);
+}
+
+/* A block's scale and minimum, [d, m, 0, 0] (a Q8 block: [d, 0, 0, 0]), in two instructions. */
+static inline __m128 block_dm(const char* blocks, int kind, int j) {
+    if (kind == KIND_Q4) {
+        int32_t dm;
+        memcpy(&dm, &((const block_q4*)blocks + j)->d, sizeof(dm));
+        return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    }
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(((const block_q8*)blocks + j)->d));
+}
+
+/* Two outputs (j0, j0 + 1) of a tile against ROWS rows of x: per block, d * (q . x) into a
+   register accumulator per output and row, and [d, m] * [0, sum(x)] beside it (xs2 holds the
+   pairs [0, block sum] per row and block). `kind` and `rows` are constants where inlined. */
+static inline __attribute__((always_inline)) void two_outputs(
+    const char* tile, const int kind, int64_t nb, int j0, const float* x, int64_t K,
+    const float* xs2, const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
     const int64_t bsize = block_bytes(kind);
-    __m512 acc[TILE_N][ROWS_AT_ONCE][2];
-    float macc[TILE_N][ROWS_AT_ONCE];
-    for (int j = 0; j < TILE_N; j++)
-        for (int r = 0; r < ROWS_AT_ONCE; r++) {
-            acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
-            macc[j][r] = 0.f;
+    __m512 acc[2][ROWS_AT_ONCE];
+    __m128 macc[2][ROWS_AT_ONCE];
+    for (int jj = 0; jj < 2; jj++)
+        for (int r = 0; r < rows; r++) {
+            acc[jj][r] = _mm512_setzero_ps();
+            macc[jj][r] = _mm_setzero_ps();
         }
     for (int64_t b = 0; b < nb; b++) {
         const char* blocks = tile + b * TILE_N * bsize;
-        _mm_prefetch(blocks + 8 * TILE_N * bsize, _MM_HINT_T0);
-        _mm_prefetch(blocks + 8 * TILE_N * bsize + 64, _MM_HINT_T0);
-        __m512 xv[ROWS_AT_ONCE][2];
-        for (int64_t r = 0; r < rows; r++) {
-            xv[r][0] = _mm512_loadu_ps(x + r * K + b * 32);
-            xv[r][1] = _mm512_loadu_ps(x + r * K + b * 32 + 16);
-        }
-        for (int j = 0; j < TILE_N; j++) {
+        if (j0 == 0)  /* the first pass over the tile brings it into L1 for the second */
+            for (int64_t off = 0; off < TILE_N * bsize; off += 64)
+                _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
+        for (int jj = 0; jj < 2; jj++) {
             __m512 lo, hi;
-            float m;
-            if (kind == KIND_Q4) {
-                const block_q4* blk = (const block_q4*)blocks + j;
-                expand_q4(blk, &lo, &hi);
-                m = Q4_M(blk);
-            } else {
-                expand_q8((const block_q8*)blocks + j, &lo, &hi);
-                m = 0.f;
-            }
-            for (int64_t r = 0; r < rows; r++) {
-                acc[j][r][0] = _mm512_fmadd_ps(lo, xv[r][0], acc[j][r][0]);
-                acc[j][r][1] = _mm512_fmadd_ps(hi, xv[r][1], acc[j][r][1]);
-                macc[j][r] += m * xsum[r * nb + b];
+            block_quants(blocks, kind, j0 + jj, &lo, &hi);
+            const __m128 dm = block_dm(blocks, kind, j0 + jj);
+            const __m512 d = _mm512_broadcastss_ps(dm);
+            for (int r = 0; r < rows; r++) {
+                const float* xr = x + r * K + b * 32;
+                const __m512 s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16),
+                                                 _mm512_mul_ps(lo, _mm512_loadu_ps(xr)));
+                acc[jj][r] = _mm512_fmadd_ps(d, s, acc[jj][r]);
+                if (kind == KIND_Q4) {
+                    const __m128 xs = _mm_castpd_ps(_mm_load_sd((const double*)(xs2 + 2 * (r * nb + b))));
+                    macc[jj][r] = _mm_fmadd_ps(dm, xs, macc[jj][r]);
+                }
             }
         }
     }
-    for (int j = 0; j < TILE_N; j++)
-        for (int64_t r = 0; r < rows; r++)
-            out[j][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1])) + macc[j][r];
+    for (int jj = 0; jj < 2; jj++)
+        for (int r = 0; r < rows; r++)
+            out[j0 + jj][r] = _mm512_reduce_add_ps(acc[jj][r])
+                              + _mm_cvtss_f32(_mm_shuffle_ps(macc[jj][r], macc[jj][r], 1));
+}
+
+static inline __attribute__((always_inline)) void tile_rows_n(
+    const char* tile, const int kind, int64_t nb, const float* x, int64_t K, const float* xs2,
+    const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    for (int j0 = 0; j0 < TILE_N; j0 += 2) two_outputs(tile, kind, nb, j0, x, K, xs2, rows, out);
+}
+
+/* One tile (TILE_N outputs) for `rows` (1 or 2) rows of x, specialized per block kind and row
+   count so that the inner loop has no branches. */
+static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                      const float* xs2, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    if (kind == KIND_Q4) {
+        if (rows == 1) tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 1, out);
+        else tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 2, out);
+    } else {
+        if (rows == 1) tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 1, out);
+        else tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 2, out);
+    }
 }
 
 /* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */
@@ -133,17 +162,13 @@ static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float
     for (int64_t b = 0; b < nb; b++) {
         const char* blocks = tile + b * TILE_N * bsize;
         for (int j = 0; j < TILE_N; j++) {
-            __m512 lo, hi, m;
-            if (kind == KIND_Q4) {
-                const block_q4* blk = (const block_q4*)blocks + j;
-                expand_q4(blk, &lo, &hi);
-                m = _mm512_set1_ps(Q4_M(blk));
-            } else {
-                expand_q8((const block_q8*)blocks + j, &lo, &hi);
-                m = _mm512_setzero_ps();
-            }
-            _mm512_storeu_ps(w + j * K + b * 32, _mm512_add_ps(lo, m));
-            _mm512_storeu_ps(w + j * K + b * 32 + 16, _mm512_add_ps(hi, m));
+            __m512 lo, hi;
+            block_quants(blocks, kind, j, &lo, &hi);
+            const __m128 dm = block_dm(blocks, kind, j);
+            const __m512 d = _mm512_broadcastss_ps(dm);
+            const __m512 m = _mm512_broadcastss_ps(_mm_shuffle_ps(dm, dm, 1));
+            _mm512_storeu_ps(w + j * K + b * 32, _mm512_fmadd_ps(lo, d, m));
+            _mm512_storeu_ps(w + j * K + b * 32 + 16, _mm512_fmadd_ps(hi, d, m));
         }
     }
 }

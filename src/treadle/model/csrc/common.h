@@ -108,6 +108,9 @@ static inline float half_to_float_c(uint16_t h) {
     return v.f;
 }
 
+/* The sum of x's block b in row r, from the pairs [0, sum] that gguf_linear_f32 makes. */
+#define XSUM(xs2, r, nb, b) ((xs2)[2 * ((r) * (nb) + (b)) + 1])
+
 /* A block's scale and minimum as floats (a Q8 block has no minimum: 0). */
 #define BLOCK_D(b) half_to_float((b)->d)
 #define Q4_M(b) half_to_float((b)->m)

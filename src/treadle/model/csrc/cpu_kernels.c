@@ -124,14 +124,16 @@ void gguf_linear_f32(
         free(tail);
         return;
     }
-    float* xsum = (float*)malloc(sizeof(float) * M * nb);
+    /* x's rows made contiguous, and each block's sum as a pair [0, sum] (XSUM below) */
+    float* xsum = (float*)malloc(sizeof(float) * 2 * M * nb);
     float* xc = (float*)malloc(sizeof(float) * M * K);
     for (int64_t r = 0; r < M; r++) {
         memcpy(xc + r * K, x + r * x_row_stride, sizeof(float) * K);
         for (int64_t b = 0; b < nb; b++) {
             float s = 0.f;
             for (int i = 0; i < 32; i++) s += xc[r * K + b * 32 + i];
-            xsum[r * nb + b] = s;
+            xsum[2 * (r * nb + b)] = 0.f;
+            xsum[2 * (r * nb + b) + 1] = s;
         }
     }
     /* Few rows: expand each block in registers for ROWS_AT_ONCE rows at a time. */
@@ -141,7 +143,7 @@ void gguf_linear_f32(
         for (int64_t r0 = 0; r0 < M; r0 += ROWS_AT_ONCE) {
             const int64_t rows = M - r0 < ROWS_AT_ONCE ? M - r0 : ROWS_AT_ONCE;
             float out[TILE_N][ROWS_AT_ONCE];
-            tile_rows(tile, kind, nb, xc + r0 * K, K, xsum + r0 * nb, rows, out);
+            tile_rows(tile, kind, nb, xc + r0 * K, K, xsum + 2 * r0 * nb, rows, out);
             for (int j = 0; j < TILE_N && t * TILE_N + j < N; j++)
                 for (int64_t r = 0; r < rows; r++) y[(r0 + r) * y_row_stride + t * TILE_N + j] = out[j][r];
         }
