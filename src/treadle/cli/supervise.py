@@ -5,7 +5,8 @@ With N API servers the CLI process serves no HTTP. It binds the HTTP socket, sta
 coordinator and the engine cores, spawns the API servers (each gets the socket, a client
 index and binds its own ROUTER/PULL pair, whose addresses come back on its ready pipe), runs
 the engines' handshake with all those addresses, then watches every child. Any child dying
-stops all of them and exits non-zero; SIGTERM/SIGINT stop them all and exit 0.
+stops all of them and exits non-zero; SIGTERM/SIGINT (to this process or to any child, which
+then exits 0) stop them all and exit 0.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from treadle.ipc.process import (
     ProcessMonitor,
     describe_exit,
     shutdown_processes,
+    signal_children,
     start_process,
     wait_for_ready,
 )
@@ -69,7 +71,13 @@ class _Stop:
         self.event.set()
 
     def on_death(self, child: ChildProcess) -> None:
-        if not self.event.is_set():
+        """A child that exited 0 was stopped on purpose (e.g. a signal sent to it alone):
+        everything stops cleanly. Any other end is a failure."""
+        if self.event.is_set():
+            return
+        if child.exitcode == 0:
+            logger.info("%s stopped; shutting down", child.describe())
+        else:
             self.failure = f"{child.describe()} died: {describe_exit(child.exitcode)}"
         self.event.set()
 
@@ -147,7 +155,11 @@ def run_api_servers(
     except Exception as e:
         stop.failure = str(e)
     finally:
-        # API servers first (they drain their streams), then the engines and the coordinator.
+        # The engines abort what still runs after --shutdown-timeout (SIGUSR1: a graceful
+        # stop) and answer it, which ends the API servers' streams; the API servers stop
+        # meanwhile, then the engines and the coordinator are shut down.
+        if launcher is not None:
+            signal_children(launcher.engines, signal.SIGUSR1)
         for child in api_servers:
             if child.process.is_alive():
                 child.process.terminate()

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from treadle.ipc.inbound import DropLog, inbound_options
 from treadle.ipc.process import ReadyPipe
 from treadle.ipc.zmq_utils import (
     get_bound_address,
@@ -73,9 +74,15 @@ class DPCoordinator:
         def engine_side() -> str:
             return get_tcp_uri(engine_host, 0) if engine_host else get_open_zmq_ipc_path()
 
-        self.front_pub = make_zmq_socket(self.ctx, get_open_zmq_ipc_path(), zmq.XPUB, linger=0)
-        self.stats_in = make_zmq_socket(self.ctx, engine_side(), zmq.PULL, linger=0)
-        self.engine_pub = make_zmq_socket(self.ctx, engine_side(), zmq.XPUB, linger=0)
+        limits = inbound_options()  # every socket here hears from other processes
+        self.front_pub = make_zmq_socket(
+            self.ctx, get_open_zmq_ipc_path(), zmq.XPUB, linger=0, options=limits
+        )
+        self.stats_in = make_zmq_socket(self.ctx, engine_side(), zmq.PULL, linger=0, options=limits)
+        self.engine_pub = make_zmq_socket(
+            self.ctx, engine_side(), zmq.XPUB, linger=0, options=limits
+        )
+        self.drops = DropLog(logger)
         self.addresses = CoordinatorAddresses(
             *(get_bound_address(s) for s in (self.front_pub, self.stats_in, self.engine_pub))
         )
@@ -109,11 +116,11 @@ class DPCoordinator:
         try:
             msg = self.decoder.decode(payload)
         except msgspec.DecodeError as e:
-            logger.error("Dropped a malformed engine message: %s", e)
+            self.drops.drop("Dropped a malformed engine message: %s", e)
             return
         engine = msg.engine_index
         if not 0 <= engine < len(self.stats):
-            logger.error("Dropped a message from unknown engine %d", engine)
+            self.drops.drop("Dropped a message from unknown engine %d", engine)
             return
         if msg.scheduler_stats is not None:
             s = msg.scheduler_stats

@@ -1,18 +1,27 @@
-"""`EngineCoreProc`: the engine core process. Wraps `EngineCore` with the IO threads and the
-busy loop, and speaks the start-up handshake (ARCHITECTURE §2, §5).
+"""`EngineCoreProc`: the engine core process. Wraps `EngineCore` with the IO threads
+(`engine_core_io.py`) and the busy loop, and speaks the start-up handshake (ARCHITECTURE §2, §5).
 
-Threads:
-- input: polls the DEALER of every front end, decodes, puts `(type, payload)` on
-  `input_queue` (ABORTs also on the eager aborts queue that `EngineCore.step` reads between
-  the forward pass and the output update). A malformed message is logged and dropped.
+- input thread: decodes and checks what the front ends send, onto `input_queue` (ABORTs
+  also onto the eager aborts queue that `EngineCore.step` reads between the forward pass and
+  the output update). A malformed message is logged and dropped.
 - main: the busy loop; blocks on `input_queue` only while there is no work.
-- output: encodes `(client_index, EngineCoreOutputs)` into reused buffers, sends zero-copy.
+- output thread: encodes `(client_index, EngineCoreOutputs)` into reused buffers, sends them
+  zero-copy.
 
 Handshake, on the front end's handshake ROUTER:
     engine --HELLO--> front end --addresses--> engine (loads, sizes KV) --READY--> front end
 then the engine's first message on each input DEALER is a ready message (which also registers
-its identity with the ROUTER). A fatal error sends the single frame `ENGINE_CORE_DEAD` to every
-front end and exits non-zero.
+its identity with the ROUTER).
+
+Ends:
+- Stopped: a first SIGTERM/SIGINT lets running requests finish (`--shutdown-timeout`) and
+  answers new ADDs with ABORT; a second one aborts them now; a third exits at once. A signal
+  while the model loads exits at once (nothing runs yet). A worker that is asked to stop asks
+  its engine core (SIGUSR1), and a worker that exits 0 stops it too. Every running request
+  gets its final (aborted) output, then every front end gets the frame `ENGINE_CORE_STOPPED`;
+  the process logs a clean shutdown and exits 0.
+- Failed: any other error (the executor, a worker dying, an IO thread) is logged with its
+  traceback; every front end gets the frame `ENGINE_CORE_DEAD`; exit 1.
 
 With data parallelism the engine also talks to the DP coordinator: it pushes its stats and its
 idle/busy transitions (`start_wave`, `wave_complete`) and subscribes to START_DP_WAVE. An
@@ -21,26 +30,37 @@ engine on another host (tcp) exits when its front end disconnects.
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.engine_core import EngineCore
+from treadle.core.engine_core_io import (
+    COORDINATOR,
+    ENGINE_CORE_DEAD,
+    ENGINE_CORE_STOPPED,
+    LINGER_MS,
+    FrontEndGone,
+    InputItem,
+    InputReader,
+    OutputItem,
+    OutputWriter,
+    UtilityRequest,
+    send_to_all,
+)
+from treadle.executor.multiproc import ExecutorStoppedError
+from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ReadyPipe
-from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from treadle.ipc.zmq_utils import engine_identity, make_zmq_socket, split_zmq_path
+from treadle.ipc.zmq_utils import engine_identity, make_zmq_socket
 from treadle.logger import init_logger, set_process_name
 from treadle.wire.engine import (
     EngineCoreOutput,
@@ -53,16 +73,19 @@ from treadle.wire.engine import (
     UtilityOutput,
 )
 
+__all__ = [
+    "ENGINE_CORE_DEAD",
+    "ENGINE_CORE_STOPPED",
+    "EngineCoreProc",
+    "Handshake",
+    "UtilityRequest",
+    "run_engine_core",
+]
+
 logger = init_logger(__name__)
 
-ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 _POLL_MS = 1000
-_LINGER_MS = 2000
-COORDINATOR = -1  # output_queue "client" that means the DP coordinator
 _COORDINATOR_STATS_INTERVAL_S = 0.05
-# tcp peers (engines on another host) check each other with ZMTP heartbeats.
-_HEARTBEAT_IVL_MS = 1000
-_HEARTBEAT_TIMEOUT_MS = 3000
 
 
 class Handshake(msgspec.Struct, omit_defaults=True):
@@ -78,20 +101,17 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     vocab_size: int = 0
 
 
-class UtilityRequest(msgspec.Struct, array_like=True):
-    client_index: int
-    call_id: int
-    method: str
-    args: list[Any] = []
-
-
-class FrontEndGone(RuntimeError):
-    """A front end on another host disconnected: this engine has nobody left to serve."""
-
-
 @dataclass
 class _Shutdown:
-    requested: bool = False
+    """What the signal handlers tell the busy loop."""
+
+    signals: int = 0  # SIGTERM/SIGINT received
+    asked: bool = False  # a worker asked to stop (SIGUSR1)
+    running: bool = False  # the busy loop runs (before it, a signal exits at once)
+
+    @property
+    def requested(self) -> bool:
+        return self.signals > 0 or self.asked
 
 
 def run_engine_core(
@@ -107,17 +127,27 @@ def run_engine_core(
     shutdown = _Shutdown()
 
     def on_signal(signum: int, frame: Any) -> None:
-        if shutdown.requested:  # a second signal: stop at once
-            raise SystemExit(1)
-        shutdown.requested = True
-        logger.info("Received %s; shutting down", signal.Signals(signum).name)
+        sig = signal.Signals(signum).name
+        if not shutdown.running:
+            logger.info("Received %s while starting; exiting", sig)
+            raise SystemExit(0)
+        if signum == signal.SIGUSR1:
+            shutdown.asked = True
+            logger.info("Asked to stop (SIGUSR1, from a front end or a worker); shutting down")
+            return
+        shutdown.signals += 1
+        if shutdown.signals == 1:
+            logger.info("Received %s; shutting down", sig)
+        elif shutdown.signals == 2:
+            logger.info("Received %s again; aborting the running requests", sig)
+        else:
+            logger.info("Received %s a third time; exiting now", sig)
+            raise SystemExit(0)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    parallel = config.parallel
-    if parallel.local_engine_count > 1 and parallel.world_size == 1:
-        # The engines on this host share its cores (a TP worker divides them itself).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.local_engine_count))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, on_signal)
+    if config.parallel.world_size == 1:  # the model runs here (TP workers set their own)
+        torch.set_num_threads(config.parallel.model_threads())
     proc = EngineCoreProc(config, handshake_address, dp_rank, shutdown, shutdown_timeout)
     ready.send_ready()
     proc.run()
@@ -137,8 +167,8 @@ class EngineCoreProc:
         self.shutdown = shutdown
         self.shutdown_timeout = shutdown_timeout
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | bytes | None] = queue.Queue()
+        self.input_queue: queue.Queue[InputItem] = queue.Queue()
+        self.output_queue: queue.Queue[OutputItem] = queue.Queue()
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self._stats_sent: SchedulerStats | None = None
         # Data parallel: the wave this engine knows of, and what the coordinator last heard.
@@ -153,7 +183,8 @@ class EngineCoreProc:
             zmq.DEALER,
             bind=False,
             identity=self.identity,
-            linger=_LINGER_MS,
+            linger=LINGER_MS,
+            options=inbound_options(),
         )
         encode, decode = msgspec.msgpack.encode, msgspec.msgpack.Decoder(Handshake).decode
         try:
@@ -177,17 +208,29 @@ class EngineCoreProc:
             hs.send(encode(info))
         finally:
             hs.close()
-        self.input_addresses = addresses.inputs
         self.output_addresses = addresses.outputs
-        self.coordinator_input = addresses.coordinator_input
-        self.coordinator_output = addresses.coordinator_output
-        self.ready_message = encode(info)
-        self.inputs_ready = threading.Event()
+        self.reader = InputReader(
+            self.ctx,
+            self.identity,
+            addresses.inputs,
+            addresses.coordinator_input,
+            encode(info),
+            self.input_queue,
+            self.aborts_queue,
+            self._io_failed,
+        )
+        self.writer = OutputWriter(
+            self.ctx,
+            addresses.outputs,
+            addresses.coordinator_output,
+            self.output_queue,
+            self._io_failed,
+        )
         self.input_thread = threading.Thread(
-            target=self._input_loop, name="engine-input", daemon=True
+            target=self.reader.run, name="engine-input", daemon=True
         )
         self.output_thread = threading.Thread(
-            target=self._output_loop, name="engine-output", daemon=True
+            target=self.writer.run, name="engine-output", daemon=True
         )
 
     # -- main thread --------------------------------------------------------------------------
@@ -195,27 +238,54 @@ class EngineCoreProc:
     def run(self) -> None:
         self.output_thread.start()
         self.input_thread.start()
-        self.inputs_ready.wait()
+        self.reader.ready.wait()
         try:
+            self.shutdown.running = True
             self._busy_loop()
         except FrontEndGone as e:
             logger.error("%s", e)  # nobody is left to tell
             self.engine.shutdown()
             raise SystemExit(1) from e
+        except ExecutorStoppedError as e:
+            logger.info("%s; shutting down", e)
+            self._stop()
+        except SystemExit as e:
+            if e.code not in (0, None):
+                self._die()
+                raise
+            self._stop()  # a third signal: at once
         except BaseException as e:
-            if not isinstance(e, SystemExit) or e.code not in (0, None):
-                logger.exception("Engine core failed; telling the front ends")
-                self.output_queue.put(ENGINE_CORE_DEAD)
-                self.output_queue.put(None)
-                self.output_thread.join(5.0)
-                self.engine.shutdown()  # stop the workers, or exiting would wait on them
-                raise SystemExit(1) from e
-            self.engine.shutdown()
-            raise
+            logger.exception("Engine core failed; telling the front ends")
+            self._die()
+            raise SystemExit(1) from e
+        else:
+            self._stop()
+
+    def _stop(self) -> None:
+        """A clean end: every request still here is aborted (so every stream ends), every front
+        end hears ENGINE_CORE_STOPPED, and the process exits 0."""
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # asked again: we are stopping
+        try:
+            self._abort_all()
+        except Exception:  # the scheduler may be half way through a step that was cut short
+            logger.warning("Could not abort the running requests", exc_info=True)
+        self.output_queue.put(ENGINE_CORE_STOPPED)
         self.output_queue.put(None)
         self.output_thread.join(10.0)
         self.engine.shutdown()
         logger.info("Engine core stopped")
+
+    def _die(self) -> None:
+        """A fatal error: every front end hears ENGINE_CORE_DEAD (from here if the output
+        thread is gone); the workers are stopped, or exiting would wait on them."""
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if self.output_thread.is_alive():
+            self.output_queue.put(ENGINE_CORE_DEAD)
+            self.output_queue.put(None)
+            self.output_thread.join(5.0)
+        else:
+            send_to_all(self.ctx, self.output_addresses, ENGINE_CORE_DEAD)
+        self.engine.shutdown()
 
     def _busy_loop(self) -> None:
         engine = self.engine
@@ -226,9 +296,8 @@ class EngineCoreProc:
                     deadline = time.monotonic() + self.shutdown_timeout
                 if not engine.has_unfinished_requests():
                     return
-                if time.monotonic() >= deadline:
-                    self._abort_all()
-                    return
+                if self.shutdown.signals >= 2 or time.monotonic() >= deadline:
+                    return  # run() aborts what is left
             block = not engine.has_unfinished_requests() and not self.shutdown.requested
             self._drain_inputs(block)
             if self.dp:
@@ -310,12 +379,21 @@ class EngineCoreProc:
         elif kind is EngineCoreRequestType.UTILITY:
             self._call_utility(payload)
         elif kind is EngineCoreRequestType.EXECUTOR_FAILED:
-            raise RuntimeError(f"executor failed: {payload}")
+            raise payload if isinstance(payload, Exception) else RuntimeError(payload)
         elif kind is EngineCoreRequestType.WAKEUP:  # the front end is gone
             raise FrontEndGone(payload)
 
-    def _executor_failed(self, reason: str) -> None:
-        """Called from the executor's monitor thread: the busy loop raises on it."""
+    def _executor_failed(self, reason: str, stopped: bool = False) -> None:
+        """Called from the executor's monitor thread: the busy loop raises on it (or, for a
+        worker that stopped cleanly, stops)."""
+        if stopped:
+            error = ExecutorStoppedError(reason)
+            self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, error))
+            return
+        self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, f"executor failed: {reason}"))
+
+    def _io_failed(self, reason: str) -> None:
+        """Called by an IO thread that ends: the engine cannot talk any more, so it dies."""
         self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, reason))
 
     def _reject(self, req: EngineCoreRequest, reason: str) -> None:
@@ -354,114 +432,3 @@ class EngineCoreProc:
             self.output_queue.put(
                 (client, EngineCoreOutputs(self.dp_rank, outs, timestamp=time.time()))
             )
-
-    # -- IO threads ---------------------------------------------------------------------------
-
-    def _input_loop(self) -> None:
-        decoders = {
-            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
-            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
-            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
-        }
-        sockets = [self._input_socket(addr) for addr in self.input_addresses]
-        poller = zmq.Poller()
-        monitors = {}
-        for sock, addr in zip(sockets, self.input_addresses, strict=True):
-            if split_zmq_path(addr)[0] == "tcp":  # a front end on another host may vanish
-                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                monitors[monitor] = addr
-                poller.register(monitor, zmq.POLLIN)
-        for sock in sockets:
-            sock.send(self.ready_message)
-        coordinator = None
-        if self.coordinator_input:
-            coordinator = make_zmq_socket(self.ctx, self.coordinator_input, zmq.XSUB, linger=0)
-            coordinator.send(b"\x01")  # subscribe to everything
-            poller.register(coordinator, zmq.POLLIN)
-            wave_decoder = MsgpackDecoder(StartDPWave)
-        self.inputs_ready.set()
-        for sock in sockets:
-            poller.register(sock, zmq.POLLIN)
-        while True:
-            for sock, _ in poller.poll():
-                if sock in monitors:
-                    event = parse_monitor_message(sock.recv_multipart())  # type: ignore[union-attr]
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        reason = f"the front end at {monitors[sock]} disconnected; exiting"
-                        self.input_queue.put((EngineCoreRequestType.WAKEUP, reason))
-                    continue
-                if sock is coordinator:
-                    try:
-                        wave = wave_decoder.decode([coordinator.recv()])
-                    except Exception as e:
-                        logger.error("Dropped a malformed coordinator message: %s", e)
-                        continue
-                    self.input_queue.put((EngineCoreRequestType.START_DP_WAVE, wave))
-                    continue
-                frames = sock.recv_multipart(copy=False)  # type: ignore[union-attr]
-                try:
-                    kind = EngineCoreRequestType(bytes(frames[0].buffer))
-                    payload = decoders[kind].decode(frames[1:])
-                except Exception as e:
-                    logger.error("Dropped a malformed message: %s: %s", type(e).__name__, e)
-                    continue
-                if kind is EngineCoreRequestType.ABORT:
-                    self.aborts_queue.put(payload)
-                self.input_queue.put((kind, payload))
-
-    def _input_socket(self, addr: str) -> zmq.Socket[Any]:
-        options: dict[int, int] = {}
-        if split_zmq_path(addr)[0] == "tcp":
-            options = {
-                zmq.HEARTBEAT_IVL: _HEARTBEAT_IVL_MS,
-                zmq.HEARTBEAT_TIMEOUT: _HEARTBEAT_TIMEOUT_MS,
-            }
-        return make_zmq_socket(
-            self.ctx,
-            addr,
-            zmq.DEALER,
-            bind=False,
-            identity=self.identity,
-            linger=0,
-            options=options,
-        )
-
-    def _output_loop(self) -> None:
-        encoder = MsgpackEncoder()
-        sockets = [
-            make_zmq_socket(self.ctx, addr, zmq.PUSH, linger=_LINGER_MS)
-            for addr in self.output_addresses
-        ]
-        coordinator = (
-            make_zmq_socket(self.ctx, self.coordinator_output, zmq.PUSH, linger=0)
-            if self.coordinator_output
-            else None
-        )
-        free: list[bytearray] = []
-        in_flight: deque[tuple[bytearray, zmq.MessageTracker]] = deque()
-        while True:
-            item = self.output_queue.get()
-            if item is None:
-                break
-            if isinstance(item, bytes):  # ENGINE_CORE_DEAD goes to every front end
-                for sock in sockets:
-                    sock.send(item)
-                continue
-            client, outputs = item
-            if client == COORDINATOR:
-                if coordinator is not None:
-                    coordinator.send(encoder.encode(outputs)[0])
-                continue
-            while in_flight and in_flight[0][1].done:
-                free.append(in_flight.popleft()[0])
-            buf = free.pop() if free else bytearray()
-            frames = encoder.encode_into(outputs, buf)
-            tracker = sockets[client].send_multipart(frames, copy=False, track=True)
-            if tracker is None or tracker.done:
-                free.append(buf)
-            else:
-                in_flight.append((buf, tracker))
-        for sock in sockets:
-            sock.close(linger=_LINGER_MS)
-        if coordinator is not None:
-            coordinator.close(linger=0)

@@ -4,14 +4,19 @@ Calls go out once through a shared-memory broadcast `MessageQueue`; each worker 
 own `MessageQueue(1, 1)`. Replies are read in call order, so futures resolve FIFO. A worker's
 error comes back as `RuntimeError("Worker failed with error '...'")`; no reply in time is a
 `TimeoutError`. A monitor thread turns a dead worker into a failure of every pending and later
-call (the engine core then dies loudly instead of hanging).
+call (the engine core then dies loudly instead of hanging); a worker that exited 0 was stopped
+on purpose (`ExecutorStoppedError`: the engine core stops cleanly).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from treadle import envs
@@ -37,6 +42,25 @@ from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.worker_proc import run_worker
 
 logger = init_logger(__name__)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Start workers with SIGINT ignored (inherited by fork and by spawn, since Python keeps
+    an ignored SIGINT): Ctrl-C reaches the whole process group, and the engine core, not each
+    worker, decides how to stop (it then terminates the workers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class ExecutorStoppedError(RuntimeError):
+    """A worker was stopped (it exited 0): no more calls, but nothing went wrong."""
 
 
 def check_parallel_layout(arch: ModelArch, tp: int) -> None:
@@ -66,8 +90,10 @@ class MultiprocExecutor:
         self.max_model_len = max_model_len
         self.arch = arch
         self.failure: str | None = None
-        # Set by the engine core process: told at once when a worker dies, even while idle.
-        self.failure_callback: Callable[[str], None] | None = None
+        self.stopped = False  # the failure is a worker that exited 0
+        # Set by the engine core process: told at once when a worker dies, even while idle:
+        # `failure_callback(reason, stopped)`.
+        self.failure_callback: Callable[[str, bool], None] | None = None
         self.workers: list[ChildProcess] = []
         self.reply_queues: list[MessageQueue] = []
         self.reply_handles: list[Handle] = []
@@ -79,15 +105,22 @@ class MultiprocExecutor:
         try:
             ctx = get_mp_context()
             handle = self.broadcast.export_handle()
-            for rank in range(self.world_size):
-                self.workers.append(
-                    start_process(
-                        run_worker,
-                        f"Worker_TP{rank}",
-                        args=(config, rank, self.world_size, handle, f"file://{self._dist_file}"),
-                        ctx=ctx,
+            with _sigint_ignored():
+                for rank in range(self.world_size):
+                    self.workers.append(
+                        start_process(
+                            run_worker,
+                            f"Worker_TP{rank}",
+                            args=(
+                                config,
+                                rank,
+                                self.world_size,
+                                handle,
+                                f"file://{self._dist_file}",
+                            ),
+                            ctx=ctx,
+                        )
                     )
-                )
             self.reply_handles = wait_for_ready(self.workers, timeout=envs.engine_ready_timeout_s())
             self.reply_queues = [MessageQueue.create_from_handle(h, 0) for h in self.reply_handles]
             self.broadcast.wait_until_ready()
@@ -99,11 +132,31 @@ class MultiprocExecutor:
         self.monitor = ProcessMonitor(self.workers, self._on_worker_death)
 
     def _on_worker_death(self, child: ChildProcess) -> None:
-        self.failure = f"{child.describe()} died: {describe_exit(child.exitcode)}"
+        self.stopped = child.exitcode == 0
+        verb = "stopped" if self.stopped else "died"
+        self.failure = f"{child.describe()} {verb}: {describe_exit(child.exitcode)}"
         for queue in self.reply_queues:
             queue.shutdown()  # wakes a collective_rpc that waits for a reply
         if self.failure_callback is not None:
-            self.failure_callback(self.failure)
+            self.failure_callback(self.failure, self.stopped)
+
+    def _a_worker_stopped(self, wait_s: float = 1.0) -> bool:
+        """After an error reply: did a worker exit 0 (stopped on purpose) around then? Its
+        peers' collectives fail first; its exit follows within moments."""
+        deadline = time.monotonic() + wait_s
+        while not self.stopped and time.monotonic() < deadline:
+            if any(w.exitcode == 0 for w in self.workers):
+                self.stopped = True
+                self.failure = self.failure or "a worker stopped"
+            elif any(w.exitcode is not None for w in self.workers):
+                return False
+            time.sleep(0.05)
+        return self.stopped
+
+    def _failed(self) -> RuntimeError:
+        if self.stopped:
+            return ExecutorStoppedError(self.failure)
+        return RuntimeError(f"the executor failed: {self.failure}")
 
     def collective_rpc(
         self,
@@ -114,7 +167,7 @@ class MultiprocExecutor:
         unique_reply_rank: int | None = None,
     ) -> list[Any]:
         if self.failure is not None:
-            raise RuntimeError(f"the executor failed: {self.failure}")
+            raise self._failed()
         self.broadcast.enqueue((method, args, kwargs, unique_reply_rank), timeout=timeout)
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
         results = []
@@ -122,8 +175,10 @@ class MultiprocExecutor:
             try:
                 ok, result = self.reply_queues[rank].dequeue(timeout=timeout)
             except MessageQueueShutdown:
-                raise RuntimeError(f"the executor failed: {self.failure}") from None
+                raise self._failed() from None
             if not ok:
+                if self._a_worker_stopped():  # a collective cut short by a rank that left
+                    raise ExecutorStoppedError(self.failure)
                 raise RuntimeError(f"Worker failed with error '{result}'")
             results.append(result)
         return results

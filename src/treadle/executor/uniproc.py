@@ -13,7 +13,7 @@ from treadle.worker.worker import Worker
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        self.failure_callback: Callable[[str], None] | None = None  # never called: no workers
+        self.failure_callback: Callable[[str, bool], None] | None = None  # never: no workers
         self.worker = Worker(config)
         self.worker.load_model()
 

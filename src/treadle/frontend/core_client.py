@@ -6,20 +6,28 @@ to one engine and follows the DP coordinator's load snapshots. `SyncMPClient` (t
 on a thread into a queue; `AsyncMPClient` (the API server) reads them in an asyncio task.
 `InprocClient` drives an `EngineCore` in this process (`TREADLE_ENABLE_MULTIPROCESSING=0`).
 
-Engine death, seen as the in-band `ENGINE_CORE_DEAD` frame or the process sentinel, fails every
-pending output wait and utility call with `EngineDeadError`.
+Engine death, seen as the in-band `ENGINE_CORE_DEAD` frame, the process sentinel or a reader
+that fails (logged with its traceback), fails every pending output wait and utility call with
+`EngineDeadError`. An engine stopped on purpose (the frame `ENGINE_CORE_STOPPED`, or exit code
+0) answered every request first: the client refuses new work (`EngineDeadError`, so `/health`
+is 503), and the API server stops cleanly (`AsyncMPClient.on_stopped`). What arrives on the
+PULL is checked by `OutputReader`; anything that arrives on the ROUTER after start-up (engines
+send nothing there) is read and dropped, so unread input cannot pile up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
+import os
 import queue
+import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +39,24 @@ from zmq.utils.monitor import parse_monitor_message
 
 from treadle import envs
 from treadle.config import EngineConfig
-from treadle.core.engine_core_proc import ENGINE_CORE_DEAD, Handshake, UtilityRequest
+from treadle.core.engine_core_proc import (
+    ENGINE_CORE_DEAD,
+    ENGINE_CORE_STOPPED,
+    Handshake,
+    UtilityRequest,
+)
+from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.launcher import EngineLauncher, front_end_host
-from treadle.ipc.process import ChildProcess, ProcessMonitor, describe_exit
-from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from treadle.frontend.output_reader import OutputReader
+from treadle.ipc.inbound import DropLog, check_outbound, inbound_options
+from treadle.ipc.process import (
+    ChildProcess,
+    ProcessMonitor,
+    chain_signal_handlers,
+    describe_exit,
+    signal_children,
+)
+from treadle.ipc.serial import MsgpackEncoder
 from treadle.ipc.zmq_utils import (
     engine_identity,
     get_bound_address,
@@ -44,7 +66,6 @@ from treadle.ipc.zmq_utils import (
 )
 from treadle.logger import init_logger
 from treadle.wire.engine import (
-    DPStats,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -52,6 +73,10 @@ from treadle.wire.engine import (
 from treadle.worker.worker import check_config
 
 logger = init_logger(__name__)
+
+# How long an engine may take to answer when a peer left the request socket (a step of a long
+# prefill must fit): one that does not answer is dead.
+ENGINE_PING_TIMEOUT_S = 10.0
 
 
 # Clients whose engine process still runs. At interpreter exit, multiprocessing joins every
@@ -94,10 +119,8 @@ class MPClient:
     """The front end's side of channels 1 and 2, to one or several (DP) engine cores.
 
     Without `attach`, this client starts the engines (and the DP coordinator) itself, runs the
-    handshake and watches them. Each ADD goes to one engine: the explicit `data_parallel_rank`
-    or the lowest score `4 * waiting + running` from the coordinator's last snapshot plus what
-    this client sent since (ties: fewest prompt tokens in flight from here, so that long
-    prompts spread out; then in turn). An ABORT goes only to the engine that owns the request.
+    handshake and watches them. Each ADD goes to the engine that `EngineRouter` picks; an
+    ABORT only to the engine that owns the request.
     """
 
     def __init__(
@@ -112,7 +135,7 @@ class MPClient:
         self.num_engines = p.data_parallel_size
         self.identities = [engine_identity(rank) for rank in range(self.num_engines)]
         self.encoder = MsgpackEncoder()
-        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.request_drops = DropLog(logger)  # what arrives on the ROUTER after start-up
         self.dead_reason: str | None = None
         self._call_ids = itertools.count()
         self._closed = False
@@ -121,13 +144,7 @@ class MPClient:
         self.input_socket: zmq.Socket[Any] | None = None
         self.output_socket: zmq.Socket[Any] | None = None
         self.coordinator_socket: zmq.Socket[Any] | None = None
-        # Load balancing: per engine [waiting, running] (coordinator snapshot + own sends).
-        self.lb_counts = [[0, 0] for _ in range(self.num_engines)]
-        # Prompt tokens of the requests this client has in flight on each engine.
-        self.in_flight = [0] * self.num_engines
-        self.request_engine: dict[str, tuple[int, int]] = {}  # request id -> (engine, tokens)
-        self.current_wave = 0
-        self._tie_break = itertools.cycle(range(self.num_engines))
+        self.router = EngineRouter(self.num_engines)
         if attach is None:
             # Start the engines before this process makes its zmq context: the context's IO
             # threads would make forking unsafe. DEALERs that connect early are retried by zmq.
@@ -140,8 +157,13 @@ class MPClient:
             def address() -> str:
                 return get_tcp_uri(host, 0) if host else get_open_zmq_ipc_path()
 
-            self.input_socket = make_zmq_socket(self.ctx, address(), zmq.ROUTER, linger=0)
-            self.output_socket = make_zmq_socket(self.ctx, address(), zmq.PULL, linger=0)
+            limits = inbound_options()
+            self.input_socket = make_zmq_socket(
+                self.ctx, address(), zmq.ROUTER, linger=0, options=limits
+            )
+            self.output_socket = make_zmq_socket(
+                self.ctx, address(), zmq.PULL, linger=0, options=limits
+            )
             mine = [get_bound_address(self.input_socket), get_bound_address(self.output_socket)]
             if self.launcher is not None:
                 self.launcher.handshake(self.ctx, [mine[0]], [mine[1]])
@@ -152,9 +174,10 @@ class MPClient:
                 attach.report(mine)
                 coordinator_address = attach.coordinator
             self.info = self._wait_for_engines()
+            self.reader = OutputReader(self.num_engines, self.info.vocab_size)
             if coordinator_address:
                 self.coordinator_socket = make_zmq_socket(
-                    self.ctx, coordinator_address, zmq.SUB, linger=0
+                    self.ctx, coordinator_address, zmq.SUB, linger=0, options=limits
                 )
                 self.coordinator_socket.setsockopt(zmq.SUBSCRIBE, b"")
         except BaseException:
@@ -187,9 +210,14 @@ class MPClient:
             if self.launcher is not None:
                 self.launcher.check(poller, events)
             if self.input_socket in events:
-                identity, payload = self.input_socket.recv_multipart()
-                if identity in self.identities:
+                frames = self.input_socket.recv_multipart()
+                try:
+                    identity, payload = frames
+                    if identity not in self.identities:
+                        raise ValueError(f"unknown engine identity {identity!r}")
                     infos[identity] = decode(payload)
+                except Exception as e:
+                    self.request_drops.drop("Dropped a message on the request socket: %s", e)
         return EngineInfo(
             num_blocks=min(i.num_blocks for i in infos.values()),
             max_model_len=min(i.max_model_len for i in infos.values()),
@@ -199,65 +227,33 @@ class MPClient:
     # -- requests ------------------------------------------------------------------------------
 
     def _route(self, request: EngineCoreRequest, rank: int | None) -> bytes:
-        """Pick the engine for a new request and remember it (for aborts)."""
-        if self.num_engines == 1:
-            if rank not in (None, 0):
-                raise ValueError(f"data_parallel_rank {rank} out of range: there is 1 engine")
-            return self.identities[0]
-        if rank is None:
-            counts, in_flight, n = self.lb_counts, self.in_flight, self.num_engines
-            first = next(self._tie_break)
-            rank = min(
-                range(n),
-                key=lambda e: (4 * counts[e][0] + counts[e][1], in_flight[e], (e - first) % n),
-            )
-        elif not 0 <= rank < self.num_engines:
-            raise ValueError(
-                f"data_parallel_rank {rank} out of range: there are {self.num_engines} engines"
-            )
-        self.lb_counts[rank][0] += 1
-        tokens = len(request.prompt_token_ids)
-        self.in_flight[rank] += tokens
-        self.request_engine[request.request_id] = (rank, tokens)
-        request.current_wave = self.current_wave
-        return self.identities[rank]
+        return self.identities[self.router.route(request, rank)]
 
     def _abort_frames(self, request_ids: list[str]) -> list[list[Any]]:
-        if self.num_engines == 1:
-            return [self._frames(self.identities[0], EngineCoreRequestType.ABORT, request_ids)]
-        by_engine: dict[int, list[str]] = {}
-        for rid in request_ids:
-            owner = self.request_engine.pop(rid, None)
-            if owner is not None:  # else it finished already
-                rank, tokens = owner
-                self.in_flight[rank] -= tokens
-                by_engine.setdefault(rank, []).append(rid)
         return [
             self._frames(self.identities[rank], EngineCoreRequestType.ABORT, ids)
-            for rank, ids in by_engine.items()
+            for rank, ids in self.router.owners(request_ids).items()
         ]
-
-    def _note_finished(self, outputs: EngineCoreOutputs) -> None:
-        if self.num_engines == 1:
-            return
-        for out in outputs.outputs:
-            if out.finish_reason is not None:
-                owner = self.request_engine.pop(out.request_id, None)
-                if owner is not None:
-                    self.in_flight[owner[0]] -= owner[1]
 
     def _on_dp_stats(self, payload: bytes) -> None:
         try:
-            stats = msgspec.msgpack.decode(payload, type=DPStats)
-        except msgspec.DecodeError as e:
-            logger.error("Dropped a malformed coordinator message: %s", e)
-            return
-        if len(stats.engines) == self.num_engines:
-            self.lb_counts = [[int(w), int(r)] for w, r, _ in stats.engines]
-        self.current_wave = stats.wave
+            self.router.on_stats(payload)
+        except Exception as e:
+            self.request_drops.drop("Dropped a malformed coordinator message: %s", e)
+
+    def _on_stray_request_message(self, frames: list[Any]) -> None:
+        size = sum(len(f) for f in frames)
+        self.request_drops.drop(
+            "Dropped a message on the request socket (%d frames, %d bytes): engines send "
+            "nothing there after start-up",
+            len(frames),
+            size,
+        )
 
     def _frames(self, identity: bytes, kind: EngineCoreRequestType, obj: Any) -> list[Any]:
-        return [identity, kind.value, *self.encoder.encode(obj)]
+        frames = [identity, kind.value, *self.encoder.encode(obj)]
+        check_outbound(frames, f"this {kind.name} message")  # the engine would refuse it
+        return frames
 
     def _utility_frames(
         self, engine: int, call_id: int, method: str, args: tuple[Any, ...]
@@ -266,9 +262,16 @@ class MPClient:
         return self._frames(self.identities[engine], EngineCoreRequestType.UTILITY, call)
 
     def _on_child_death(self, child: ChildProcess) -> None:
-        self._mark_dead(f"the {child.name} process died: {describe_exit(child.exitcode)}")
+        if child.exitcode == 0:
+            self._mark_stopped(f"the {child.name} process stopped")
+        else:
+            self._mark_dead(f"the {child.name} process died: {describe_exit(child.exitcode)}")
 
     def _mark_dead(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def _mark_stopped(self, reason: str) -> None:
+        """An engine (or the coordinator) was stopped on purpose; any thread."""
         raise NotImplementedError
 
     def _check_alive(self) -> None:
@@ -290,7 +293,8 @@ class MPClient:
 
 
 class SyncMPClient(MPClient):
-    """For the offline `LLM`: a thread moves decoded outputs into a queue."""
+    """For the offline `LLM`: a thread moves decoded outputs into a queue. The ROUTER is used
+    by the caller's thread and the reader's (which drains it), so both hold `_input_lock`."""
 
     def __init__(self, config: EngineConfig, shutdown_timeout: float = 0.0):
         if config.parallel.data_parallel_size > 1:
@@ -298,34 +302,47 @@ class SyncMPClient(MPClient):
         super().__init__(config, shutdown_timeout)
         self.outputs: queue.Queue[EngineCoreOutputs | str] = queue.Queue()
         self._utility: dict[int, Future[Any]] = {}
-        self._reader = threading.Thread(
-            target=self._read_outputs, name="engine-outputs", daemon=True
-        )
+        self._input_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._run_reader, name="engine-outputs", daemon=True)
         self._reader.start()
 
-    def _read_outputs(self) -> None:
-        assert self.output_socket is not None
-        while not self._closed:
-            try:
-                if not self.output_socket.poll(200):
-                    continue
-                frames = self.output_socket.recv_multipart(copy=False)
-            except zmq.ZMQError:
+    def _run_reader(self) -> None:
+        try:
+            self._read_outputs()
+        except Exception as e:
+            if self._closed:
                 return
-            if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
+            logger.exception("The engine output reader failed")
+            self._mark_dead(f"the engine output reader failed: {type(e).__name__}: {e}")
+
+    def _read_outputs(self) -> None:
+        assert self.output_socket is not None and self.input_socket is not None
+        while not self._closed:
+            with self._input_lock:
+                while self.input_socket.poll(0):
+                    self._on_stray_request_message(self.input_socket.recv_multipart())
+            if not self.output_socket.poll(200):
+                continue
+            item = self.reader.read(self.output_socket.recv_multipart(copy=False))
+            if item is None:
+                continue
+            if item == ENGINE_CORE_DEAD:
                 self._mark_dead("the engine core reported a fatal error (see its log)")
                 return
-            outputs: EngineCoreOutputs = self.decoder.decode(frames)
-            if outputs.utility_output is not None:
-                fut = self._utility.pop(outputs.utility_output.call_id, None)
+            if item == ENGINE_CORE_STOPPED:
+                self._mark_stopped("the engine core was stopped")
+                return
+            assert isinstance(item, EngineCoreOutputs)
+            if item.utility_output is not None:
+                fut = self._utility.pop(item.utility_output.call_id, None)
                 if fut is not None:
-                    u = outputs.utility_output
+                    u = item.utility_output
                     if u.failure_message is not None:
                         fut.set_exception(RuntimeError(u.failure_message))
                     else:
                         fut.set_result(u.result)
                 continue
-            self.outputs.put(outputs)
+            self.outputs.put(item)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -335,19 +352,23 @@ class SyncMPClient(MPClient):
                 fut.set_exception(EngineDeadError(reason))
             self._utility.clear()
 
+    def _mark_stopped(self, reason: str) -> None:
+        self._mark_dead(reason)  # no error to log: whoever stopped it knows why
+
+    def _send(self, frames: list[Any], copy: bool = True) -> None:
+        assert self.input_socket is not None
+        with self._input_lock:
+            self.input_socket.send_multipart(frames, copy=copy)
+
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
-        assert self.input_socket is not None
         identity = self._route(request, None)
-        self.input_socket.send_multipart(
-            self._frames(identity, EngineCoreRequestType.ADD, request), copy=False
-        )
+        self._send(self._frames(identity, EngineCoreRequestType.ADD, request), copy=False)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_reason is None:
-            assert self.input_socket is not None
             for frames in self._abort_frames(request_ids):
-                self.input_socket.send_multipart(frames)
+                self._send(frames)
 
     def get_output(self) -> EngineCoreOutputs:
         item = self.outputs.get()
@@ -360,16 +381,21 @@ class SyncMPClient(MPClient):
         self._check_alive()
         call_id = next(self._call_ids)
         fut: Future[Any] = Future()
+        frames = self._utility_frames(0, call_id, method, args)
         self._utility[call_id] = fut
-        assert self.input_socket is not None
-        self.input_socket.send_multipart(self._utility_frames(0, call_id, method, args))
+        self._send(frames)
         return fut.result(timeout)
 
 
 class AsyncMPClient(MPClient):
-    """For the API server: asyncio tasks read the outputs (handed to `on_outputs`), the DP
-    coordinator's snapshots and, when the engines are not this process's children, the
-    disconnects of engines (an engine that vanishes is a dead engine)."""
+    """For the API server: asyncio tasks read the outputs (handed to `on_outputs`), drain the
+    ROUTER, read the DP coordinator's snapshots and, when the engines are not this process's
+    children, watch for engines that disconnect (an engine that vanishes is a dead engine).
+
+    A task that fails is logged with its traceback and makes the engine dead (`on_dead`):
+    nothing is left waiting on a reader that is gone. `on_stopped(reason)` runs (in the event
+    loop) when an engine was stopped on purpose; by default it sends this process SIGTERM,
+    which stops the API server as a signal to it would."""
 
     def __init__(
         self,
@@ -383,12 +409,17 @@ class AsyncMPClient(MPClient):
         # Set before the engines start: shutdown() (also on a failed start) reads them.
         self.on_outputs = on_outputs
         self.on_dead = on_dead
+        self.on_stopped: Callable[[str], None] = _stop_this_process
         self.loop: asyncio.AbstractEventLoop | None = None
         self._utility: dict[int, asyncio.Future[Any]] = {}
         self._async_input: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._failed = False
+        self._ended = False  # dead or stopped: told once
+        self._pending_end: tuple[str, bool] | None = None
+        self._monitors: list[tuple[zmq.Socket[Any], zmq.Socket[Any]]] = []  # (socket, monitor)
+        self._restore_signals: Callable[[], None] = lambda: None
         self._watch_disconnects = attach is not None or config.parallel.multi_node
+        self._supervisor = os.getppid() if attach is not None else None  # started us
         super().__init__(config, shutdown_timeout, client_index, attach)
 
     def start(self) -> None:
@@ -396,28 +427,68 @@ class AsyncMPClient(MPClient):
         self.loop = asyncio.get_running_loop()
         assert self.input_socket is not None
         self._async_input = zmq.asyncio.Socket.from_socket(self.input_socket)
-        self._tasks.append(self.loop.create_task(self._read_outputs()))
+        self._spawn(self._read_outputs(), "engine output reader")
+        self._spawn(self._drain_requests(self._async_input), "request socket reader")
         if self.coordinator_socket is not None:
-            self._tasks.append(self.loop.create_task(self._read_coordinator()))
-        if self._watch_disconnects:
-            monitor = self.input_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._tasks.append(self.loop.create_task(self._watch_engines(monitor)))
+            self._spawn(self._read_coordinator(), "DP coordinator reader")
+        assert self.output_socket is not None
+        for sock, name in ((self.input_socket, "request"), (self.output_socket, "output")):
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors.append((sock, monitor))
+            self._spawn(self._watch_peers(monitor, name), f"{name} socket watch")
+        if self._pending_end is not None:  # an engine ended before the loop ran
+            self._end(*self._pending_end)
+        self._chain_stop_signals()
+
+    def _chain_stop_signals(self) -> None:
+        """uvicorn's SIGTERM/SIGINT handlers wait for open streams: pass the signal on at once
+        to whoever can end them, so that the server stops without cutting them. Our engines
+        get SIGUSR1 (a graceful stop: after --shutdown-timeout they abort what still runs,
+        and answer it); an API server of several asks its supervisor, which stops all."""
+        supervisor = self._supervisor
+
+        def pass_on() -> None:
+            if self._ended:  # the engines stopped (or died) first
+                return
+            if self.launcher is not None:
+                signal_children(self.launcher.engines, signal.SIGUSR1)
+            elif supervisor is not None and os.getppid() == supervisor:  # still ours
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(supervisor, signal.SIGTERM)
+
+        self._restore_signals = chain_signal_handlers((signal.SIGTERM, signal.SIGINT), pass_on)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        assert self.loop is not None
+        self._tasks.append(self.loop.create_task(self._guard(coro, what)))
+
+    async def _guard(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self._closed:
+                return
+            logger.exception("The %s failed", what)
+            self._fail(f"the front end's {what} failed: {type(e).__name__}: {e}")
 
     async def _read_outputs(self) -> None:
         assert self.output_socket is not None
         sock = zmq.asyncio.Socket.from_socket(self.output_socket)
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
+            item = self.reader.read(await sock.recv_multipart(copy=False))
+            if item is None:
+                continue
+            if item == ENGINE_CORE_DEAD:
                 self._fail("an engine core reported a fatal error (see its log)")
                 return
-            try:
-                outputs: EngineCoreOutputs = self.decoder.decode(frames)
-            except Exception as e:  # never let one bad message stop the reader
-                logger.error("Dropped a malformed engine output: %s", e)
-                continue
-            if outputs.utility_output is not None:
-                u = outputs.utility_output
+            if item == ENGINE_CORE_STOPPED:
+                self._end("an engine core was stopped", stopped=True)
+                continue  # other engines may still finish their requests
+            assert isinstance(item, EngineCoreOutputs)
+            if item.utility_output is not None:
+                u = item.utility_output
                 fut = self._utility.pop(u.call_id, None)
                 if fut is not None and not fut.done():
                     if u.failure_message is not None:
@@ -425,8 +496,12 @@ class AsyncMPClient(MPClient):
                     else:
                         fut.set_result(u.result)
                 continue
-            self._note_finished(outputs)
-            self.on_outputs(outputs)
+            self.router.note_finished(item)
+            self.on_outputs(item)
+
+    async def _drain_requests(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            self._on_stray_request_message(await sock.recv_multipart(copy=False))
 
     async def _read_coordinator(self) -> None:
         assert self.coordinator_socket is not None
@@ -434,33 +509,73 @@ class AsyncMPClient(MPClient):
         while True:
             self._on_dp_stats(await sock.recv())
 
-    async def _watch_engines(self, monitor: zmq.Socket[Any]) -> None:
+    async def _watch_peers(self, monitor: zmq.Socket[Any], name: str) -> None:
+        """Log each peer that leaves the socket `name` (libzmq drops a peer that sends more
+        than TREADLE_ZMQ_MAX_MSG_BYTES this way). When the engines are not our children, a
+        peer leaving the request socket may be an engine whose process or host is gone: every
+        engine must then answer a call within ENGINE_PING_TIMEOUT_S or it is dead (a bare
+        disconnect would let any local process that connects and leaves kill the server)."""
         sock = zmq.asyncio.Socket.from_socket(monitor)
-        try:
-            while True:
-                event = parse_monitor_message(await sock.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._fail("an engine core disconnected (its process or host is gone)")
+        while True:
+            event = parse_monitor_message(await sock.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED or self._ended:
+                continue
+            if name == "request" and self._watch_disconnects:
+                silent = await self._silent_engines()
+                if silent:
+                    self._fail(f"engine core(s) {silent} disconnected and do not answer")
                     return
-        finally:
-            monitor.close(linger=0)
+            logger.warning(
+                "A peer of the %s socket disconnected (it closed, or sent a message larger "
+                "than TREADLE_ZMQ_MAX_MSG_BYTES=%d)",
+                name,
+                envs.zmq_max_msg_bytes(),
+            )
+
+    async def _silent_engines(self) -> list[int]:
+        async def answers(engine: int) -> bool:
+            try:
+                await asyncio.wait_for(self.call_utility("get_stats", engine=engine), timeout)
+                return True
+            except (TimeoutError, EngineDeadError):
+                return False
+
+        timeout = ENGINE_PING_TIMEOUT_S
+        replies = await asyncio.gather(*(answers(e) for e in range(self.num_engines)))
+        return [e for e, ok in enumerate(replies) if not ok]
 
     def _mark_dead(self, reason: str) -> None:
+        self._end_threadsafe(reason, stopped=False)
+
+    def _mark_stopped(self, reason: str) -> None:
+        self._end_threadsafe(reason, stopped=True)
+
+    def _end_threadsafe(self, reason: str, stopped: bool) -> None:
+        """`_end` from the process monitor's thread (or before the loop runs: at `start`)."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._fail, reason)
-        elif self.dead_reason is None:
-            self.dead_reason = reason
+            self.loop.call_soon_threadsafe(self._end, reason, stopped)
+        elif self._pending_end is None:
+            self.dead_reason, self._pending_end = reason, (reason, stopped)
 
     def _fail(self, reason: str) -> None:
-        if self._failed or self._closed:
+        self._end(reason, stopped=False)
+
+    def _end(self, reason: str, stopped: bool) -> None:
+        """No more work: fail pending utility calls, then `on_dead` (a failure: every
+        request fails, /health 503, exit 1) or `on_stopped` (requests were answered)."""
+        if self._ended or self._closed:
             return
-        self._failed = True
+        self._ended = True
         self.dead_reason = self.dead_reason or reason
         for fut in self._utility.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
         self._utility.clear()
-        self.on_dead(reason)
+        if stopped:
+            logger.info("%s; stopping", reason[:1].upper() + reason[1:])
+            self.on_stopped(reason)
+        else:
+            self.on_dead(reason)
 
     async def add_request(
         self, request: EngineCoreRequest, data_parallel_rank: int | None = None
@@ -481,15 +596,27 @@ class AsyncMPClient(MPClient):
         self._check_alive()
         assert self.loop is not None and self._async_input is not None
         call_id = next(self._call_ids)
+        frames = self._utility_frames(engine, call_id, method, args)
         fut: asyncio.Future[Any] = self.loop.create_future()
         self._utility[call_id] = fut
-        await self._async_input.send_multipart(self._utility_frames(engine, call_id, method, args))
+        await self._async_input.send_multipart(frames)
         return await fut
 
     def shutdown(self, timeout: float = 5.0) -> None:
         for task in self._tasks:
             task.cancel()
+        self._restore_signals()
+        if not self._closed:  # the context's term() waits for every socket, monitors too
+            for sock, monitor in self._monitors:
+                sock.disable_monitor()
+                monitor.close(linger=0)
         super().shutdown(timeout)
+
+
+def _stop_this_process(reason: str) -> None:
+    """The default `on_stopped`: stop this process as SIGTERM does (uvicorn shuts down
+    gracefully and the CLI exits 0)."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class InprocClient:

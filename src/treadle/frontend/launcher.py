@@ -25,6 +25,7 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.dp_coordinator import CoordinatorAddresses, run_dp_coordinator
 from treadle.core.engine_core_proc import Handshake, run_engine_core
+from treadle.ipc.inbound import DropLog, inbound_options
 from treadle.ipc.process import (
     ChildProcess,
     describe_exit,
@@ -121,7 +122,10 @@ class EngineLauncher:
         )
         reply = msgspec.msgpack.encode(addresses)
         decode = msgspec.msgpack.Decoder(Handshake).decode
-        sock = make_zmq_socket(ctx, self.handshake_address, zmq.ROUTER, linger=0)
+        sock = make_zmq_socket(
+            ctx, self.handshake_address, zmq.ROUTER, linger=0, options=inbound_options()
+        )
+        drops = DropLog(logger)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         self.watch(poller, watch)
@@ -138,12 +142,17 @@ class EngineLauncher:
                 events = dict(poller.poll(int(min(remaining, 1.0) * 1000)))
                 self.check(poller, events, watch)
                 if sock in events:
-                    identity, payload = sock.recv_multipart()
-                    rank = engine_rank(identity)
-                    msg = decode(payload)
-                    if not 0 <= rank < self.num_engines:
-                        logger.error("Ignored a handshake from unknown engine rank %d", rank)
-                    elif msg.status == "HELLO":
+                    frames = sock.recv_multipart()
+                    try:
+                        identity, payload = frames
+                        rank = engine_rank(identity)
+                        msg = decode(payload)
+                        if not 0 <= rank < self.num_engines:
+                            raise ValueError(f"unknown engine rank {rank}")
+                    except Exception as e:  # anyone may connect to the handshake socket
+                        drops.drop("Dropped a message on the handshake socket: %s", e)
+                        continue
+                    if msg.status == "HELLO":
                         sock.send_multipart([identity, reply])
                     elif msg.status == "READY":
                         ready[rank] = msg

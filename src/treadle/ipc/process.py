@@ -44,10 +44,12 @@ __all__ = [
     "ChildProcess",
     "ProcessMonitor",
     "ReadyPipe",
+    "chain_signal_handlers",
     "describe_exit",
     "get_mp_context",
     "set_process_title",
     "shutdown_processes",
+    "signal_children",
     "start_process",
     "wait_for_ready",
 ]
@@ -268,6 +270,11 @@ def _child_main(
     ready = ReadyPipe(ready_writer)
     try:
         target(ready, *args, **kwargs)
+    except SystemExit as e:
+        if e.code not in (0, None) and not ready.sent:  # exit 0: stopped on purpose
+            with contextlib.suppress(OSError):
+                ready.send_failed(traceback.format_exc())
+        raise
     except BaseException:
         if not ready.sent:
             with contextlib.suppress(OSError):
@@ -328,7 +335,9 @@ class ProcessMonitor:
     """A daemon thread that waits on the children's sentinels and reports each death.
 
     `on_death(child)` runs in the monitor thread (`child.exitcode` says how it ended), after a
-    logged error; `stop()` ends the watch without reporting anything.
+    logged error (a line at INFO for exit code 0, which is a child that was stopped on
+    purpose: `on_death` decides what that means); `stop()` ends the watch without reporting
+    anything.
     """
 
     def __init__(self, children: Sequence[ChildProcess], on_death: Callable[[ChildProcess], None]):
@@ -349,7 +358,10 @@ class ProcessMonitor:
                 for sentinel in fired:
                     child = alive.pop(sentinel)  # type: ignore[arg-type]
                     child.process.join(1.0)
-                    logger.error("%s died: %s", child.describe(), describe_exit(child.exitcode))
+                    if child.exitcode == 0:
+                        logger.info("%s exited: %s", child.describe(), describe_exit(0))
+                    else:
+                        logger.error("%s died: %s", child.describe(), describe_exit(child.exitcode))
                     try:
                         self._on_death(child)
                     except Exception:
@@ -388,3 +400,51 @@ def shutdown_processes(
             p.join(max(0.0, deadline - time.monotonic()))
     for c in children:
         c.close_pipes()
+
+
+def signal_children(children: Sequence[ChildProcess], sig: int) -> None:
+    """Send `sig` to each child that still runs."""
+    for child in children:
+        if child.pid is not None and child.process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, sig)
+
+
+def chain_signal_handlers(signals: Sequence[int], first: Callable[[], None]) -> Callable[[], None]:
+    """Make each of `signals` run `first()` (once, whichever signal comes first), then what
+    the handler installed now would do (SIG_DFL: the default action). Returns a function that
+    puts the previous handlers back where ours are still installed. Main thread only
+    (elsewhere: nothing happens)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    done = False
+    installed: dict[int, tuple[Any, Any]] = {}  # signal -> (ours, previous)
+
+    def run_first() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            first()
+
+    for sig in signals:
+        previous = signal.getsignal(sig)
+
+        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+            run_first()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:  # e.g. terminate: do it
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, handler)
+        installed[sig] = (handler, previous)
+
+    def restore() -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, (ours, previous) in installed.items():
+            if signal.getsignal(sig) is ours:
+                signal.signal(sig, previous)
+
+    return restore

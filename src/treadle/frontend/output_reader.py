@@ -1,0 +1,88 @@
+"""What a front end takes from its PULL socket (channel 2), before anything acts on it.
+
+A message is one of:
+- the single frame `ENGINE_CORE_DEAD` (an engine failed) or `ENGINE_CORE_STOPPED` (an engine
+  was stopped on purpose, after answering every request it had);
+- `[msgpack EngineCoreOutputs][aux...]` from engine `engine_index`, whose token ids lie in the
+  vocabulary and whose logprobs have one row of matching lengths per token.
+
+Anything else (garbage, truncated msgpack, wrong field types, an unknown engine index, token
+ids outside the vocabulary) is dropped and logged (`DropLog`), so
+that what reaches the output processor cannot make it raise. The socket is open to any local
+process of the same user (ipc files are 0600), or to the network with engines on other hosts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
+from treadle.ipc.inbound import DropLog
+from treadle.ipc.serial import MsgpackDecoder
+from treadle.logger import init_logger
+from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs
+
+logger = init_logger(__name__)
+
+_CONTROL = {len(f): f for f in (ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED)}
+
+
+class OutputReader:
+    """Decodes and checks one message at a time (one thread or task: it keeps state)."""
+
+    def __init__(self, num_engines: int, vocab_size: int) -> None:
+        self.num_engines = num_engines
+        self.vocab_size = vocab_size
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.drops = DropLog(logger)
+
+    def read(self, frames: Sequence[Any]) -> EngineCoreOutputs | bytes | None:
+        """The outputs, a control frame (`ENGINE_CORE_DEAD`/`ENGINE_CORE_STOPPED`), or None
+        for a message that was dropped (and logged)."""
+        if len(frames) == 1 and len(frames[0]) in _CONTROL:
+            control = _CONTROL[len(frames[0])]
+            if bytes(frames[0]) == control:
+                return control
+        try:
+            outputs: EngineCoreOutputs = self.decoder.decode(frames)
+        except Exception as e:
+            self.drops.drop(
+                "Dropped a malformed engine output (%d frames, %d bytes): %s",
+                len(frames),
+                sum(len(f) for f in frames),
+                e,
+            )
+            return None
+        problem = self.check(outputs)
+        if problem is not None:
+            self.drops.drop("Dropped an engine output: %s", problem)
+            return None
+        return outputs
+
+    def check(self, outputs: EngineCoreOutputs) -> str | None:
+        """Why `outputs` cannot be used, or None."""
+        if not 0 <= outputs.engine_index < self.num_engines:
+            return f"unknown engine index {outputs.engine_index} ({self.num_engines} engines)"
+        for out in outputs.outputs:
+            problem = self._check_output(out)
+            if problem is not None:
+                return f"request {out.request_id!r}: {problem}"
+        return None
+
+    def _check_output(self, out: EngineCoreOutput) -> str | None:
+        if not self._in_vocab(out.new_token_ids):
+            return f"token ids outside [0, {self.vocab_size})"
+        lp = out.new_logprobs
+        if lp is None:
+            return None
+        rows = len(out.new_token_ids)
+        if not len(lp.token_ids) == len(lp.logprobs) == len(lp.ranks) == rows:
+            return "logprobs do not have one row per new token"
+        for ids, values in zip(lp.token_ids, lp.logprobs, strict=True):
+            if not ids or len(ids) != len(values) or not self._in_vocab(ids):
+                return "a logprobs row is empty, uneven or outside the vocabulary"
+        return None
+
+    def _in_vocab(self, ids: list[int]) -> bool:
+        return not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)

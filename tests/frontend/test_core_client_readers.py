@@ -1,0 +1,156 @@
+"""The front end's readers: what arrives on the PULL is checked before anything acts on it
+(`OutputReader`), dropped messages are logged without flooding the log (`DropLog`), and a
+reader that fails is logged with its traceback and makes the engine dead, never a silent
+wedge."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+
+from treadle.config import CacheConfig, EngineConfig, ModelConfig
+from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
+from treadle.frontend.core_client import AsyncMPClient, EngineDeadError
+from treadle.frontend.output_reader import OutputReader
+from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound
+from treadle.ipc.serial import MsgpackEncoder
+from treadle.sampling_params import SamplingParams
+from treadle.wire.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Logprobs,
+)
+
+
+@pytest.fixture
+def records() -> Iterator[list[logging.LogRecord]]:
+    """Records of treadle's loggers (which do not propagate to the root logger)."""
+    found: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = found.append  # type: ignore[method-assign]
+    root = logging.getLogger("treadle")
+    root.addHandler(handler)
+    yield found
+    root.removeHandler(handler)
+
+
+def frames(obj: Any) -> list[bytes]:
+    return [bytes(b) for b in MsgpackEncoder().encode(obj)]
+
+
+def out(**kwargs: Any) -> EngineCoreOutputs:
+    return EngineCoreOutputs(0, [EngineCoreOutput("r", **kwargs)])
+
+
+GOOD_LOGPROBS = Logprobs(token_ids=[[5, 6]], logprobs=[[-0.1, -2.0]], ranks=[1])
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        ([b"\xc1"], "malformed"),
+        ([frames(out(new_token_ids=[5]))[0][:-1]], "malformed"),  # truncated
+        ([msgspec.msgpack.encode([0, "not a list"])], "malformed"),  # wrong field type
+        ([b"ENGINE_CORE_DEAX"], "malformed"),  # the length of a control frame, not one
+        (frames(EngineCoreOutputs(2)), "unknown engine index 2 (2 engines)"),
+        (frames(EngineCoreOutputs(-1)), "unknown engine index -1"),
+        (frames(out(new_token_ids=[100])), "token ids outside [0, 100)"),
+        (frames(out(new_token_ids=[-1])), "token ids outside [0, 100)"),
+        (
+            frames(out(new_token_ids=[5, 6], new_logprobs=GOOD_LOGPROBS)),
+            "logprobs do not have one row per new token",
+        ),
+        (
+            frames(out(new_token_ids=[5], new_logprobs=Logprobs([[5]], [[]], [1]))),
+            "a logprobs row is empty, uneven or outside the vocabulary",
+        ),
+        (
+            frames(out(new_token_ids=[5], new_logprobs=Logprobs([[500]], [[0.0]], [1]))),
+            "a logprobs row is empty, uneven or outside the vocabulary",
+        ),
+    ],
+)
+def test_output_reader_drops_and_logs_what_cannot_be_used(
+    message: list[bytes], why: str, records: list[logging.LogRecord]
+) -> None:
+    reader = OutputReader(num_engines=2, vocab_size=100)
+    assert reader.read(message) is None
+    assert reader.drops.dropped == 1
+    assert len(records) == 1 and records[0].levelno == logging.ERROR
+    assert why in records[0].getMessage()
+
+
+def test_output_reader_passes_good_outputs_and_control_frames() -> None:
+    reader = OutputReader(num_engines=2, vocab_size=100)
+    good = out(new_token_ids=[5], new_logprobs=GOOD_LOGPROBS)
+    assert reader.read(frames(good)) == good
+    assert reader.read([ENGINE_CORE_DEAD]) == ENGINE_CORE_DEAD
+    assert reader.read([ENGINE_CORE_STOPPED]) == ENGINE_CORE_STOPPED
+    assert reader.drops.dropped == 0
+
+
+def test_drop_log_writes_a_burst_then_one_line_a_second(
+    records: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr("treadle.ipc.inbound.time.monotonic", lambda: now[0])
+    drops = DropLog(logging.getLogger("treadle.test"), interval=1.0, burst=3)
+    for _ in range(1000):
+        drops.drop("Dropped %s", "x")
+    assert drops.dropped == 1000 and len(records) == 3
+    now[0] += 1.0
+    drops.drop("Dropped %s", "y")
+    assert len(records) == 4
+    assert records[-1].getMessage() == "Dropped y (and 997 more dropped without a line)"
+
+
+def test_senders_refuse_what_the_peer_would_refuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREADLE_ZMQ_MAX_MSG_BYTES", "1000")
+    check_outbound([b"x" * 1000, memoryview(bytearray(1000))], "ok")
+    with pytest.raises(MessageTooLargeError, match="this ADD message is 1001 bytes"):
+        check_outbound([b"id", b"x" * 1001], "this ADD message")
+
+
+def test_a_reader_that_fails_is_logged_and_makes_the_engine_dead(
+    tiny_model_factory: Any, records: list[logging.LogRecord], tmp_path: Any
+) -> None:
+    """`on_outputs` raising (a bug downstream) ends the output reader: the traceback is
+    logged, `on_dead` runs, pending and later calls fail with `EngineDeadError`."""
+    config = EngineConfig(
+        ModelConfig(str(tiny_model_factory("llama")), max_model_len=128),
+        CacheConfig(kv_cache_memory=1 << 20),
+    )
+    dead: list[str] = []
+
+    def on_outputs(outputs: EngineCoreOutputs) -> None:
+        if outputs.outputs:
+            raise KeyError("a bug in the output processor")
+
+    async def main() -> None:
+        client = AsyncMPClient(config, on_outputs, dead.append)
+        try:
+            client.start()
+            assert await client.call_utility("get_stats") is not None
+            params = SamplingParams(temperature=0.0, max_tokens=4)
+            await client.add_request(EngineCoreRequest("r1", [1, 2, 3], params))
+            for _ in range(600):
+                if dead:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(EngineDeadError):
+                await client.call_utility("get_stats")
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())
+    assert dead == [
+        "the front end's engine output reader failed: KeyError: 'a bug in the output processor'"
+    ]
+    failed = [r for r in records if r.getMessage() == "The engine output reader failed"]
+    assert failed and failed[0].exc_info is not None  # with its traceback
