@@ -1,5 +1,5 @@
-"""SIGINT/SIGTERM to the process group, to the API server alone or to the engine core alone, in
-the middle of a step with streams running: every stream ends, the log has no ERROR and no
+"""SIGINT/SIGTERM to the process group, to the API server alone, to the engine core alone or to
+one TP worker alone, in the middle of a step with streams running: every stream ends, the log has no ERROR and no
 traceback, and `treadle serve` exits 0."""
 
 from __future__ import annotations
@@ -128,6 +128,8 @@ def stop_during_a_step(server: Server, target: str, sig: signal.Signals) -> None
         os.killpg(server.proc.pid, sig)
     elif target == "api":
         os.kill(server.proc.pid, sig)
+    elif target == "worker":
+        os.kill(server.pid_of("treadle::Worker_TP1"), sig)
     else:
         os.kill(server.pid_of("treadle::EngineCore_DP0"), sig)
     code = server.proc.wait(60)
@@ -146,6 +148,12 @@ def stop_during_a_step(server: Server, target: str, sig: signal.Signals) -> None
 )
 def test_a_stop_during_a_step_is_clean(start_server, target: str, sig: signal.Signals) -> None:  # type: ignore[no-untyped-def]
     stop_during_a_step(start_server(), target, sig)
+
+
+def test_sigterm_to_one_tp_worker_stops_the_whole_server_cleanly(start_server) -> None:  # type: ignore[no-untyped-def]
+    """The worker asks its engine core to stop (SIGUSR1) instead of leaving its rank's
+    collective half done, which would fail the other rank with an ERROR."""
+    stop_during_a_step(start_server(["-tp", "2"]), "worker", signal.SIGTERM)
 
 
 @pytest.mark.slow

@@ -42,8 +42,23 @@ def run_worker(
     dist_init: str,
 ) -> None:
     """Process entry (`treadle.ipc.process.start_process` target)."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parent = os.getppid()
+    serving = False
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        """SIGTERM to this worker alone must stop the whole engine, not this rank mid-step (the
+        other ranks would fail in their collective): the first one while serving asks the
+        engine core to stop (SIGUSR1), which drains and then stops every worker in order; a
+        second one, or one while loading or with the engine core gone, exits at once."""
+        nonlocal serving
+        if serving and os.getppid() == parent:
+            serving = False
+            logger.info("Worker_TP%d: SIGTERM; asking the engine core to stop", rank)
+            os.kill(parent, signal.SIGUSR1)
+            return
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -63,6 +78,7 @@ def run_worker(
     requests = MessageQueue.create_from_handle(broadcast_handle, rank)
     requests.wait_until_ready()
     replies.wait_until_ready()
+    serving = True
     try:
         _busy_loop(worker, rank, requests, replies)
     finally:
@@ -74,10 +90,6 @@ def run_worker(
             remove_orphaned_queue(broadcast_handle)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
 
 
 def _busy_loop(worker: Worker, rank: int, requests: MessageQueue, replies: MessageQueue) -> None:
