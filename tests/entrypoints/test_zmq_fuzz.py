@@ -36,6 +36,7 @@ from treadle.wire.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    FinishReason,
 )
 
 CAP = 1 << 20
@@ -168,6 +169,16 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
     front_end.send_obj(UTILITY, UtilityRequest(9, 1, "get_stats"))
     assert front_end.answers()
     assert front_end.greedy("after-garbage") == expected
+
+    # An ADD whose sampling params do not decode still names its request and client: its
+    # sender gets an error for it instead of waiting forever.
+    raw = msgspec.msgpack.decode(bytes(front_end.encoder.encode(_request("undecodable"))[0]))
+    raw[2] = "not sampling params"
+    front_end.send(ADD, msgspec.msgpack.encode(raw))
+    refused = next(
+        o for out in front_end.outputs() for o in out.outputs if o.request_id == "undecodable"
+    )
+    assert refused.finish_reason == FinishReason.ERROR and refused.new_token_ids == []
 
     front_end.send(ADD, HUGE)  # above the cap: zmq drops the connection, which comes back
     deadline = time.monotonic() + 20

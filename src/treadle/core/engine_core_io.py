@@ -37,6 +37,7 @@ from treadle.wire.engine import (
     EngineCoreRequestType,
     StartDPWave,
     UtilityOutput,
+    add_request_identity,
 )
 
 logger = init_logger(__name__)
@@ -200,6 +201,7 @@ class InputReader:
 
     def _on_request(self, frames: list[Any]) -> None:
         """`[type byte][msgpack][aux...]`: only ADD, ABORT and UTILITY come from outside."""
+        kind: EngineCoreRequestType | None = None
         try:
             kind = EngineCoreRequestType(bytes(frames[0].buffer))
             decoder = self.decoders.get(kind)
@@ -215,6 +217,8 @@ class InputReader:
                 type(e).__name__,
                 e,
             )
+            if kind is EngineCoreRequestType.ADD and len(frames) > 1:
+                self._refuse_undecodable(frames[1].buffer, f"{type(e).__name__}: {e}")
             return
         if kind in (EngineCoreRequestType.ADD, EngineCoreRequestType.UTILITY):
             client = payload.client_index
@@ -231,6 +235,14 @@ class InputReader:
         if kind is EngineCoreRequestType.ABORT:
             self.aborts_queue.put(payload)
         self.input_queue.put((kind, payload))
+
+    def _refuse_undecodable(self, payload: Any, reason: str) -> None:
+        """An ADD whose fields did not decode (e.g. out-of-range sampling params) still names
+        its request and client: answer it with an error rather than leave its sender waiting."""
+        identity = add_request_identity(payload)
+        if identity is not None and 0 <= identity[1] < len(self.addresses):
+            request_id, client = identity
+            self.input_queue.put((EngineCoreRequestType.REFUSE, (request_id, client, reason)))
 
 
 class OutputWriter:

@@ -363,10 +363,9 @@ class EngineCoreProc:
                 self._reject(req, "the engine is shutting down")
                 return
             self.current_wave = max(self.current_wave, req.current_wave)
-            try:
-                self.engine.add_request(req)
-            except ValueError as e:
-                self._reject(req, str(e))
+            self.engine.add_request(req)  # never raises: a bad request is refused
+        elif kind is EngineCoreRequestType.REFUSE:
+            self.engine.refuse(*payload)
         elif kind is EngineCoreRequestType.START_DP_WAVE:
             wave: StartDPWave = payload
             self.current_wave = max(self.current_wave, wave.wave)

@@ -21,6 +21,7 @@ class EngineCoreRequestType(enum.Enum):
     # Internal sentinels, never sent by a front end.
     EXECUTOR_FAILED = b"\x04"
     WAKEUP = b"\x05"
+    REFUSE = b"\x06"  # an ADD that did not decode: (request_id, client_index, reason)
 
 
 class FinishReason(enum.IntEnum):
