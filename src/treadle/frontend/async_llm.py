@@ -22,7 +22,6 @@ from treadle.frontend.metrics import RequestTimes, StatLogger
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
 from treadle.frontend.tokenizer import load_tokenizer
 from treadle.logger import init_logger
-from treadle.model.loader import read_arch
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
 from treadle.validation import InvalidRequest, ModelLimits
@@ -67,8 +66,8 @@ class AsyncLLM:
         self.config = config
         self.client_index = client_index
         self.model_name = model_name
+        self.shutdown_timeout = shutdown_timeout
         source = resolve_model(config.model.model)
-        read_arch(source)  # a corrupt or unsupported checkpoint fails here, before any process
         # Load the tokenizer while the engine core loads the model (both take seconds).
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:
             tokenizer = pool.submit(load_tokenizer, source)

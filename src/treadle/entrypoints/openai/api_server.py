@@ -202,12 +202,15 @@ def run_server(
     api_key: str | None,
     log_level: str = "info",
     sock: socket.socket | None = None,
+    shared: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit 0) or engine death (exit 1); returns the exit code.
-    `sock`: an HTTP socket already bound (shared by several API servers)."""
+    `sock`: the HTTP socket, already bound (by the CLI, or by the supervisor for several API
+    servers, which `shared` says)."""
     announce = None
     if sock is not None and engine.client_index == 0:
-        announce = f"Uvicorn running on http://{host}:{port} (shared by every API server)"
+        note = " (shared by every API server)" if shared else ""
+        announce = f"Uvicorn running on http://{host}:{port}{note}"
     app = build_app(engine, model_name, model_path, api_key, announce)
     config = uvicorn.Config(
         app,
@@ -216,7 +219,8 @@ def run_server(
         log_level=log_level.lower(),
         loop="uvloop",
         http="httptools",
-        timeout_graceful_shutdown=5,
+        # Streams end when the engine has drained (--shutdown-timeout), not before.
+        timeout_graceful_shutdown=5 + int(engine.shutdown_timeout),
     )
     server = uvicorn.Server(config)
     engine_died = False
@@ -270,5 +274,7 @@ def run_api_server_worker(
     attach = AttachTo(report=ready.send_ready, coordinator=coordinator)
     engine = AsyncLLM(config, model_name, shutdown_timeout, client_index, attach)
     host, port = sock.getsockname()[:2]
-    code = run_server(engine, model_name, model_path, host, port, api_key, log_level, sock)
+    code = run_server(
+        engine, model_name, model_path, host, port, api_key, log_level, sock, shared=True
+    )
     raise SystemExit(code)
