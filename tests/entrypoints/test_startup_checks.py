@@ -49,6 +49,7 @@ MISTAKES = {
         "--kv-cache-memory to 1MiB or more, or pass --max-model-len 128 or less",
     ),
     "block-size": (["--block-size", "0"], "--block-size must be at least 1, not 0"),
+    "cpu-threads": (["--cpu-threads", "0"], "--cpu-threads must be at least 1, not 0"),
 }
 
 
@@ -103,6 +104,27 @@ def test_offline_llm_raises_the_same_words_before_starting_anything(tiny: str) -
             LLM(tiny, **kwargs)  # type: ignore[arg-type]
         assert words in str(info.value)
     assert set(psutil.Process().children(recursive=True)) <= before
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("TREADLE_CPU_THREADS", "abc", "TREADLE_CPU_THREADS='abc': give a number of threads"),
+        ("TREADLE_CPU_THREADS", "0", "TREADLE_CPU_THREADS='0': give a number of threads"),
+        ("TREADLE_CPU_ISA", "avx9", "TREADLE_CPU_ISA='avx9': choose one of avx512, avx2, portable"),
+    ],
+)
+def test_bad_cpu_environment_is_refused_before_starting(
+    tiny: str, variable: str, value: str, words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        check_config(EngineConfig(ModelConfig(tiny)))
+    monkeypatch.setenv("TREADLE_CPU_THREADS", "3")
+    monkeypatch.delenv("TREADLE_CPU_ISA", raising=False)
+    config = EngineConfig(ModelConfig(tiny))
+    check_config(config)
+    assert config.parallel.model_threads() == 3
 
 
 def test_kv_cache_that_fits_max_model_len_exactly_is_accepted(tiny: str) -> None:

@@ -147,9 +147,7 @@ def add_serve_parser(sub: Any) -> None:
         default=FrontendConfig.max_request_body_bytes,
         help=front_doc["max_request_body_bytes"] + " Accepts 8MiB or bytes (default 8MiB).",
     )
-    p.add_argument(
-        "--max-prompt-chars", type=int, default=None, help=front_doc["max_prompt_chars"]
-    )
+    p.add_argument("--max-prompt-chars", type=int, default=None, help=front_doc["max_prompt_chars"])
     p.add_argument(
         "--trust-request-chat-template",
         action="store_true",

@@ -8,8 +8,10 @@ import os
 
 import torch
 
+from treadle import envs
 from treadle.config import EngineConfig, ModelSource, resolve_model
 from treadle.logger import init_logger
+from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch
 from treadle.model.loader import load_model, read_arch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
@@ -115,7 +117,7 @@ def _model_arch(source: ModelSource, size: int, mtime_ns: int) -> ModelArch:
 
 def check_config(config: EngineConfig) -> None:
     """The start-up checks that need no device and no weights, run before any process starts:
-    the dtype name, max_model_len against the model's limit (config.json or GGUF header) and,
+    the thread count and kernel ISA level from the environment, the dtype name, max_model_len against the model's limit (config.json or GGUF header) and,
     when the budget is known without loading (an explicit --kv-cache-memory, or the CPU
     default), whether the KV cache holds one request of max_model_len. Raises `ValueError`
     with one line that says what to change. The engine checks the same again after loading
@@ -128,6 +130,9 @@ def check_config(config: EngineConfig) -> None:
     ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, not {value}")
+    config.parallel.model_threads()  # a bad TREADLE_CPU_THREADS
+    if envs.cpu_kernels():
+        cpu_kernels.select_isa()  # a bad TREADLE_CPU_ISA, or a level this CPU cannot run
     check_dtype_name(config.model.dtype)
     arch = model_arch(resolve_model(config.model.model))
     max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
