@@ -156,6 +156,34 @@ def test_sigterm_to_one_tp_worker_stops_the_whole_server_cleanly(start_server) -
     stop_during_a_step(start_server(["-tp", "2"]), "worker", signal.SIGTERM)
 
 
+def test_requests_that_arrive_during_a_stop_end_too(start_server) -> None:  # type: ignore[no-untyped-def]
+    """Requests sent just after the signal reach the engine core during its last moments (or
+    never): each ends (a stream, an error event or a refused connection), none holds the
+    shutdown until uvicorn cancels it with an ERROR."""
+    for _ in range(2):
+        server = start_server()
+        results: list[str] = []
+        started = threading.Event()
+        running = [threading.Thread(target=_stream, args=(server, results, started))]
+        running[0].start()
+        assert started.wait(30)
+        os.kill(server.proc.pid, signal.SIGINT)
+        late = [
+            threading.Thread(target=_stream, args=(server, results, threading.Event()))
+            for _ in range(4)
+        ]
+        for t in late:
+            t.start()
+        code = server.proc.wait(60)
+        for t in running + late:
+            t.join(30)
+            assert not t.is_alive()
+        log = server.output()
+        assert code == 0, log
+        assert "ERROR" not in log and "Traceback" not in log, log
+        assert len(results) == 5 and results[0] == "done", results
+
+
 @pytest.mark.slow
 def test_ten_stops_in_a_row_are_clean(start_server) -> None:  # type: ignore[no-untyped-def]
     """Every target with both signals, then Ctrl-C and SIGTERM to the group again."""

@@ -88,6 +88,18 @@ class AsyncLLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
+        stop_this_process = self.client.on_stopped
+
+        def on_stopped(reason: str) -> None:
+            """An engine stopped on purpose answered every request it had before saying so;
+            a request still open here reached it too late (during its last moments): end it
+            now, or its stream would hold the server's shutdown until uvicorn cancels it."""
+            error = EngineDeadError(reason)
+            for collector in self.collectors.values():
+                collector.fail(error)
+            stop_this_process(reason)
+
+        self.client.on_stopped = on_stopped
         self.times: dict[str, RequestTimes] = {}
         self.stats = [SchedulerStats() for _ in range(self.client.num_engines)]
         # Engine-wide counters reach every API server; only the first one adds them up.
