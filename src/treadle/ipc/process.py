@@ -284,12 +284,23 @@ def _child_main(
         ready.close()
 
 
+_parent_gone = threading.Event()
+
+
+def parent_gone() -> bool:
+    """Whether this child's parent is gone (its death pipe closed). A SIGTERM handler asks
+    this rather than `os.getppid()`: the pipe closes while the parent exits, before this
+    process is given to a new parent."""
+    return _parent_gone.is_set()
+
+
 def _watch_parent(death_reader: Connection, grace_s: float) -> None:
     """Block until the parent's end of the death pipe closes, then leave."""
     with contextlib.suppress(EOFError, OSError):
         while True:
             death_reader.recv_bytes()
     logger.warning("The parent process is gone; exiting.")
+    _parent_gone.set()
     os.kill(os.getpid(), signal.SIGTERM)  # graceful where a SIGTERM handler is installed
     time.sleep(grace_s)
     os._exit(1)

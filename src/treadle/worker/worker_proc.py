@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.config import EngineConfig
-from treadle.ipc.process import ReadyPipe
+from treadle.ipc.process import ReadyPipe, parent_gone
 from treadle.ipc.shm_broadcast import (
     Handle,
     MessageQueue,
@@ -51,7 +51,7 @@ def run_worker(
         engine core to stop (SIGUSR1), which drains and then stops every worker in order; a
         second one, or one while loading or with the engine core gone, exits at once."""
         nonlocal serving
-        if serving and os.getppid() == parent:
+        if serving and not parent_gone() and os.getppid() == parent:
             serving = False
             logger.info("Worker_TP%d: SIGTERM; asking the engine core to stop", rank)
             os.kill(parent, signal.SIGUSR1)
