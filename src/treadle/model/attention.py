@@ -159,7 +159,7 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def select_backend(kernels: Kernels | None, head_dim: int) -> AttentionBackend:
+def select_backend(kernels: Kernels | None) -> AttentionBackend:
     """The C kernels where the model runs on them (the generic loop takes any head size; 64
     has a hand-tiled path at AVX2 and AVX-512), else PyTorch."""
     return CpuKernelAttention(kernels) if kernels is not None else TorchAttention()

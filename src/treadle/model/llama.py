@@ -58,7 +58,7 @@ class Attention(nn.Module):
     def prepare(self, kernels: Kernels | None) -> None:
         """After loading: RoPE and attention on the C kernels or on PyTorch."""
         self.kernels = kernels
-        self.backend = select_backend(kernels, self.head_dim)
+        self.backend = select_backend(kernels)
 
     def forward(
         self,

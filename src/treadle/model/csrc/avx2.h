@@ -1,11 +1,12 @@
 /* treadle's CPU kernels at the AVX2 level (x86-64-v3: AVX2, FMA, F16C): 8-wide registers, 16
-   of them. Included by cpu_kernels.c; it provides attend_d64, tile_rows, expand_tile and
+   of them. Included by cpu_kernels.c; it provides attend_d64, tile_rows_n, expand_tile and
    tile_gemm, with the register tiles sized for 16 registers instead of AVX-512's 32. */
 #include <immintrin.h>
 
 #define TREADLE_ISA "avx2"
 #define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
+#define HAVE_TILE_ROWS_N 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
 #define D64_BLOCK_FLOATS (D64_BLOCK * 64)
 #define D64_MAX_GROUP 4
@@ -117,16 +118,6 @@ static inline void quants_q8(const block_q8* b, __m256 w[4]) {
         w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b->qs + 8 * i))));
 }
 
-/* A block's scale and minimum, [d, m, 0, 0] (a Q8 block: [d, 0, 0, 0]), in two instructions. */
-static inline __m128 block_dm(const char* blocks, int kind, int j) {
-    if (kind == KIND_Q4) {
-        int32_t dm;
-        memcpy(&dm, &((const block_q4*)blocks + j)->d, sizeof(dm));
-        return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-    }
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(((const block_q8*)blocks + j)->d));
-}
-
 static inline void block_quants(const char* blocks, int kind, int j, __m256 w[4]) {
     if (kind == KIND_Q4) quants_q4((const block_q4*)blocks + j, w);
     else quants_q8((const block_q8*)blocks + j, w);
@@ -180,19 +171,6 @@ static inline __attribute__((always_inline)) void tile_rows_n(
     const char* tile, const int kind, int64_t nb, const float* x, int64_t K, const float* xs2,
     const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
     for (int j0 = 0; j0 < TILE_N; j0 += 2) two_outputs(tile, kind, nb, j0, x, K, xs2, rows, out);
-}
-
-/* One tile (TILE_N outputs) for `rows` (1 or 2) rows of x, specialized per block kind and row
-   count so that the inner loop has no branches. */
-static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
-                      const float* xs2, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    if (kind == KIND_Q4) {
-        if (rows == 1) tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 1, out);
-        else tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 2, out);
-    } else {
-        if (rows == 1) tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 1, out);
-        else tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 2, out);
-    }
 }
 
 /* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */

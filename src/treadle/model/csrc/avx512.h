@@ -1,10 +1,11 @@
 /* treadle's CPU kernels at the AVX-512 level (x86-64-v4: F, BW, DQ, VL): 16-wide registers.
-   Included by cpu_kernels.c; it provides attend_d64, tile_rows, expand_tile and tile_gemm. */
+   Included by cpu_kernels.c; it provides attend_d64, tile_rows_n, expand_tile and tile_gemm. */
 #include <immintrin.h>
 
 #define TREADLE_ISA "avx512"
 #define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
+#define HAVE_TILE_ROWS_N 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
 #define D64_BLOCK_FLOATS (D64_BLOCK * 64)
 #define D64_MAX_GROUP 4
@@ -85,16 +86,6 @@ static inline void block_quants(const char* blocks, int kind, int j, __m512* lo,
     else quants_q8((const block_q8*)blocks + j, lo, hi);
 }
 
-/* A block's scale and minimum, [d, m, 0, 0] (a Q8 block: [d, 0, 0, 0]), in two instructions. */
-static inline __m128 block_dm(const char* blocks, int kind, int j) {
-    if (kind == KIND_Q4) {
-        int32_t dm;
-        memcpy(&dm, &((const block_q4*)blocks + j)->d, sizeof(dm));
-        return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-    }
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(((const block_q8*)blocks + j)->d));
-}
-
 /* Two outputs (j0, j0 + 1) of a tile against ROWS rows of x: per block, d * (q . x) into a
    register accumulator per output and row, and [d, m] * [0, sum(x)] beside it (xs2 holds the
    pairs [0, block sum] per row and block). `kind` and `rows` are constants where inlined. */
@@ -141,19 +132,6 @@ static inline __attribute__((always_inline)) void tile_rows_n(
     const char* tile, const int kind, int64_t nb, const float* x, int64_t K, const float* xs2,
     const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
     for (int j0 = 0; j0 < TILE_N; j0 += 2) two_outputs(tile, kind, nb, j0, x, K, xs2, rows, out);
-}
-
-/* One tile (TILE_N outputs) for `rows` (1 or 2) rows of x, specialized per block kind and row
-   count so that the inner loop has no branches. */
-static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
-                      const float* xs2, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    if (kind == KIND_Q4) {
-        if (rows == 1) tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 1, out);
-        else tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 2, out);
-    } else {
-        if (rows == 1) tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 1, out);
-        else tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 2, out);
-    }
 }
 
 /* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */

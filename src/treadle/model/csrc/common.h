@@ -114,3 +114,16 @@ static inline float half_to_float_c(uint16_t h) {
 /* A block's scale and minimum as floats (a Q8 block has no minimum: 0). */
 #define BLOCK_D(b) half_to_float((b)->d)
 #define Q4_M(b) half_to_float((b)->m)
+
+#if defined(__F16C__)
+#include <immintrin.h>
+/* A block's scale and minimum, [d, m, 0, 0] (a Q8 block: [d, 0, 0, 0]), in two instructions. */
+static inline __m128 block_dm(const char* blocks, int kind, int j) {
+    if (kind == KIND_Q4) {
+        int32_t dm;
+        memcpy(&dm, &((const block_q4*)blocks + j)->d, sizeof(dm));
+        return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    }
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(((const block_q8*)blocks + j)->d));
+}
+#endif

@@ -20,6 +20,21 @@
 #include "portable.h"
 #endif
 
+#if defined(HAVE_TILE_ROWS_N)
+/* One tile (TILE_N outputs) for `rows` (1 or 2) rows of x: the level's tile_rows_n,
+   specialized per block kind and row count so that its inner loop has no branches. */
+static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                      const float* xs2, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+    if (kind == KIND_Q4) {
+        if (rows == 1) tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 1, out);
+        else tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 2, out);
+    } else {
+        if (rows == 1) tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 1, out);
+        else tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 2, out);
+    }
+}
+#endif
+
 const char* treadle_kernel_isa(void) { return TREADLE_ISA; }
 
 void paged_decode_attention_f32(
