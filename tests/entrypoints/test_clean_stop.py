@@ -162,9 +162,10 @@ def test_requests_that_arrive_during_a_stop_end_too(start_server) -> None:  # ty
     shutdown until uvicorn cancels it with an ERROR."""
     for _ in range(2):
         server = start_server()
+        first: list[str] = []
         results: list[str] = []
         started = threading.Event()
-        running = [threading.Thread(target=_stream, args=(server, results, started))]
+        running = [threading.Thread(target=_stream, args=(server, first, started))]
         running[0].start()
         assert started.wait(30)
         os.kill(server.proc.pid, signal.SIGINT)
@@ -181,7 +182,12 @@ def test_requests_that_arrive_during_a_stop_end_too(start_server) -> None:  # ty
         log = server.output()
         assert code == 0, log
         assert "ERROR" not in log and "Traceback" not in log, log
-        assert len(results) == 5 and results[0] == "done", results
+        assert first == ["done"], (first, results)
+        # A late request may be refused (ConnectError) or, when the kernel had accepted its
+        # connection just before uvicorn closed the listener, dropped unanswered (ReadError,
+        # RemoteProtocolError): it ends either way, which is what this test is about.
+        ended = {"done", "error: ConnectError", "error: ReadError", "error: RemoteProtocolError"}
+        assert len(results) == 4 and set(results) <= ended, results
 
 
 @pytest.mark.slow
