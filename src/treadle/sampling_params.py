@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from treadle.validation import MIN_TEMPERATURE, check_sampling_params, is_finite
+
+
+class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A constraint on a request's output (vLLM's names): exactly one of `json` (a JSON
+    schema, as a dict or its text), `regex`, `choice` (the output is one of these strings),
+    `grammar` (Lark or GBNF), `json_object` (any JSON object) or `structural_tag` (its JSON
+    text). Compiled by llguidance (`treadle.structured_outputs`); a grammar that does not
+    compile is refused with the compiler's message."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        from treadle.validation import check_structured_outputs
+
+        check_structured_outputs(self)
+
+    @property
+    def kind(self) -> str:
+        """The one constraint given: "json", "regex", "choice", "grammar", ..."""
+        return next(k for k in self.__struct_fields__ if getattr(self, k) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -32,6 +59,16 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Appended fields (the wire is array-like: new fields only ever go last).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # The token ids of `bad_words` (each word with and without a leading space), set by the
+    # front end's `InputProcessor`, which has the tokenizer; the engine core bans by these.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from treadle.sampling_params import SamplingParams
+    from treadle.sampling_params import SamplingParams, StructuredOutputsParams
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -34,6 +34,10 @@ DEFAULT_MAX_LOGPROBS = 20
 """vLLM's `--max-logprobs` default."""
 MIN_TEMPERATURE = 0.01
 """A temperature in (0, MIN_TEMPERATURE) is raised to it, as vLLM does: smaller ones overflow."""
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a `logit_bias` value (-100 bans a token, 100 all but forces it)."""
+MAX_GRAMMAR_CHARS = 1 << 20
+"""Longest structured-output constraint (schema, regex, grammar, choices together), in chars."""
 
 
 class InvalidRequest(ValueError):
@@ -127,13 +131,81 @@ def _check_sampling_params(p: SamplingParams) -> None:
     _list(p.stop_token_ids, "stop_token_ids")
     for t in p.stop_token_ids:
         _int(t, "stop_token_ids", 0)
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict):
+            raise InvalidRequest("logit_bias", "must map token ids to numbers")
+        for t, bias in p.logit_bias.items():
+            _int(t, "logit_bias", 0)
+            _float(bias, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    if p.allowed_token_ids is not None:
+        _list(p.allowed_token_ids, "allowed_token_ids", limit=None)
+        if not p.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids", "must not be empty")
+        for t in p.allowed_token_ids:
+            _int(t, "allowed_token_ids", 0)
+    if p.bad_words is not None:
+        _list(p.bad_words, "bad_words")
+        if not all(isinstance(w, str) and w.strip() for w in p.bad_words):
+            raise InvalidRequest("bad_words", "must be non-blank strings")
+    if p.bad_words_token_ids is not None:
+        _list(p.bad_words_token_ids, "bad_words_token_ids", limit=2 * MAX_STOP)
+        for word in p.bad_words_token_ids:
+            _list(word, "bad_words_token_ids")
+            if not word:
+                raise InvalidRequest("bad_words_token_ids", "must not hold an empty word")
+            for t in word:
+                _int(t, "bad_words_token_ids", 0)
+    if p.prompt_logprobs is not None:
+        _int(p.prompt_logprobs, "prompt_logprobs", 0)
+    if p.truncate_prompt_tokens is not None:
+        _int(p.truncate_prompt_tokens, "truncate_prompt_tokens", 1)
+    if p.structured_outputs is not None:
+        from treadle.sampling_params import StructuredOutputsParams
+
+        if not isinstance(p.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs", "must be StructuredOutputsParams")
+        check_structured_outputs(p.structured_outputs)
 
 
-def _list(value: Any, param: str) -> None:
+def check_structured_outputs(s: StructuredOutputsParams) -> None:
+    """Exactly one constraint, of the right type and a sane size (that it compiles is
+    `treadle.structured_outputs`' business)."""
+    given = [k for k in s.__struct_fields__ if getattr(s, k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "structured_outputs",
+            "must set exactly one of json, regex, choice, grammar, json_object, structural_tag"
+            f" (got {', '.join(given) or 'none'})",
+        )
+    kind = given[0]
+    value = getattr(s, kind)
+    if kind == "json":
+        if not isinstance(value, str | dict):
+            raise InvalidRequest("structured_outputs.json", "must be a JSON schema")
+        size = len(value) if isinstance(value, str) else len(repr(value))
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest("structured_outputs.choice", "must be a non-empty list of strings")
+        size = sum(len(c) for c in value)
+    elif kind == "json_object":
+        if value is not True:
+            raise InvalidRequest("structured_outputs.json_object", "must be true")
+        size = 0
+    else:
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest(f"structured_outputs.{kind}", "must be a non-empty string")
+        size = len(value)
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(
+            f"structured_outputs.{kind}", f"is longer than {MAX_GRAMMAR_CHARS} characters"
+        )
+
+
+def _list(value: Any, param: str, limit: int | None = MAX_STOP) -> None:
     if not isinstance(value, list):
         raise InvalidRequest(param, f"must be a list, got {type(value).__name__}")
-    if len(value) > MAX_STOP:
-        raise InvalidRequest(param, f"may have at most {MAX_STOP} entries, got {len(value)}")
+    if limit is not None and len(value) > limit:
+        raise InvalidRequest(param, f"may have at most {limit} entries, got {len(value)}")
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
@@ -202,6 +274,12 @@ def check_request(
     check_sampling_params(params, where="")
     check_prompt(prompt_token_ids, limits)
     check_token_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    if params.logit_bias:
+        check_token_ids(list(params.logit_bias), limits.vocab_size, "logit_bias")
+    if params.allowed_token_ids is not None:
+        check_token_ids(params.allowed_token_ids, limits.vocab_size, "allowed_token_ids")
+    for word in params.bad_words_token_ids or ():
+        check_token_ids(word, limits.vocab_size, "bad_words")
     if eos_token_id is not None:
         check_token_ids([eos_token_id], limits.vocab_size, "eos_token_id")
     if params.logprobs is not None:
@@ -211,5 +289,13 @@ def check_request(
                 "logprobs",
                 f"asks for {params.logprobs} logprobs per token, more than this server allows "
                 f"({most}; see --max-logprobs)",
+            )
+    if params.prompt_logprobs is not None:
+        most = min(limits.max_logprobs, limits.vocab_size)
+        if params.prompt_logprobs > most:
+            raise InvalidRequest(
+                "prompt_logprobs",
+                f"asks for {params.prompt_logprobs} logprobs per prompt token, more than this "
+                f"server allows ({most}; see --max-logprobs)",
             )
     _int(priority, "priority")

@@ -69,9 +69,11 @@ def test_logprobs_and_stop_strings(llm: LLM) -> None:
     assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids)
     for token, entry in zip(comp.token_ids, comp.logprobs, strict=True):
         assert token in entry and len(entry) <= 3
-        assert max(entry.values()) == entry[token]  # greedy picks the most likely token
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        assert max(lp.logprob for lp in entry.values()) == entry[token].logprob
+        assert entry[token].decoded_token == llm.get_tokenizer().decode([token])
     assert comp.cumulative_logprob == pytest.approx(
-        sum(e[t] for t, e in zip(comp.token_ids, comp.logprobs, strict=True))
+        sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs, strict=True))
     )
 
     full = llm.generate(

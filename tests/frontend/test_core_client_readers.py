@@ -64,7 +64,7 @@ GOOD_LOGPROBS = Logprobs(token_ids=[[5, 6]], logprobs=[[-0.1, -2.0]], ranks=[1])
         (frames(out(new_token_ids=[-1])), "token ids outside [0, 100)"),
         (
             frames(out(new_token_ids=[5, 6], new_logprobs=GOOD_LOGPROBS)),
-            "logprobs do not have one row per new token",
+            "logprobs do not have one row per token",
         ),
         (
             frames(out(new_token_ids=[5], new_logprobs=Logprobs([[5]], [[]], [1]))),

@@ -7,6 +7,7 @@ import pytest
 from treadle.config import resolve_model
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
 from treadle.frontend.tokenizer import load_tokenizer
+from treadle.outputs import Logprob
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs
 
@@ -116,8 +117,29 @@ def test_logprobs_accumulate(tok):
     lp = Logprobs(token_ids=[[7, 7]], logprobs=[[-1.0, -1.0]], ranks=[1])
     [res], _ = proc.process_outputs([core_output("r", [7], new_logprobs=lp)])
     comp = res.outputs[0]
-    assert comp.logprobs == [{5: -0.5, 6: -0.25}, {7: -1.0}]
+    text = tok.decode
+    assert comp.logprobs == [
+        {5: Logprob(-0.5, 2, text([5])), 6: Logprob(-0.25, 1, text([6]))},
+        {7: Logprob(-1.0, 1, text([7]))},  # the sampled token is the top-1: one entry
+    ]
     assert comp.cumulative_logprob == pytest.approx(-1.5)
+
+
+def test_prompt_logprobs_start_with_none_and_fill_across_chunks(tok):
+    proc = OutputProcessor(tok)
+    prompt = [3, 4, 5, 6]
+    ids = proc.add_request("r", None, prompt, SamplingParams(n=2, prompt_logprobs=0))
+    chunk1 = Logprobs(token_ids=[[4], [5]], logprobs=[[-1.0], [-2.0]], ranks=[3, 1])
+    [res], _ = proc.process_outputs([core_output(ids[0], [], new_prompt_logprobs=chunk1)])
+    assert res.prompt_logprobs == [
+        None,
+        {4: Logprob(-1.0, 3, tok.decode([4]))},
+        {5: Logprob(-2.0, 1, tok.decode([5]))},
+    ]
+    chunk2 = Logprobs(token_ids=[[6]], logprobs=[[-0.5]], ranks=[2])
+    [res], _ = proc.process_outputs([core_output(ids[0], [9], new_prompt_logprobs=chunk2)])
+    assert res.prompt_logprobs is not None and len(res.prompt_logprobs) == len(prompt)
+    assert res.prompt_logprobs[3] == {6: Logprob(-0.5, 2, tok.decode([6]))}
 
 
 def test_returned_outputs_are_snapshots(tok):

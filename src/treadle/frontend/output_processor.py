@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.frontend.detokenizer import IncrementalDetokenizer
-from treadle.outputs import CompletionOutput, RequestOutput
+from treadle.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from treadle.sampling_params import SamplingParams
-from treadle.wire.engine import EngineCoreOutput, FinishReason
+from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs
 
 
 @dataclass
@@ -29,6 +29,7 @@ class _ParentState:
     prompt_token_ids: list[int]
     children: dict[str, _ChildState] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[LogprobsDict | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -40,16 +41,44 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Each of n samples gets its own seed (seed + index), so they differ yet reproduce."""
+    """Each of n samples gets its own seed (seed + index), so they differ yet reproduce; only
+    the first scores the prompt (`prompt_logprobs`), which is the same for all."""
     if params.n == 1:
         return params
     seed = None if params.seed is None else params.seed + index
-    return params.clone(n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return params.clone(n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+class TokenTexts:
+    """The text of single tokens (for logprobs), decoded once per token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = str(self.tokenizer.decode([token_id]))
+        return text
+
+    def entries(self, lp: Logprobs) -> list[LogprobsDict]:
+        """Each row of `lp` as {token id: Logprob}: entry 0 with its rank, then the top-n."""
+        rows = []
+        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True):
+            row = {ids[0]: Logprob(values[0], rank, self(ids[0]))}
+            for r, (t, v) in enumerate(zip(ids[1:], values[1:], strict=True), start=1):
+                if t not in row:
+                    row[t] = Logprob(v, r, self(t))
+            rows.append(row)
+        return rows
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self._parents: dict[str, _ParentState] = {}
         self._child_to_parent: dict[str, str] = {}
 
@@ -62,6 +91,8 @@ class OutputProcessor:
     ) -> list[str]:
         """Track a request; returns the engine-core ids of its children."""
         parent = _ParentState(request_id, prompt, prompt_token_ids)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         ids = child_request_ids(request_id, params.n)
         for index, child_id in enumerate(ids):
             detok = IncrementalDetokenizer(
@@ -102,6 +133,10 @@ class OutputProcessor:
             if child.completion.finished:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
+                rows = self.token_texts.entries(out.new_prompt_logprobs)
+                parent.prompt_logprobs.extend(rows[:room])
             self._apply(child, out, to_abort)
             changed[parent_id] = parent
         results = []
@@ -123,9 +158,8 @@ class OutputProcessor:
         comp = child.completion
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and comp.logprobs is not None:
-            lp = out.new_logprobs
-            for ids, values in zip(lp.token_ids, lp.logprobs, strict=True):
-                comp.logprobs.append(dict(zip(ids, values, strict=True)))
+            comp.logprobs.extend(self.token_texts.entries(out.new_logprobs))
+            for values in out.new_logprobs.logprobs:
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + values[0]
         stop = child.detok.update(out.new_token_ids)
         if stop is not None:
@@ -147,6 +181,9 @@ class OutputProcessor:
             outputs=[_copy(c) for c in completions],
             finished=parent.finished,
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=None
+            if parent.prompt_logprobs is None
+            else list(parent.prompt_logprobs),
         )
 
     def _forget(self, parent: _ParentState) -> None:

@@ -73,15 +73,19 @@ class OutputReader:
     def _check_output(self, out: EngineCoreOutput) -> str | None:
         if not self._in_vocab(out.new_token_ids):
             return f"token ids outside [0, {self.vocab_size})"
-        lp = out.new_logprobs
-        if lp is None:
-            return None
-        rows = len(out.new_token_ids)
-        if not len(lp.token_ids) == len(lp.logprobs) == len(lp.ranks) == rows:
-            return "logprobs do not have one row per new token"
-        for ids, values in zip(lp.token_ids, lp.logprobs, strict=True):
-            if not ids or len(ids) != len(values) or not self._in_vocab(ids):
-                return "a logprobs row is empty, uneven or outside the vocabulary"
+        for lp, rows in (
+            (out.new_logprobs, len(out.new_token_ids)),
+            (out.new_prompt_logprobs, None),
+        ):
+            if lp is None:
+                continue
+            if rows is None:
+                rows = len(lp.token_ids)
+            if not len(lp.token_ids) == len(lp.logprobs) == len(lp.ranks) == rows:
+                return "logprobs do not have one row per token"
+            for ids, values in zip(lp.token_ids, lp.logprobs, strict=True):
+                if not ids or len(ids) != len(values) or not self._in_vocab(ids):
+                    return "a logprobs row is empty, uneven or outside the vocabulary"
         return None
 
     def _in_vocab(self, ids: list[int]) -> bool:

@@ -50,7 +50,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Logprobs of a run of sampled tokens: per token, entry 0 is the sampled token, then top-n."""
+    """Logprobs of a run of tokens (sampled, or the prompt's): per token, entry 0 is that
+    token, then the top-n by rank; `ranks` is entry 0's rank (1 = most likely)."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
@@ -64,6 +65,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Logprobs of the prompt tokens this step's prefill chunk scored (`prompt_logprobs`): one
+    # row per prompt token from the second on, in order, across the request's chunks.
+    new_prompt_logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -179,12 +179,12 @@ class OpenAIServing:
         assert comp.logprobs is not None
         offset = text_offset
         for tok, entry in zip(comp.token_ids[start:], comp.logprobs[start:], strict=False):
-            piece = self.tokenizer.decode([tok])
+            piece = entry[tok].decoded_token or ""
             tokens.append(piece)
-            token_lps.append(entry.get(tok))
-            tops.append(
-                {self.tokenizer.decode([t]): lp for t, lp in list(entry.items())[1:]} or None
-            )
+            token_lps.append(entry[tok].logprob)
+            # vLLM's shape: the top-k and the sampled token (k + 1 entries when it is not
+            # among them)
+            tops.append({lp.decoded_token: lp.logprob for lp in entry.values()})
             offsets.append(offset)
             offset += len(piece)
         return {
@@ -302,25 +302,33 @@ class OpenAIServing:
             return StreamingResponse(
                 self._stream_chat(req, len(ids), stream, rid), media_type="text/event-stream"
             )
-        return await self._until_done(raw, self._full_chat(len(ids), stream, rid))
+        return await self._until_done(
+            raw, self._full_chat(len(ids), stream, rid, req.top_logprobs or 0)
+        )
 
-    def _chat_logprobs(self, comp: CompletionOutput, start: int) -> dict[str, Any]:
+    def _chat_logprobs(self, comp: CompletionOutput, start: int, k: int) -> dict[str, Any]:
+        """OpenAI's shape: per token its logprob and exactly the `k` most likely tokens (the
+        sampled one among them when its rank is at most k)."""
         content = []
         assert comp.logprobs is not None
         for tok, entry in zip(comp.token_ids[start:], comp.logprobs[start:], strict=False):
-            piece = self.tokenizer.decode([tok])
+            piece = entry[tok].decoded_token or ""
+            ranked = sorted(
+                (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
+                key=lambda lp: lp.rank or 0,
+            )
             tops = [
                 {
-                    "token": self.tokenizer.decode([t]),
-                    "logprob": lp,
-                    "bytes": list(self.tokenizer.decode([t]).encode()),
+                    "token": lp.decoded_token or "",
+                    "logprob": lp.logprob,
+                    "bytes": list((lp.decoded_token or "").encode()),
                 }
-                for t, lp in list(entry.items())[1:]
+                for lp in ranked
             ]
             content.append(
                 {
                     "token": piece,
-                    "logprob": entry.get(tok),
+                    "logprob": entry[tok].logprob,
                     "bytes": list(piece.encode()),
                     "top_logprobs": tops,
                 }
@@ -328,17 +336,23 @@ class OpenAIServing:
         return {"content": content}
 
     async def _full_chat(
-        self, prompt_len: int, stream: AsyncIterator[tuple[int, RequestOutput]], rid: str
+        self,
+        prompt_len: int,
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        rid: str,
+        top_k: int,
     ) -> dict[str, Any]:
         final: RequestOutput | None = None
         async for _, out in stream:
             final = out
         assert final is not None
         return await self.inputs.run(
-            _logprob_work([final]), self._chat_body, prompt_len, final, rid
+            _logprob_work([final]), self._chat_body, prompt_len, final, rid, top_k
         )
 
-    def _chat_body(self, prompt_len: int, final: RequestOutput, rid: str) -> dict[str, Any]:
+    def _chat_body(
+        self, prompt_len: int, final: RequestOutput, rid: str, top_k: int
+    ) -> dict[str, Any]:
         choices, completion_tokens = [], 0
         for comp in final.outputs:
             completion_tokens += len(comp.token_ids)
@@ -346,7 +360,9 @@ class OpenAIServing:
                 {
                     "index": comp.index,
                     "message": {"role": "assistant", "content": comp.text},
-                    "logprobs": None if comp.logprobs is None else self._chat_logprobs(comp, 0),
+                    "logprobs": None
+                    if comp.logprobs is None
+                    else self._chat_logprobs(comp, 0, top_k),
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
                 }
@@ -380,7 +396,9 @@ class OpenAIServing:
             choice = {
                 "index": index,
                 "delta": {"content": delta} if delta else {},
-                "logprobs": None if comp.logprobs is None else self._chat_logprobs(comp, start[1]),
+                "logprobs": None
+                if comp.logprobs is None
+                else self._chat_logprobs(comp, start[1], req.top_logprobs or 0),
                 "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason,
             }
