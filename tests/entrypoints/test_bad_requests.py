@@ -82,6 +82,57 @@ BAD: list[tuple[str, dict[str, Any] | str, str | None]] = [
     (CHATS, {"messages": []}, "messages"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
     ("/detokenize", {"tokens": [BIG]}, "tokens"),
+    # issue 13: the fields of OpenAI and vLLM, and those refused rather than ignored
+    (CMPL, {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"1": 101}}, "logit_bias"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"1000000": 1}}, "logit_bias"),
+    (CMPL, {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    (CMPL, {"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids"),
+    (CMPL, {"prompt": "hi", "bad_words": [" "]}, "bad_words"),
+    (CMPL, {"prompt": "hi", "structured_outputs": {}}, "structured_outputs"),
+    (
+        CMPL,
+        {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+        "structured_outputs",
+    ),
+    (CMPL, {"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    (
+        CMPL,
+        {"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a"},
+        "response_format",
+    ),
+    (CHATS, {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    (
+        CHATS,
+        {
+            "messages": CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+        },
+        "response_format",
+    ),
+    (CHATS, {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    (
+        CHATS,
+        {"messages": CHAT, "guided_json": {"type": "object"}, "guided_regex": "a"},
+        "guided_json",
+    ),
+    (CMPL, {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (CMPL, {"prompt": "hi", "truncate_prompt_tokens": 128}, "truncate_prompt_tokens"),
+    (CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    (CMPL, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (CMPL, {"prompt": "hi", "best_of": 2}, "best_of"),
+    (CMPL, {"prompt": "hi", "suffix": "x"}, "suffix"),
+    (CMPL, {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    (CMPL, {"prompt": "hi", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    (CMPL, {"prompt": "hi", "logits_processors": ["m.f"]}, "logits_processors"),
+    (CHATS, {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    (CHATS, {"messages": CHAT, "function_call": "auto"}, "function_call"),
+    (CHATS, {"messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    (CHATS, {"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    (CHATS, {"messages": CHAT, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+    (CHATS, {"messages": CHAT, "web_search_options": {}}, "web_search_options"),
+    (CHATS, {"messages": CHAT, "echo": True}, "echo"),
+    (CHATS, {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ]
 
 
@@ -108,11 +159,23 @@ def test_a_bad_field_in_a_stream_is_a_400_before_the_stream(server: RemoteServer
     _assert_error(httpx.post(server.url + CMPL, json=body, timeout=30), 400, "logprobs")
 
 
-def test_image_content_is_refused_not_ignored(server: RemoteServer) -> None:
-    part = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
-    body = {"messages": [{"role": "user", "content": [part]}]}
-    resp = httpx.post(server.url + CHATS, json=body, timeout=30)
-    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-1"}},
+        {"type": "video_url", "video_url": {"url": "http://example.com/cat.mp4"}},
+    ],
+    ids=lambda part: part["type"],
+)
+def test_content_other_than_text_is_refused_not_ignored(
+    server: RemoteServer, part: dict[str, Any]
+) -> None:
+    content = [{"type": "text", "text": "What is this?"}, part]
+    body = {"messages": [{"role": "user", "content": content}]}
+    error = _assert_error(httpx.post(server.url + CHATS, json=body, timeout=30), 400, "messages")
+    assert "text only" in error["message"] and part["type"] in error["message"]
 
 
 def test_text_content_parts_are_joined(server: RemoteServer) -> None:

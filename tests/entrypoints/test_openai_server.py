@@ -24,10 +24,8 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
-    srv = RemoteServer(["--max-model-len", "512"], tmp_path_factory.mktemp("default-server"))
-    yield srv
-    srv.stop()
+def server(default_server: RemoteServer) -> RemoteServer:
+    return default_server
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +92,12 @@ def test_streamed_text_equals_non_streamed_text(client: openai.OpenAI) -> None:
     assert streamed == text
 
 
-def test_streamed_choices_with_n_echo_and_logprobs(client: openai.OpenAI) -> None:
+def test_streamed_choices_with_n_echo_and_logprobs(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
     """Two prompts x n=2, streamed: each choice index reassembles its own text (the prompt
-    first, with echo) with one logprob per generated token; chat sends each choice's role once."""
+    first, with echo) with one logprob entry per prompt and generated token; chat sends each
+    choice's role once."""
     kwargs = dict(
         model="SmolLM2-135M-Instruct",
         max_tokens=12,
@@ -117,7 +118,10 @@ def test_streamed_choices_with_n_echo_and_logprobs(client: openai.OpenAI) -> Non
     full = client.completions.create(prompt=prompts, **kwargs)  # type: ignore[call-overload]
     for c in full.choices:
         assert texts[c.index] == prompts[c.index // 2] + c.text
-    assert all(n == 12 for n in tokens.values()), tokens
+    lens = [
+        httpx.post(server.url + "/tokenize", json={"prompt": p}).json()["count"] for p in prompts
+    ]
+    assert tokens == {i: lens[i // 2] + 12 for i in range(4)}, tokens
 
     roles: dict[int, int] = {}
     content: dict[int, str] = {}
@@ -151,7 +155,9 @@ def test_n_logprobs_echo_and_stop(client: openai.OpenAI) -> None:
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     for c in out.choices:
         assert c.text.startswith(PROMPT)
-        assert c.logprobs is not None and len(c.logprobs.tokens) == 5  # type: ignore[arg-type]
+        # with echo: the 5 prompt tokens (the first unscored), then the 5 new ones
+        assert c.logprobs is not None and len(c.logprobs.tokens) == 10  # type: ignore[arg-type]
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None  # type: ignore[index]
     stopped = client.completions.create(
         model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=20, temperature=0, stop=["."]
     )

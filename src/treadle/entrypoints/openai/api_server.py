@@ -163,11 +163,17 @@ def build_app(
     async def metrics() -> Response:
         return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> ModelCard:
+        return ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)]
-        )
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return card()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:

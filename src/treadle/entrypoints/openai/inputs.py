@@ -25,6 +25,16 @@ INLINE_CHARS = 4096
 """Text work on fewer characters than this runs inline: a thread hop would cost more."""
 
 Prompt = tuple[str | None, list[int]]  # (text if any, token ids)
+Truncation = tuple[int, str]
+"""(k, side): keep the last k prompt tokens ("left", vLLM's default) or the first k ("right")."""
+
+
+def truncated(ids: list[int], truncate: Truncation | None) -> list[int]:
+    """`ids` cut to `truncate` (vLLM's `truncate_prompt_tokens`), before any length check."""
+    if truncate is None or len(ids) <= truncate[0]:
+        return ids
+    k, side = truncate
+    return ids[:k] if side == "right" else ids[len(ids) - k :]
 
 
 class PromptInputs:
@@ -42,9 +52,15 @@ class PromptInputs:
         call = functools.partial(fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
-    async def completion_prompts(self, prompt: Any, echo: bool) -> list[Prompt]:
-        """The prompts of a completions request, each checked against the model. With `echo`,
-        token-id prompts get their text too."""
+    async def completion_prompts(
+        self,
+        prompt: Any,
+        echo: bool,
+        truncate: Truncation | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[Prompt]:
+        """The prompts of a completions request, each cut to `truncate` tokens if asked and
+        checked against the model. With `echo`, token-id prompts get their text too."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -59,23 +75,33 @@ class PromptInputs:
             if isinstance(item, str):
                 self.processor.check_chars(len(item))
             else:
-                check_prompt(item, limits)  # cheap, and refuses huge id lists before decoding
+                # cheap, and refuses huge id lists before decoding
+                check_prompt(truncated(item, truncate), limits)
         size = sum(len(item) for item in items)
-        return await self.run(size, self._completion_prompts, items, echo)
+        return await self.run(
+            size, self._completion_prompts, items, echo, truncate, add_special_tokens
+        )
 
-    def _completion_prompts(self, items: list[Any], echo: bool) -> list[Prompt]:
+    def _completion_prompts(
+        self, items: list[Any], echo: bool, truncate: Truncation | None, add_special: bool
+    ) -> list[Prompt]:
         out: list[Prompt] = []
         for item in items:
             if isinstance(item, str):
-                ids = self.processor.encode(item)
-                check_prompt(ids, self.processor.limits)
-                out.append((item, ids))
+                ids = self.processor.encode(item, add_special_tokens=add_special)
+                text: str | None = item
             else:
-                out.append((self.tokenizer.decode(item) if echo else None, list(item)))
+                ids, text = list(item), None
+            cut = truncated(ids, truncate)
+            check_prompt(cut, self.processor.limits)
+            if len(cut) < len(ids) or (echo and text is None):
+                text = self.tokenizer.decode(cut) if echo else None
+            out.append((text, cut))
         return out
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
-        """The rendered chat and its token ids, checked against the model."""
+    async def chat_prompt(self, req: ChatCompletionRequest, truncate: Truncation | None) -> Prompt:
+        """The rendered chat and its token ids (cut to `truncate` tokens if asked), checked
+        against the model."""
         if not req.messages:
             raise InvalidRequest("messages", "must not be empty")
         kwargs = dict(req.chat_template_kwargs or {})
@@ -86,7 +112,7 @@ class PromptInputs:
                 "a request's own chat template is refused: start the server with "
                 "--trust-request-chat-template to allow it",
             )
-        messages = [m.template_dict() for m in req.messages]
+        messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
         self.processor.check_chars(message_chars(messages), "messages")
         size = message_chars(messages) + (INLINE_CHARS if own_template else 0)
         return await self.run(
@@ -96,6 +122,8 @@ class PromptInputs:
             req.add_generation_prompt,
             req.chat_template,
             kwargs,
+            truncate,
+            req.add_special_tokens,
         )
 
     def _render_and_encode(
@@ -104,12 +132,15 @@ class PromptInputs:
         add_generation_prompt: bool,
         template: str | None = None,
         kwargs: dict[str, Any] | None = None,
+        truncate: Truncation | None = None,
+        add_special_tokens: bool = False,
     ) -> Prompt:
         text = self.processor.render_chat(messages, add_generation_prompt, template, kwargs)
-        # The template already holds the special tokens: do not add them twice.
-        ids = self.processor.encode(text, add_special_tokens=False, param="messages")
-        check_prompt(ids, self.processor.limits)
-        return text, ids
+        # The template already holds the special tokens: by default do not add them twice.
+        ids = self.processor.encode(text, add_special_tokens=add_special_tokens, param="messages")
+        cut = truncated(ids, truncate)
+        check_prompt(cut, self.processor.limits)
+        return (text if len(cut) == len(ids) else None), cut
 
     async def tokenize(
         self,
@@ -120,7 +151,7 @@ class PromptInputs:
     ) -> list[int]:
         """/tokenize: a prompt or chat messages (with the model's template) -> token ids."""
         if messages is not None:
-            dicts = [m.template_dict() for m in messages]
+            dicts = [m.template_dict(i) for i, m in enumerate(messages)]
             self.processor.check_chars(message_chars(dicts), "messages")
             size = message_chars(dicts)
             _, ids = await self.run(size, self._render_and_encode_any, dicts, add_generation_prompt)

@@ -13,8 +13,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from treadle.sampling_params import SamplingParams
-from treadle.validation import INT64_MAX, INT64_MIN, MAX_N, MAX_PROMPTS, MAX_STOP
+from treadle.validation import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_STOP,
+    InvalidRequest,
+)
 
 
 def _shown(**schema: Any) -> Any:
@@ -63,31 +69,97 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
-class TextContentPart(OpenAIModel):
-    """A part of a message's content; only text is supported (no images, no audio)."""
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""Content part types that are text (OpenAI's and the Responses API's), and their text key."""
 
-    type: Literal["text"]
-    text: str
+
+class ContentPart(OpenAIModel):
+    """A part of a message's content. Only text parts are taken (see `TEXT_PARTS`): this
+    server runs text-only models, so an image, audio, video or file part is refused."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(OpenAIModel):
-    """One chat message. Other fields (`tool_calls`, ...) reach the chat template as given."""
+    """One chat message. Other fields (`tool_calls`, `tool_call_id`, ...) reach the chat
+    template as given."""
 
     role: str
-    content: str | list[TextContentPart] | None = None
+    content: str | list[str | ContentPart] | None = None
     name: str | None = None
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it (as vLLM's "string" content format):
-        text parts joined by newlines, no content as ""."""
-        message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
-        else:
-            message["content"] = self.content or ""
-        return message
+    def template_dict(self, index: int = 0) -> dict[str, Any]:
+        """The message as the chat template sees it; see `template_message`."""
+        return template_message(self.model_dump(exclude_none=True), index)
+
+
+def template_message(message: dict[str, Any], index: int = 0) -> dict[str, Any]:
+    """A chat message as the template sees it (vLLM's "string" content format): the text of
+    its content parts joined by newlines, no content as "". Raises `InvalidRequest` for a
+    part that is not text (`index` is the message's place, for the error)."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return {**message, "content": content or ""}
+    if not isinstance(content, list):
+        raise InvalidRequest(
+            "messages", f"content must be a string or a list of parts (message {index})"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is None:
+            raise InvalidRequest(
+                "messages",
+                f"may hold text only: this model takes no {kind!r} content (message {index}, "
+                f"part {j}; text parts are of type {', '.join(sorted(TEXT_PARTS))})",
+            )
+        text = part.get(key)
+        if not isinstance(text, str):
+            raise InvalidRequest(
+                "messages", f"content parts need a string {key!r} (message {index}, part {j})"
+            )
+        texts.append(text)
+    return {**message, "content": "\n".join(texts)}
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """OpenAI's `response_format.json_schema`: the schema is under `schema`."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format` (and vLLM's `structural_tag` kind, its other fields kept)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs`: one of these constraints (`json` as a schema object or its
+    text)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
 class _SamplingFields(OpenAIModel):
@@ -116,27 +188,21 @@ class _SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int64 = 0
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p,
-            seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []),
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+    logit_bias: dict[str, Annotated[float, _shown(minimum=-100, maximum=100)]] | None = None
+    allowed_token_ids: Annotated[list[TokenId], _shown(minItems=1)] | None = None
+    bad_words: Annotated[list[str], _shown(maxItems=MAX_STOP)] | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    # vLLM's: keep the last k prompt tokens (-1: as many as the model takes)
+    truncate_prompt_tokens: Annotated[int, _shown(minimum=-1, maximum=INT64_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # left (the default) keeps the last
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for `structured_outputs` (deprecated there, mapped onto it here)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:{id}"
 
 
 class CompletionRequest(_SamplingFields):
@@ -146,9 +212,11 @@ class CompletionRequest(_SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], _shown(minItems=1, maxItems=MAX_PROMPTS)]
     )
-    max_tokens: MaxTokens | None = 16
+    # 0 only with `echo`: score the prompt, return no new tokens (vLLM's)
+    max_tokens: Annotated[int, _shown(minimum=0, **{"x-limit": "max_model_len"})] | None = 16
     logprobs: NumLogprobs | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: BOS and the like on text prompts
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -158,6 +226,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: on top of those the template writes
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -200,13 +269,34 @@ def now() -> int:
     return int(time.time())
 
 
+class ModelPermission(OpenAIModel):
+    """vLLM's (from OpenAI's old API): what a client may do with the model."""
+
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIModel):
+    """A served model as vLLM describes it; `root` is the served name, never a file path."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "treadle"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIModel):

@@ -10,7 +10,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from treadle.entrypoints.openai.inputs import PromptInputs
+from treadle.entrypoints.openai.inputs import INLINE_CHARS, Prompt, PromptInputs, Truncation
+from treadle.entrypoints.openai.logprobs import LogprobWriter, padded, prompt_logprobs_json
+from treadle.entrypoints.openai.params import AnyRequest, check_fields, sampling_params
 from treadle.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,10 +48,12 @@ def error_body(message: str, status: int, kind: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-# (prompt, choice index, output, (characters, tokens) already sent, first time) ->
-# (choice chunks to send, whether they carry the output so far): see `_sse_stream`.
+# (prompt, choice index, request output, choice output, (characters, tokens) of it already
+# sent, first time) -> (choice chunks to send, whether they carry the output so far): see
+# `_sse_stream`.
 ChoiceChunks = Callable[
-    [int, int, CompletionOutput, tuple[int, int], bool], tuple[list[dict[str, Any]], bool]
+    [int, int, RequestOutput, CompletionOutput, tuple[int, int], bool],
+    tuple[list[dict[str, Any]], bool],
 ]
 
 
@@ -62,12 +66,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
 
 
 def _logprob_work(outputs: Any) -> int:
-    """How many tokens a response must decode for its logprobs (to decide on the thread pool)."""
+    """How many tokens a response must write logprobs for (to decide on the thread pool)."""
     return sum(
-        sum(len(entry) for entry in comp.logprobs)
+        len(out.prompt_logprobs or ())
+        + sum(sum(len(entry) for entry in comp.logprobs or ()) for comp in out.outputs)
         for out in outputs
-        for comp in out.outputs
-        if comp.logprobs is not None
     )
 
 
@@ -80,18 +83,42 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
+        self.token_text = engine.output_processor.token_texts
         self.inputs = PromptInputs(engine.input_processor, engine.config.frontend)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
-    def _params(
+    def _check_request(self, req: AnyRequest) -> Truncation | None:
+        """Checks that need no prompt; returns the truncation asked for."""
+        check_fields(req)
+        if req.stream_options is not None and not req.stream:
+            raise InvalidRequest("stream_options", "may only be given with `stream: true`")
+        if req.prompt_logprobs and req.stream:
+            raise InvalidRequest("prompt_logprobs", "are not available when streaming")
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return None
+        most = self.engine.input_processor.limits.max_model_len - 1
+        if k == -1:
+            k = most  # vLLM's "as many as the model takes"
+        if not 1 <= k <= most:
+            raise InvalidRequest(
+                "truncate_prompt_tokens",
+                f"must be -1 or in [1, {most}] (this model's maximum context length is "
+                f"{most + 1} tokens, with room for one output token), got {k}",
+            )
+        return k, req.truncation_side or "left"
+
+    async def _params(
         self,
-        req: Any,
+        req: AnyRequest,
         max_tokens: int | None,
-        prompts: list[tuple[str | None, list[int]]],
+        prompts: list[Prompt],
         logprobs: int | None,
+        prompt_logprobs: int | None,
+        truncate: Truncation | None,
     ) -> SamplingParams:
         """The request's `SamplingParams`, checked with every prompt against the model (the
         same `validation` rules the engine core runs again). Raises `InvalidRequest`."""
@@ -101,11 +128,18 @@ class OpenAIServing:
             max_tokens = max(limits.max_model_len - longest, 1)
         elif is_int64(max_tokens) and max_tokens >= 1:
             check_max_tokens(max_tokens, longest, limits)
-        params: SamplingParams = req.sampling_params(max_tokens, logprobs)
+        # The prompts are already cut; "right" cuts are no rule the engine knows.
+        keep_last = truncate[0] if truncate is not None and truncate[1] == "left" else None
+        params = sampling_params(req, max_tokens, logprobs, prompt_logprobs, keep_last)
         check_batch(len(prompts), params.n)
-        for _, ids in prompts:
-            self.engine.input_processor.check(ids, params, req.priority)
+        # A grammar compiles on its first use: off the event loop.
+        size = INLINE_CHARS if params.structured_outputs is not None else 0
+        await self.inputs.run(size, self._check_prompts, prompts, params, req.priority)
         return params
+
+    def _check_prompts(self, prompts: list[Prompt], params: SamplingParams, priority: int) -> None:
+        for _, ids in prompts:
+            self.engine.input_processor.check(ids, params, priority)
 
     def _dp_rank(self, raw: Request) -> int | None:
         """The engine a client asks for with the `X-data-parallel-rank` header (as vLLM)."""
@@ -122,7 +156,7 @@ class OpenAIServing:
 
     async def _run(
         self,
-        prompts: list[tuple[str | None, list[int]]],
+        prompts: list[Prompt],
         params: SamplingParams,
         rid: str,
         priority: int,
@@ -162,8 +196,20 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
         rank = self._dp_rank(raw)
-        prompts = await self.inputs.completion_prompts(req.prompt, req.echo)
-        params = self._params(req, req.max_tokens, prompts, req.logprobs)
+        truncate = self._check_request(req)
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidRequest(
+                "max_tokens", "must be at least 1 (0 only with echo, to score the prompt alone)"
+            )
+        prompts = await self.inputs.completion_prompts(
+            req.prompt, req.echo, truncate, req.add_special_tokens
+        )
+        # With echo, the prompt's logprobs come first (vLLM's rule).
+        prompt_lps = req.prompt_logprobs
+        if prompt_lps is None and req.echo:
+            prompt_lps = req.logprobs
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # 0: the prompt alone
+        params = await self._params(req, max_tokens, prompts, req.logprobs, prompt_lps, truncate)
         rid = random_id("cmpl")
         stream = self._run(prompts, params, rid, req.priority, rank)
         if req.stream:
@@ -172,32 +218,23 @@ class OpenAIServing:
             )
         return await self._until_done(raw, self._full_completion(req, prompts, stream, rid))
 
-    def _completion_logprobs(
-        self, comp: CompletionOutput, start: int, text_offset: int
-    ) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        assert comp.logprobs is not None
-        offset = text_offset
-        for tok, entry in zip(comp.token_ids[start:], comp.logprobs[start:], strict=False):
-            piece = entry[tok].decoded_token or ""
-            tokens.append(piece)
-            token_lps.append(entry[tok].logprob)
-            # vLLM's shape: the top-k and the sampled token (k + 1 entries when it is not
-            # among them)
-            tops.append({lp.decoded_token: lp.logprob for lp in entry.values()})
-            offsets.append(offset)
-            offset += len(piece)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
+    def _echoed(
+        self, req: CompletionRequest, prompt: Prompt, out: RequestOutput, comp: CompletionOutput
+    ) -> tuple[str, list[int], list[Any]]:
+        """(text, token ids, logprob entries) of a choice: with echo, the prompt's first."""
+        entries: list[Any] = list(comp.logprobs or ())
+        if not req.echo:
+            return comp.text, comp.token_ids, entries
+        text, ids = prompt[0] or "", prompt[1]
+        prompt_entries = padded(ids, out.prompt_logprobs)
+        if req.max_tokens == 0:
+            return text, ids, prompt_entries
+        return text + comp.text, [*ids, *comp.token_ids], [*prompt_entries, *entries]
 
     async def _full_completion(
         self,
         req: CompletionRequest,
-        prompts: list[tuple[str | None, list[int]]],
+        prompts: list[Prompt],
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
     ) -> dict[str, Any]:
@@ -211,31 +248,32 @@ class OpenAIServing:
     def _completion_body(
         self,
         req: CompletionRequest,
-        prompts: list[tuple[str | None, list[int]]],
+        prompts: list[Prompt],
         final: dict[int, RequestOutput],
         rid: str,
     ) -> dict[str, Any]:
+        writer = LogprobWriter(self.token_text, req.return_tokens_as_token_ids)
         choices = []
         completion_tokens = 0
         for i in sorted(final):
             out = final[i]
-            prompt_text = prompts[i][0] or ""  # set for every prompt when echo is asked
             for comp in out.outputs:
-                text = (prompt_text + comp.text) if req.echo else comp.text
+                text, ids, entries = self._echoed(req, prompts[i], out, comp)
                 completion_tokens += len(comp.token_ids)
-                choices.append(
-                    {
-                        "index": i * req.n + comp.index,
-                        "text": text,
-                        "logprobs": None
-                        if comp.logprobs is None
-                        else self._completion_logprobs(
-                            comp, 0, len(prompt_text) if req.echo else 0
-                        ),
-                        "finish_reason": comp.finish_reason,
-                        "stop_reason": comp.stop_reason,
-                    }
-                )
+                choice = {
+                    "index": i * req.n + comp.index,
+                    "text": text,
+                    "logprobs": None
+                    if req.logprobs is None
+                    else writer.completion(ids, entries, req.logprobs, 0),
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                }
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(
+                        prompts[i][1], out.prompt_logprobs
+                    )
+                choices.append(choice)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {
             "id": rid,
@@ -249,43 +287,61 @@ class OpenAIServing:
     def _stream_completion(
         self,
         req: CompletionRequest,
-        prompts: list[tuple[str | None, list[int]]],
+        prompts: list[Prompt],
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
     ) -> AsyncIterator[str]:
+        writer = LogprobWriter(self.token_text, req.return_tokens_as_token_ids)
+        written: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+
         def choices(
-            i: int, index: int, comp: CompletionOutput, start: tuple[int, int], first: bool
+            i: int,
+            index: int,
+            out: RequestOutput,
+            comp: CompletionOutput,
+            start: tuple[int, int],
+            first: bool,
         ) -> tuple[list[dict[str, Any]], bool]:
-            delta = comp.text[start[0] :]
             if first and req.echo:
-                delta = (prompts[i][0] or "") + delta
-            if not delta and not comp.finished and not first:
+                if not comp.token_ids and not comp.finished:
+                    return [], False  # the prompt's logprobs may not all be in yet
+                text, ids, entries = self._echoed(req, prompts[i], out, comp)
+            elif req.max_tokens == 0:  # the prompt alone: no new tokens shown
+                text, ids, entries = "", [], []
+            else:
+                text = comp.text[start[0] :]
+                ids = comp.token_ids[start[1] :]
+                entries = list(comp.logprobs or ())[start[1] :]
+            if not text and not comp.finished and not first:
                 return [], False
+            offset = written.get(index, 0)
+            written[index] = offset + len(text)
             choice = {
                 "index": index,
-                "text": delta,
+                "text": text,
                 "logprobs": None
-                if comp.logprobs is None
-                else self._completion_logprobs(comp, start[1], start[0]),
+                if req.logprobs is None
+                else writer.completion(ids, entries, req.logprobs, offset),
                 "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason,
             }
             return [choice], True
 
         head = {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name}
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
-        return self._sse_stream(req, head, prompt_tokens, stream, choices)
+        prompt_lens = [len(ids) for _, ids in prompts]
+        return self._sse_stream(req, head, prompt_lens, stream, choices)
 
     # -- chat ----------------------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
         rank = self._dp_rank(raw)
-        if req.top_logprobs is not None and not req.logprobs:
+        truncate = self._check_request(req)
+        if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs", "needs `logprobs: true`")
         names = {"logprobs": "top_logprobs", "prompt": "messages"}
         try:
-            text, ids = await self.inputs.chat_prompt(req)
+            text, ids = await self.inputs.chat_prompt(req, truncate)
         except InvalidRequest as e:
             raise e.renamed(names) from None
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -293,7 +349,9 @@ class OpenAIServing:
         if req.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         try:
-            params = self._params(req, max_tokens, [(text, ids)], top)
+            params = await self._params(
+                req, max_tokens, [(text, ids)], top, req.prompt_logprobs, truncate
+            )
         except InvalidRequest as e:
             raise e.renamed(names) from None
         rid = random_id("chatcmpl")
@@ -302,57 +360,27 @@ class OpenAIServing:
             return StreamingResponse(
                 self._stream_chat(req, len(ids), stream, rid), media_type="text/event-stream"
             )
-        return await self._until_done(
-            raw, self._full_chat(len(ids), stream, rid, req.top_logprobs or 0)
-        )
-
-    def _chat_logprobs(self, comp: CompletionOutput, start: int, k: int) -> dict[str, Any]:
-        """OpenAI's shape: per token its logprob and exactly the `k` most likely tokens (the
-        sampled one among them when its rank is at most k)."""
-        content = []
-        assert comp.logprobs is not None
-        for tok, entry in zip(comp.token_ids[start:], comp.logprobs[start:], strict=False):
-            piece = entry[tok].decoded_token or ""
-            ranked = sorted(
-                (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-                key=lambda lp: lp.rank or 0,
-            )
-            tops = [
-                {
-                    "token": lp.decoded_token or "",
-                    "logprob": lp.logprob,
-                    "bytes": list((lp.decoded_token or "").encode()),
-                }
-                for lp in ranked
-            ]
-            content.append(
-                {
-                    "token": piece,
-                    "logprob": entry[tok].logprob,
-                    "bytes": list(piece.encode()),
-                    "top_logprobs": tops,
-                }
-            )
-        return {"content": content}
+        return await self._until_done(raw, self._full_chat(req, ids, stream, rid))
 
     async def _full_chat(
         self,
-        prompt_len: int,
+        req: ChatCompletionRequest,
+        prompt_ids: list[int],
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
-        top_k: int,
     ) -> dict[str, Any]:
         final: RequestOutput | None = None
         async for _, out in stream:
             final = out
         assert final is not None
         return await self.inputs.run(
-            _logprob_work([final]), self._chat_body, prompt_len, final, rid, top_k
+            _logprob_work([final]), self._chat_body, req, prompt_ids, final, rid
         )
 
     def _chat_body(
-        self, prompt_len: int, final: RequestOutput, rid: str, top_k: int
+        self, req: ChatCompletionRequest, prompt_ids: list[int], final: RequestOutput, rid: str
     ) -> dict[str, Any]:
+        writer = LogprobWriter(self.token_text, req.return_tokens_as_token_ids)
         choices, completion_tokens = [], 0
         for comp in final.outputs:
             completion_tokens += len(comp.token_ids)
@@ -362,19 +390,22 @@ class OpenAIServing:
                     "message": {"role": "assistant", "content": comp.text},
                     "logprobs": None
                     if comp.logprobs is None
-                    else self._chat_logprobs(comp, 0, top_k),
+                    else writer.chat(comp.token_ids, comp.logprobs, req.top_logprobs or 0),
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
                 }
             )
-        return {
+        body = {
             "id": rid,
             "object": "chat.completion",
             "created": now(),
             "model": self.model_name,
             "choices": choices,
-            "usage": _usage(prompt_len, completion_tokens),
+            "usage": _usage(len(prompt_ids), completion_tokens),
         }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(prompt_ids, final.prompt_logprobs)
+        return body
 
     def _stream_chat(
         self,
@@ -383,8 +414,15 @@ class OpenAIServing:
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
     ) -> AsyncIterator[str]:
+        writer = LogprobWriter(self.token_text, req.return_tokens_as_token_ids)
+
         def choices(
-            i: int, index: int, comp: CompletionOutput, start: tuple[int, int], first: bool
+            i: int,
+            index: int,
+            _: RequestOutput,
+            comp: CompletionOutput,
+            start: tuple[int, int],
+            first: bool,
         ) -> tuple[list[dict[str, Any]], bool]:
             out: list[dict[str, Any]] = []
             if first:  # the role comes first, on its own
@@ -398,7 +436,9 @@ class OpenAIServing:
                 "delta": {"content": delta} if delta else {},
                 "logprobs": None
                 if comp.logprobs is None
-                else self._chat_logprobs(comp, start[1], req.top_logprobs or 0),
+                else writer.chat(
+                    comp.token_ids[start[1] :], comp.logprobs[start[1] :], req.top_logprobs or 0
+                ),
                 "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason,
             }
@@ -410,37 +450,51 @@ class OpenAIServing:
             "created": now(),
             "model": self.model_name,
         }
-        return self._sse_stream(req, head, prompt_len, stream, choices)
+        return self._sse_stream(req, head, [prompt_len], stream, choices)
 
     async def _sse_stream(
         self,
-        req: CompletionRequest | ChatCompletionRequest,
+        req: AnyRequest,
         head: dict[str, Any],
-        prompt_tokens: int,
+        prompt_lens: list[int],
         stream: AsyncIterator[tuple[int, RequestOutput]],
         choices: ChoiceChunks,
     ) -> AsyncIterator[str]:
         """Server-sent events for both streaming endpoints. For each output of each choice
-        (index = prompt * n + sample), `choices(prompt, index, output, (text, tokens) already
-        sent, first)` gives the choice chunks to send and whether they carry the output so far;
-        then the usage chunk if asked for; an error as an error event; always `[DONE]` last."""
+        (index = prompt * n + sample) until that choice has finished, `choices(prompt, index,
+        request output, choice output, (text, tokens) already sent, first)` gives the choice
+        chunks to send and whether they carry the output so far; a choice's last chunk (with
+        its finish_reason) is sent once. Then the usage chunk if asked for (and usage so far in every chunk with
+        `continuous_usage_stats`); an error as an error event; always `[DONE]` last."""
         sent: dict[int, tuple[int, int]] = {}  # index -> (characters, tokens) sent
         seen: set[int] = set()
-        completion_tokens = 0
+        done: set[int] = set()
+        options = req.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options is not None and options.continuous_usage_stats
         try:
             async for i, out in stream:
                 for comp in out.outputs:
                     index = i * req.n + comp.index
+                    if index in done:
+                        continue
                     first = index not in seen
-                    seen.add(index)
-                    chunks, carried = choices(i, index, comp, sent.get(index, (0, 0)), first)
+                    chunks, carried = choices(i, index, out, comp, sent.get(index, (0, 0)), first)
+                    if chunks:
+                        seen.add(index)
                     if carried:
                         sent[index] = (len(comp.text), len(comp.token_ids))
                         if comp.finished:
-                            completion_tokens += len(comp.token_ids)
+                            done.add(index)
                     for chunk in chunks:
-                        yield _sse({**head, "choices": [chunk]})
-            if req.stream_options and req.stream_options.include_usage:
+                        event = {**head, "choices": [chunk]}
+                        if continuous:
+                            used = sent.get(index, (0, 0))[1]
+                            event["usage"] = _usage(prompt_lens[i], used)
+                        yield _sse(event)
+            if include_usage:
+                completion_tokens = sum(tokens for _, tokens in sent.values())
+                prompt_tokens = sum(prompt_lens)
                 yield _sse(
                     {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
                 )
