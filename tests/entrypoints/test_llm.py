@@ -97,6 +97,29 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert len(out.outputs[0].token_ids) == 8
 
 
+def test_chat_takes_text_parts_and_refuses_other_content(llm: LLM) -> None:
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    by_parts = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+    by_text = llm.chat([{"role": "user", "content": "Hi\nthere"}], GREEDY, use_tqdm=False)[0]
+    assert by_parts.prompt_token_ids == by_text.prompt_token_ids
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    with pytest.raises(InvalidRequest, match="text only") as info:
+        llm.chat([{"role": "user", "content": [image]}], GREEDY, use_tqdm=False)
+    assert info.value.param == "messages"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
+    params = GREEDY.clone(truncate_prompt_tokens=3)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == [7, 8, 9]
+    plain = llm.generate({"prompt_token_ids": [7, 8, 9]}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    # a prompt longer than the context (64) runs once cut to fit
+    long = GREEDY.clone(truncate_prompt_tokens=10)
+    out = llm.generate({"prompt_token_ids": list(range(5, 105))}, long, use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(range(95, 105)) and len(out.outputs[0].token_ids) == 8
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [

@@ -17,6 +17,7 @@ from treadle.config import (
     SchedulerConfig,
     resolve_model,
 )
+from treadle.entrypoints.openai.protocol import template_message
 from treadle.executor.multiproc import check_parallel_layout
 from treadle.frontend.core_client import InprocClient, SyncMPClient
 from treadle.frontend.input_processor import InputProcessor, PromptType
@@ -129,8 +130,11 @@ class LLM:
         for rid, (text, tokens), params, prio in zip(
             ids, tokenized, params_list, priorities, strict=True
         ):
-            requests.append((rid, text, tokens, params, prio))
-            self.input_processor.check(tokens, params, prio)
+            cut = _truncated(tokens, params)
+            if len(cut) < len(tokens):
+                text = None  # the text no longer matches the tokens
+            requests.append((rid, text, cut, params, prio))
+            self.input_processor.check(cut, params, prio)
         for rid, text, tokens, params, prio in requests:
             self._add(rid, text, tokens, params, prio)
         finished: dict[str, RequestOutput] = {}
@@ -152,8 +156,11 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conv in conversations:
+            # Content given as a list of parts: text parts joined (vLLM's "string" format),
+            # others refused (`InvalidRequest`): the models served take text only.
+            conv = [template_message(m, i) for i, m in enumerate(conv)]  # type: ignore[arg-type]
             text = self.input_processor.apply_chat_template(
-                conv,  # type: ignore[arg-type]
+                conv,
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
@@ -168,6 +175,7 @@ class LLM:
         """Yield the growing output of one prompt after every step (the CLI streams with it)."""
         params = sampling_params or SamplingParams()
         text, tokens = self.input_processor.tokenize(prompt)
+        tokens = _truncated(tokens, params)
         rid = str(next(self._ids))
         self.input_processor.check(tokens, params)
         self._add(rid, text, tokens, params, 0)
@@ -201,6 +209,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         return list(params)
+
+
+def _truncated(tokens: list[int], params: SamplingParams) -> list[int]:
+    """The prompt's last `params.truncate_prompt_tokens` tokens (vLLM's rule), or all of it."""
+    k = params.truncate_prompt_tokens
+    return tokens if k is None or len(tokens) <= k else tokens[len(tokens) - k :]
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
