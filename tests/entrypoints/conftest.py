@@ -23,12 +23,3 @@ def server_factory(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     yield make
     for server in servers:
         server.stop()
-
-
-@pytest.fixture(scope="session")
-def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
-    """`treadle serve` on the default model (SmolLM2-135M), shared by the modules that only
-    send it requests: one start-up for all of them."""
-    srv = RemoteServer(["--max-model-len", "512"], tmp_path_factory.mktemp("default-server"))
-    yield srv
-    srv.stop()

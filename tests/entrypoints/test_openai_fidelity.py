@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,8 +23,10 @@ CMPL, CHATS = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server(default_server: RemoteServer) -> RemoteServer:
-    return default_server
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    srv = RemoteServer(["--max-model-len", "512"], tmp_path_factory.mktemp("fidelity"))
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,10 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def server(default_server: RemoteServer) -> RemoteServer:
-    return default_server
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    srv = RemoteServer(["--max-model-len", "512"], tmp_path_factory.mktemp("default-server"))
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
