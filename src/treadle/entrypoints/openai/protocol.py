@@ -138,8 +138,6 @@ class JsonSchemaFormat(OpenAIModel):
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
 
 class ResponseFormat(OpenAIModel):
     """OpenAI's `response_format` (and vLLM's `structural_tag` kind, its other fields kept)."""
@@ -158,8 +156,6 @@ class StructuredOutputs(OpenAIModel):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
 class _SamplingFields(OpenAIModel):
