@@ -48,7 +48,7 @@ def build_tiny_model(path: Path, family: str, seed: int = 0, **overrides: object
     from transformers import AutoModelForCausalLM
 
     from treadle.config import resolve_model
-    from treadle.frontend.tokenizer import load_tokenizer
+    from treadle.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_tiny_config(family, **overrides), dtype=torch.float32)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from treadle import LLM, SamplingParams
 from treadle.model.arch import UnsupportedModelError
 from treadle.model.loader import ModelLoadError
+from treadle.sampling_params import StructuredOutputsParams
 from treadle.validation import InvalidRequest
 from treadle.wire.engine import EngineCoreRequest, FinishReason
 
@@ -118,6 +120,75 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     long = GREEDY.clone(truncate_prompt_tokens=10)
     out = llm.generate({"prompt_token_ids": list(range(5, 105))}, long, use_tqdm=False)[0]
     assert out.prompt_token_ids == list(range(95, 105)) and len(out.outputs[0].token_ids) == 8
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("constraint", "holds"),
+    [
+        (StructuredOutputsParams(choice=["red", "blue"]), lambda t: t in ("red", "blue")),
+        (StructuredOutputsParams(regex="[0-9]{3}"), lambda t: re.fullmatch("[0-9]{3}", t)),
+        (
+            StructuredOutputsParams(json=SCHEMA),
+            lambda t: (
+                json.loads(t)["answer"] in ("yes", "no")
+                and isinstance(json.loads(t)["sure"], bool)
+                and len(json.loads(t)) == 2
+            ),
+        ),
+    ],
+    ids=["choice", "regex", "json"],
+)
+def test_structured_outputs_hold_offline_on_a_random_model(
+    llm: LLM, constraint: StructuredOutputsParams, holds: Callable[[str], bool]
+) -> None:
+    """A random model left alone writes noise; the constraint alone makes its output valid."""
+    params = SamplingParams(
+        temperature=0.8, max_tokens=40, n=3, seed=1, structured_outputs=constraint
+    )
+    out = llm.generate(["Answer:", "x"], params, use_tqdm=False)
+    for completion in [c for o in out for c in o.outputs]:
+        assert completion.finish_reason == "stop", completion.text
+        assert holds(completion.text), completion.text
+
+
+def test_a_grammar_that_does_not_compile_is_refused_before_anything_runs(llm: LLM) -> None:
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(a"))
+    with pytest.raises(InvalidRequest, match="cannot be compiled") as info:
+        llm.generate("x", bad, use_tqdm=False)
+    assert info.value.param == "structured_outputs.regex"
+    assert llm.generate("x", GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+def test_prompt_logprobs_equal_the_logprobs_of_generating_that_token(llm: LLM) -> None:
+    """Scored in a prefill, a prompt token's logprob is the one a decode step gave it."""
+    first = llm.generate(
+        {"prompt_token_ids": [5, 6, 7]},
+        SamplingParams(temperature=0, max_tokens=1, logprobs=0),
+        use_tqdm=False,
+    )[0].outputs[0]
+    token = first.token_ids[0]
+    assert first.logprobs is not None
+    out = llm.generate(
+        {"prompt_token_ids": [5, 6, 7, token, 9]},
+        SamplingParams(max_tokens=1, prompt_logprobs=2),
+        use_tqdm=False,
+    )[0]
+    rows = out.prompt_logprobs
+    assert rows is not None and len(rows) == 5 and rows[0] is None
+    for t, row in zip([6, 7, token, 9], rows[1:], strict=True):
+        assert row is not None and t in row and len(row) <= 3
+        assert {1, 2} <= {lp.rank for lp in row.values()}  # the top 2 beside the prompt token
+    assert rows[3] is not None
+    assert rows[3][token].logprob == pytest.approx(first.logprobs[0][token].logprob, abs=1e-4)
+    assert rows[3][token].rank == 1  # greedy chose it
 
 
 @pytest.mark.parametrize(

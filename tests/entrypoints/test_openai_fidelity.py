@@ -1,7 +1,7 @@
 """OpenAI API fidelity (issue 13) on a live `treadle serve` of the default model: the request
 fields of OpenAI and vLLM, logprobs in their shapes (lm-eval's loglikelihood requests too),
 echo, prompt truncation, chat messages, n > 1 streams, refused and ignored fields, and the
-models routes. Tests marked ENGINE need the engine to honour the new fields."""
+models routes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import openai
 import pytest
 from serve_helpers import RemoteServer
 
-ENGINE = pytest.mark.xfail(reason="engine side of issue 13 pending", strict=False)
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -180,7 +179,6 @@ def test_echo_returns_logprobs_over_prompt_and_output(server: RemoteServer) -> N
     assert out["usage"]["prompt_tokens"] == sum(len(ids) for ids in prompts)
 
 
-@ENGINE
 def test_lm_eval_loglikelihood_scores_the_prompt(server: RemoteServer) -> None:
     """lm-eval reads `token_logprobs[ctxlen:-1]` and compares each with the best of its
     `top_logprobs`. The score of a greedy continuation token must equal the logprob the model
@@ -231,7 +229,6 @@ def test_prompt_logprobs_have_one_entry_per_prompt_token(server: RemoteServer) -
     assert error["param"] == "prompt_logprobs"
 
 
-@ENGINE
 def test_prompt_logprobs_score_each_prompt_token(server: RemoteServer) -> None:
     ids = _ids(server, PROMPT)
     rows = _post(server, CMPL, {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})["choices"][
@@ -260,7 +257,6 @@ def _greedy_ids(client: openai.OpenAI, **extra: Any) -> list[int]:
     return _token_ids(lp.tokens)
 
 
-@ENGINE
 def test_logit_bias_allowed_token_ids_and_bad_words_change_the_output(
     server: RemoteServer, client: openai.OpenAI
 ) -> None:
@@ -311,7 +307,6 @@ CONSTRAINTS: list[tuple[str, dict[str, Any], Any]] = [
 ]
 
 
-@ENGINE
 @pytest.mark.parametrize(
     ("fields", "check"), [c[1:] for c in CONSTRAINTS], ids=[c[0] for c in CONSTRAINTS]
 )
@@ -382,7 +377,7 @@ def test_developer_tool_calls_and_tool_messages_reach_the_template_as_given(
     server: RemoteServer,
 ) -> None:
     from treadle.config import resolve_model
-    from treadle.frontend.tokenizer import load_tokenizer
+    from treadle.tokenizer import load_tokenizer
 
     messages = [
         {"role": "developer", "content": "Answer briefly."},

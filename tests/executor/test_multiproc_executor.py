@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -11,9 +12,20 @@ import pytest
 
 from treadle import LLM, SamplingParams
 from treadle.frontend.core_client import EngineDeadError
+from treadle.sampling_params import StructuredOutputsParams
 
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(100, 140))}]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+# Seeded sampling under a grammar, a logit bias and prompt logprobs: the bitmask goes to the
+# workers in the broadcast, and each rank must sample the same token.
+CONSTRAINED = SamplingParams(
+    temperature=0.8,
+    seed=7,
+    max_tokens=24,
+    logit_bias={5: 5.0, 9: -100.0},
+    prompt_logprobs=1,
+    structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,20}"),
+)
 
 
 def _titles() -> list[str]:
@@ -39,7 +51,9 @@ def _pid(title: str) -> int:
 def reference(tiny_model_factory) -> list:  # type: ignore[no-untyped-def, type-arg]
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32")
     try:
-        return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        return llm.generate(PROMPTS, PARAMS, use_tqdm=False) + llm.generate(
+            PROMPTS, CONSTRAINED, use_tqdm=False
+        )
     finally:
         llm.shutdown()
 
@@ -53,13 +67,23 @@ def test_tensor_parallel_matches_a_single_rank(tiny_model_factory, reference, tp
             ["treadle::EngineCore_DP0"] + [f"treadle::Worker_TP{r}" for r in range(tp)]
         )
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        outs += llm.generate(PROMPTS, CONSTRAINED, use_tqdm=False)
         for ours, ref in zip(outs, reference, strict=True):
             assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+            for a, b in zip(ours.prompt_logprobs or [], ref.prompt_logprobs or [], strict=True):
+                assert (a is None) == (b is None)
+                if a is not None and b is not None:
+                    assert a.keys() == b.keys()
+                    assert max(abs(a[k].logprob - b[k].logprob) for k in a) < 1e-4
             for a, b in zip(
                 ours.outputs[0].logprobs or [], ref.outputs[0].logprobs or [], strict=True
             ):
                 assert a.keys() == b.keys()
-                assert max(abs(a[k] - b[k]) for k in a) < 1e-4
+                assert max(abs(a[k].logprob - b[k].logprob) for k in a) < 1e-4
+        for out in outs[len(PROMPTS) :]:
+            assert re.fullmatch("[a-z ]{4,20}", out.outputs[0].text), out.outputs[0].text
+            assert out.prompt_logprobs is not None
+            assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
         with pytest.raises(RuntimeError, match="Worker failed with error"):
             llm.collective_rpc("no_such_method")
         assert (

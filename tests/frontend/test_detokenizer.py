@@ -7,7 +7,7 @@ import pytest
 
 from treadle.config import resolve_model
 from treadle.frontend.detokenizer import IncrementalDetokenizer
-from treadle.frontend.tokenizer import load_tokenizer
+from treadle.tokenizer import load_tokenizer
 
 MULTIBYTE = "naïve café — 世界你好 🎉👍🏽 👨\u200d👩\u200d👧 end"
 

@@ -6,9 +6,9 @@ import pytest
 
 from treadle.config import resolve_model
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
-from treadle.frontend.tokenizer import load_tokenizer
 from treadle.outputs import Logprob
 from treadle.sampling_params import SamplingParams
+from treadle.tokenizer import load_tokenizer
 from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs
 
 PROMPT = [1, 2, 3]

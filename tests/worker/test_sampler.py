@@ -201,3 +201,74 @@ def test_repetition_penalty_with_nothing_seen_is_a_no_op():
     logits = random_logits(1)
     row = make_row(temperature=0.0, repetition_penalty=1.3, prompt_token_ids=[])
     assert sample(logits, [row]) == logits.argmax(-1).tolist()
+
+
+# -- logit_bias, allowed_token_ids, bad_words, structured-output bitmask ----------------------
+
+
+def test_logit_bias_minus_100_removes_a_token_and_plus_100_forces_one():
+    logits = random_logits(1)
+    top = int(logits.argmax())
+    ban = make_row(temperature=0.0, logit_bias=(torch.tensor([top]), torch.tensor([-100.0])))
+    assert sample(logits, [ban]) != [top]
+    force = make_row(logit_bias=(torch.tensor([7]), torch.tensor([100.0])))
+    assert all(sample(logits, [force], seed) == [7] for seed in range(5))
+
+
+def test_allowed_token_ids_only_those_are_drawn():
+    logits = random_logits(1)
+    row = make_row(allowed_token_ids=torch.tensor([3, 9, 30]))
+    assert set(draws(logits, row, 100)) <= {3, 9, 30}
+
+
+def test_bad_words_ban_a_word_s_last_token_after_its_prefix():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5] = 10.0  # greedy picks 5 ...
+    single = make_row(temperature=0.0, bad_words_token_ids=[[5]])
+    assert sample(logits, [single]) != [5]
+    # ... and a two-token word [4, 5] bans 5 only right after 4
+    after = make_row(temperature=0.0, output_token_ids=[1, 4], bad_words_token_ids=[[4, 5]])
+    elsewhere = make_row(temperature=0.0, output_token_ids=[4, 1], bad_words_token_ids=[[4, 5]])
+    assert sample(logits.repeat(2, 1), [after, elsewhere]) == [sample(logits, [single])[0], 5]
+
+
+def _bitmask(allowed: list[list[int]]) -> torch.Tensor:
+    words = (VOCAB + 31) // 32
+    mask = torch.zeros(len(allowed), words, dtype=torch.int64)
+    for i, ids in enumerate(allowed):
+        for t in ids:
+            mask[i, t // 32] |= 1 << (t % 32)
+    return mask.to(torch.int32)  # wraps bit 31 to the sign bit, as llguidance's int32 masks
+
+
+def test_grammar_bitmask_applies_to_its_rows_only():
+    logits = random_logits(3)
+    logits[1] = 0.0  # uniform: an unconstrained row shows many tokens over 30 seeds
+    rows = [make_row()] * 3
+    grammar = (torch.tensor([0, 2]), _bitmask([[31], [4, 17]]))
+    for seed in range(10):
+        tokens, _ = Sampler(seed, CPU)(logits.clone(), rows, grammar)
+        assert tokens[0] == 31 and tokens[2] in (4, 17)
+    free = {Sampler(seed, CPU)(logits.clone(), rows, grammar)[0][1] for seed in range(30)}
+    assert len(free) > 2  # the unconstrained row still samples freely
+
+
+def test_grammar_wins_when_other_bans_leave_no_token():
+    logits = random_logits(1)
+    row = make_row(temperature=0.0, banned_token_ids=[6])  # min_tokens bans EOS, say 6 ...
+    tokens, _ = Sampler(0, CPU)(logits.clone(), [row], (torch.tensor([0]), _bitmask([[6]])))
+    assert tokens == [6]  # ... but the grammar is complete and allows only EOS
+
+
+def test_logprobs_are_the_raw_distribution_s_before_bias_and_masks():
+    logits = random_logits(1)
+    raw = torch.log_softmax(logits[0], -1)
+    row = make_row(
+        temperature=0.0,
+        logprobs=0,
+        logit_bias=(torch.tensor([2]), torch.tensor([100.0])),
+    )
+    tokens, lps = Sampler(0, CPU)(logits.clone(), [row])
+    assert tokens == [2] and lps[0] is not None
+    assert lps[0].logprobs[0][0] == pytest.approx(float(raw[2]))
+    assert lps[0].ranks[0] == int((raw > raw[2]).sum()) + 1

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import queue
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from treadle.config import EngineConfig, resolve_model
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
+from treadle.core.structured_output import StructuredOutputManager
 from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
@@ -46,6 +48,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len
         )
+        # Structured-output requests wait here while their grammar compiles (in a thread).
+        self.structured = StructuredOutputManager(config.model.model, self.vocab_size)
+        self._compiling: list[tuple[Request, Future[Any]]] = []
         # Set by the engine core process: aborts that arrive during a forward pass are applied
         # before its tokens are added, so an aborted request gets no more outputs.
         self.aborts_queue: queue.Queue[list[str]] | None = None
@@ -64,7 +69,12 @@ class EngineCore:
         the next `step()`, for its client alone."""
         try:
             self._check(request)
-            self.scheduler.add_request(Request.from_engine_core_request(request))
+            req = Request.from_engine_core_request(request)
+            so = request.sampling_params.structured_outputs
+            if so is None:
+                self.scheduler.add_request(req)
+            else:
+                self._compiling.append((req, self.structured.submit(so)))
         except InvalidRequest as e:
             self.refuse(request.request_id, request.client_index, str(e))
         except Exception as e:  # a bug, not the client's fault; still only this request's
@@ -83,7 +93,9 @@ class EngineCore:
             raise InvalidRequest("arrival_time", f"must be finite, got {request.arrival_time}")
         if request.prompt_embeds is not None:
             raise InvalidRequest("prompt_embeds", "are not supported")
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or any(
+            r.request_id == request.request_id for r, _ in self._compiling
+        ):
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
 
     def refuse(self, request_id: str, client_index: int, reason: str) -> None:
@@ -94,18 +106,56 @@ class EngineCore:
         self._refused.setdefault(client_index, []).append(out)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self._compiling:
+            gone = set(request_ids)
+            for req, future in self._compiling:
+                if req.request_id in gone:
+                    future.cancel()
+            self._compiling = [(r, f) for r, f in self._compiling if r.request_id not in gone]
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or refusals not yet returned by `step()`."""
-        return bool(self._refused) or self.scheduler.has_unfinished_requests()
+        """Requests to run (or compiling their grammar), or refusals not yet returned by
+        `step()`."""
+        return (
+            bool(self._refused) or bool(self._compiling) or self.scheduler.has_unfinished_requests()
+        )
+
+    def _admit_compiled(self) -> None:
+        """Schedule the structured-output requests whose grammar is ready; refuse those whose
+        grammar did not compile. With nothing else to run, wait a little for one (instead of
+        spinning the busy loop)."""
+        if not self.scheduler.has_unfinished_requests():
+            wait([f for _, f in self._compiling], timeout=0.01, return_when=FIRST_COMPLETED)
+        still = []
+        for req, future in self._compiling:
+            if not future.done():
+                still.append((req, future))
+                continue
+            try:
+                req.grammar = future.result()
+            except InvalidRequest as e:
+                self.refuse(req.request_id, req.client_index, str(e))
+                continue
+            except Exception as e:  # a bug in a grammar library: this request's alone
+                logger.exception("Could not compile the grammar of %r", req.request_id)
+                self.refuse(req.request_id, req.client_index, f"internal error: {e!r}")
+                continue
+            self.scheduler.add_request(req)
+        self._compiling = still
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """schedule -> execute -> update; returns the outputs for each client index (with the
         refusals of `add_request` since the last step)."""
+        if self._compiling:
+            self._admit_compiled()
         per_client, self._refused = self._refused, {}
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
+            grammar_rows = self.scheduler.grammar_rows(sched)
+            if grammar_rows:
+                sched.grammar_request_ids = [r.request_id for r in grammar_rows]
+                sched.grammar_bitmask = self.structured.bitmask([r.grammar for r in grammar_rows])
             result = self.executor.execute_model(sched)
             self._apply_eager_aborts()
             for client, outs in self.scheduler.update_from_output(sched, result).items():
@@ -142,6 +192,7 @@ class EngineCore:
         return True
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import EngineCoreRequest, FinishReason
@@ -32,6 +33,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # kv_cache_manager.block_key
+    grammar: Any = None  # the llguidance matcher of a structured-output request
+    num_prompt_logprobs: int = 0  # prompt tokens whose logprobs were sent (`prompt_logprobs`)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

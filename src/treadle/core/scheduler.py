@@ -15,7 +15,7 @@ import itertools
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.request import Request, RequestStatus
-from treadle.wire.engine import EngineCoreOutput, FinishReason, SchedulerStats
+from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs, SchedulerStats
 from treadle.wire.worker import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -105,7 +105,8 @@ class Scheduler:
             req = self._waiting[0][3]
             computed: list[Block] = []
             num_hit = 0
-            if req.num_computed_tokens == 0:
+            # A request scoring its prompt (`prompt_logprobs`) must compute all of it.
+            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
                 computed, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             block_ids = self.kv.allocate_slots(req, n, computed)
@@ -146,9 +147,14 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
+            prompt_logprobs = self._new_prompt_logprobs(req, result.prompt_logprobs.get(rid))
             token = result.sampled.get(rid)
             if token is None:  # a prefill chunk that did not reach the end of the prompt
                 self.kv.cache_full_blocks(req)
+                if prompt_logprobs is not None:
+                    outputs.setdefault(req.client_index, []).append(
+                        EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_logprobs)
+                    )
                 continue
             req.all_token_ids.append(token)
             reason = self._check_stop(req, token)
@@ -163,9 +169,35 @@ class Scheduler:
                     finish_reason=reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_tokens,
+                    new_prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs
+
+    def grammar_rows(self, sched: SchedulerOutput) -> list[Request]:
+        """The structured-output requests that sample in this step (their chunk reaches the
+        end of their tokens), in the order of `sched.num_scheduled_tokens`."""
+        rows = []
+        for rid in sched.num_scheduled_tokens:
+            req = self.requests[rid]
+            if req.grammar is not None and req.num_computed_tokens == req.num_tokens:
+                rows.append(req)
+        return rows
+
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, scored: tuple[int, Logprobs] | None) -> Logprobs | None:
+        """The rows of `scored` not sent before (a preempted request scores its prompt again
+        when it is recomputed; the client gets each prompt token once)."""
+        if scored is None:
+            return None
+        first, lp = scored
+        skip = req.num_prompt_logprobs + 1 - first
+        if skip < 0 or skip >= len(lp.ranks):
+            return None
+        req.num_prompt_logprobs += len(lp.ranks) - skip
+        if skip == 0:
+            return lp
+        return Logprobs(lp.token_ids[skip:], lp.logprobs[skip:], lp.ranks[skip:])
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -182,6 +214,12 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling_params
         num_out = req.num_output_tokens
+        if req.grammar is not None:
+            if not req.grammar.consume_token(token):  # the bitmask should make this impossible
+                req.stop_reason = f"structured output: {req.grammar.get_error() or 'rejected'}"
+                return FinishReason.ERROR
+            if req.grammar.is_stopped():  # the constraint is complete: nothing may follow
+                return FinishReason.STOP
         if num_out >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 return FinishReason.STOP

@@ -22,10 +22,10 @@ from treadle.executor.multiproc import check_parallel_layout
 from treadle.frontend.core_client import InprocClient, SyncMPClient
 from treadle.frontend.input_processor import InputProcessor, PromptType
 from treadle.frontend.output_processor import OutputProcessor, child_params
-from treadle.frontend.tokenizer import load_tokenizer
 from treadle.model.loader import read_arch
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
+from treadle.tokenizer import load_tokenizer
 from treadle.validation import ModelLimits
 from treadle.wire.engine import SchedulerStats
 

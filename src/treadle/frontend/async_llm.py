@@ -20,10 +20,10 @@ from treadle.frontend.core_client import AsyncMPClient, AttachTo, EngineDeadErro
 from treadle.frontend.input_processor import InputProcessor
 from treadle.frontend.metrics import RequestTimes, StatLogger
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
-from treadle.frontend.tokenizer import load_tokenizer
 from treadle.logger import init_logger
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
+from treadle.tokenizer import load_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
 from treadle.wire.engine import EngineCoreOutputs, FinishReason, SchedulerStats
 
@@ -132,6 +132,7 @@ class AsyncLLM:
         if self.dead:
             raise EngineDeadError(self.client.dead_reason or "the engine core is dead")
         # Checked once (the n samples differ only in their seeds, which the check covers).
+        prompt_token_ids = self.input_processor.truncate(prompt_token_ids, params)
         self.input_processor.check(prompt_token_ids, params, priority)
         requests = []
         for index, child_id in enumerate(child_request_ids(request_id, params.n)):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from treadle.sampling_params import SamplingParams
+from treadle.structured_outputs import GrammarCompiler
 from treadle.validation import InvalidRequest, ModelLimits, check_request
 from treadle.wire.engine import EngineCoreRequest
 
@@ -68,6 +69,7 @@ class InputProcessor:
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size
         self.eos_token_id: int | None = tokenizer.eos_token_id
+        self._grammars: GrammarCompiler | None = None
         self.max_prompt_chars = (
             max_prompt_chars
             if max_prompt_chars is not None
@@ -147,11 +149,45 @@ class InputProcessor:
         template = kwargs.pop("chat_template", None)
         return self.render_chat(messages, add_generation_prompt, template, kwargs)
 
+    @staticmethod
+    def truncate(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (vLLM's rule), or all of it."""
+        k = params.truncate_prompt_tokens
+        if k is None or len(prompt_token_ids) <= k:
+            return prompt_token_ids
+        return prompt_token_ids[-k:]
+
     def check(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0
     ) -> None:
-        """`validation.check_request` against this model; raises `InvalidRequest`."""
-        check_request(prompt_token_ids, params, self.limits, self.eos_token_id, priority)
+        """`validation.check_request` against this model (on the prompt as truncated by
+        `truncate_prompt_tokens`), then the parts that need the tokenizer: `bad_words` become
+        `params.bad_words_token_ids`, and a structured-output constraint must compile.
+        Raises `InvalidRequest`."""
+        ids = self.truncate(list(prompt_token_ids), params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        check_request(ids, params, self.limits, self.eos_token_id, priority)
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this tokenizer (built on the first constrained request)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
+        return self._grammars
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids alone and after a space (as vLLM): both spellings a model
+        may produce. (The space's own token is dropped when the tokenizer gives it apart.)"""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def process(
         self,
@@ -163,6 +199,7 @@ class InputProcessor:
     ) -> EngineCoreRequest:
         """Validate against the model's limits; raises `InvalidRequest` with what to change."""
         self.check(prompt_token_ids, params, priority)
+        prompt_token_ids = self.truncate(prompt_token_ids, params)
         return self.make_request(request_id, prompt_token_ids, params, priority, client_index)
 
     def make_request(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs
 
@@ -38,6 +40,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_request_ids: set[str] = field(default_factory=set)  # finished or preempted
+    # Structured outputs: the constrained requests that sample in this step, and row i of
+    # the int32 bitmask is the tokens request i may sample (`treadle.structured_outputs`).
+    grammar_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -45,3 +51,6 @@ class ModelRunnerOutput:
     # Per request that reached the end of its tokens this step: the sampled token.
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Per request with `prompt_logprobs` whose prefill ran this step: (index in the prompt of
+    # the first token scored, one row per scored prompt token).
+    prompt_logprobs: dict[str, tuple[int, Logprobs]] = field(default_factory=dict)

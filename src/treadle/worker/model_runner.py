@@ -10,8 +10,12 @@ import torch
 from treadle.model.attention import AttentionMetadata, PrefillChunk
 from treadle.model.llama import LlamaForCausalLM
 from treadle.sampling_params import SamplingParams
+from treadle.wire.engine import Logprobs
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.sampler import Sampler, SamplingRow
+
+_PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions scored per batch of logits (256 x a 49k vocabulary: 50 MB of float32)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -24,6 +28,9 @@ class RequestState:
     num_computed_tokens: int
     eos_token_id: int | None
     generator: torch.Generator | None
+    # logit_bias as (token ids, biases) and allowed_token_ids, as tensors once
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed_token_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -67,7 +74,8 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
         for new in sched.new_requests:
-            seed = new.sampling_params.seed
+            p = new.sampling_params
+            seed = p.seed
             self.requests[new.request_id] = RequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
@@ -79,6 +87,15 @@ class ModelRunner:
                 generator=None
                 if seed is None
                 else torch.Generator(device=self.device).manual_seed(seed),
+                logit_bias=None
+                if not p.logit_bias
+                else (
+                    torch.tensor(list(p.logit_bias), device=self.device),
+                    torch.tensor(list(p.logit_bias.values()), device=self.device),
+                ),
+                allowed_token_ids=None
+                if p.allowed_token_ids is None
+                else torch.tensor(p.allowed_token_ids, device=self.device),
             )
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
@@ -97,11 +114,22 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self._prepare(states, counts)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         result = ModelRunnerOutput()
+        first = 0
+        for state, n in zip(states, counts, strict=True):
+            if state.sampling_params.prompt_logprobs is not None:
+                scored = self._prompt_logprobs(state, hidden[first : first + n])
+                if scored is not None:
+                    result.prompt_logprobs[state.request_id] = scored
+            first += n
         sampling = [(s, row) for s, row in zip(states, logits_rows, strict=True) if row is not None]
         if sampling:
             rows = torch.tensor([row for _, row in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows])
-            tokens, logprobs = self.sampler(logits, [self._sampling_row(s) for s, _ in sampling])
+            tokens, logprobs = self.sampler(
+                logits,
+                [self._sampling_row(s) for s, _ in sampling],
+                self._grammar(sched, [s.request_id for s, _ in sampling]),
+            )
             for (state, _), token, lp in zip(sampling, tokens, logprobs, strict=True):
                 state.token_ids.append(token)
                 result.sampled[state.request_id] = token
@@ -110,6 +138,55 @@ class ModelRunner:
         for state, n in zip(states, counts, strict=True):
             state.num_computed_tokens += n
         return result
+
+    def _grammar(
+        self, sched: SchedulerOutput, sampled_ids: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the sampled logits, their bitmask rows) of the structured-output requests
+        (the engine core fills the bitmask once, for all ranks)."""
+        if sched.grammar_bitmask is None or not sched.grammar_request_ids:
+            return None
+        where = {rid: i for i, rid in enumerate(sampled_ids)}
+        rows, mask_rows = [], []
+        for j, rid in enumerate(sched.grammar_request_ids):
+            if rid in where:
+                rows.append(where[rid])
+                mask_rows.append(j)
+        if not rows:
+            return None
+        bitmask = sched.grammar_bitmask[mask_rows]
+        return torch.tensor(rows, device=self.device), bitmask
+
+    def _prompt_logprobs(
+        self, state: RequestState, hidden: torch.Tensor
+    ) -> tuple[int, Logprobs] | None:
+        """Logprobs of the prompt tokens that this chunk's positions predict: position p
+        scores prompt token p + 1 (`prompt_logprobs` top-k beside it). None when the chunk
+        holds no such position (a decode step, or only the prompt's last token)."""
+        start = state.num_computed_tokens
+        end = min(start + hidden.shape[0], state.num_prompt_tokens - 1)
+        if end <= start:
+            return None
+        k = state.sampling_params.prompt_logprobs or 0
+        targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
+        token_ids: list[list[int]] = []
+        values: list[list[float]] = []
+        ranks: list[int] = []
+        for a in range(0, end - start, _PROMPT_LOGPROBS_ROWS):  # bounds the logits' memory
+            b = min(a + _PROMPT_LOGPROBS_ROWS, end - start)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[a:b]).float(), dim=-1)
+            target = targets[a:b]
+            chosen = lp.gather(1, target[:, None])
+            ranks += ((lp > chosen).sum(dim=-1) + 1).tolist()
+            if k:
+                top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+                ids = torch.cat([target[:, None], top.indices], dim=1)
+                vals = torch.cat([chosen, top.values], dim=1)
+            else:
+                ids, vals = target[:, None], chosen
+            token_ids += ids.tolist()
+            values += vals.tolist()
+        return start + 1, Logprobs(token_ids, values, ranks)
 
     def _prepare(
         self, states: list[RequestState], counts: list[int]
@@ -199,4 +276,7 @@ class ModelRunner:
             output_token_ids=outputs,
             banned_token_ids=banned,
             generator=state.generator,
+            logit_bias=state.logit_bias,
+            allowed_token_ids=state.allowed_token_ids,
+            bad_words_token_ids=p.bad_words_token_ids or [],
         )

@@ -1,6 +1,8 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Batched sampling: penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, the
+structured-output bitmask, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-All rows are processed as one tensor; per-request settings become per-row tensors. A request
+Logprobs are those of the model's raw distribution (vLLM's default `raw_logprobs`), before
+any of the changes above. All rows are processed as one tensor; per-request settings become per-row tensors. A request
 with a `seed` draws its noise from its own generator, one draw per step, so its tokens do
 not depend on what else is in the batch.
 """
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treadle.structured_outputs import allowed_tokens
 from treadle.wire.engine import Logprobs
 
 
@@ -30,6 +33,9 @@ class SamplingRow:
     output_token_ids: list[int]
     banned_token_ids: list[int]  # eos/stop ids while min_tokens is not reached
     generator: torch.Generator | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases)
+    allowed_token_ids: torch.Tensor | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
 
 class Sampler:
@@ -37,16 +43,22 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[list[int], list[Logprobs | None]]:
+        """`grammar`: (indices of rows under a structured-output constraint, their int32
+        token bitmask rows)."""
         logits = logits.float()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(r.logprobs is not None for r in rows) else None
         )
         logits = self._apply_penalties(logits, rows)
         for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, row.banned_token_ids] = float("-inf")
+            _restrict(logits, i, row)
+        if grammar is not None:
+            _apply_grammar(logits, *grammar)
         tokens = self._sample(logits, rows).tolist()
         if raw_logprobs is None:
             return tokens, [None] * len(rows)
@@ -97,6 +109,38 @@ class Sampler:
         sampled = (probs / noise).max(dim=-1).indices
         greedy[idx] = sampled
         return greedy
+
+
+def _restrict(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
+    """logit_bias, allowed_token_ids, bad_words and min_tokens' bans on row i, in place."""
+    if row.logit_bias is not None:
+        ids, bias = row.logit_bias
+        logits[i].index_add_(0, ids, bias)
+    if row.allowed_token_ids is not None:
+        keep = logits[i, row.allowed_token_ids]
+        logits[i] = float("-inf")
+        logits[i, row.allowed_token_ids] = keep
+    if row.bad_words_token_ids:
+        out = row.output_token_ids
+        for word in row.bad_words_token_ids:
+            # the word's last token is banned where the output ends with the rest of it
+            prefix = word[:-1]
+            if len(prefix) <= len(out) and (not prefix or out[len(out) - len(prefix) :] == prefix):
+                logits[i, word[-1]] = float("-inf")
+    if row.banned_token_ids:
+        logits[i, row.banned_token_ids] = float("-inf")
+
+
+def _apply_grammar(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Only the tokens the constraint allows. Should the request's other bans (min_tokens, bad
+    words, allowed_token_ids) leave none of them, the constraint alone decides: a token outside
+    it would end the request with an error."""
+    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    empty = torch.isneginf(masked).all(dim=-1)
+    if bool(empty.any()):
+        masked[empty] = torch.zeros_like(masked[empty]).masked_fill(~allowed[empty], float("-inf"))
+    logits[rows] = masked
 
 
 def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -1,0 +1,173 @@
+"""Structured outputs: a `StructuredOutputsParams` becomes an llguidance grammar, a matcher per
+request, and a token bitmask per step.
+
+llguidance was chosen by measurement (2026-12-01): on this project's 2-core CPU a
+batch of 64 JSON-schema matchers fills its masks in 0.9 ms per step (xgrammar: 0.2 ms), well
+under 1% of a 64-request decode step either way, and it installs as one 3 MB wheel without
+dependencies (xgrammar pulls triton), compiles lazily (no per-schema compile step to wait on)
+and reports a bad grammar with a message a client can act on.
+
+Where each piece runs:
+- the front end checks that a request's constraint compiles (`GrammarCompiler.check`), so a
+  bad one is a 400 naming the problem;
+- the engine core compiles each request's matcher in a thread (`GrammarCompiler.matcher`),
+  fills one bitmask per step for the requests that sample under a constraint, and advances
+  the matchers with the sampled tokens;
+- the worker's sampler masks the logits with it (`allowed_tokens`), after every other
+  restriction of the request and before sampling.
+
+Compiled grammars are cached by constraint (LRU): a request repeating a schema gets a copy
+of a compiled matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+import torch
+
+from treadle.sampling_params import StructuredOutputsParams
+from treadle.validation import InvalidRequest
+
+GRAMMAR_CACHE_SIZE = 256
+"""Distinct compiled constraints kept per `GrammarCompiler`."""
+
+# Compact JSON (", " and ": " between items, no free whitespace): with free whitespace a
+# small model can emit newlines until max_tokens and never close the object.
+_JSON_DEFAULTS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
+
+
+def grammar_text(so: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint. Raises `InvalidRequest` for one that cannot
+    even be read (a JSON schema that is not JSON, a malformed structural tag)."""
+    import llguidance
+
+    kind = so.kind
+    param = f"structured_outputs.{kind}"
+    try:
+        if kind == "json":
+            schema = so.json if isinstance(so.json, dict) else json.loads(str(so.json))
+            if not isinstance(schema, dict):
+                raise InvalidRequest(param, "must be a JSON schema object")
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, _JSON_DEFAULTS))
+        if kind == "json_object":
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, _JSON_DEFAULTS)
+            )
+        if kind == "regex":
+            return str(llguidance.grammar_from("regex", str(so.regex)))
+        if kind == "choice":
+            return str(llguidance.grammar_from("choice", json.dumps(so.choice)))
+        if kind == "grammar":  # Lark or GBNF (llama.cpp's), told apart by llguidance
+            return str(llguidance.grammar_from("grammar", str(so.grammar)))
+        return _structural_tag_grammar(str(so.structural_tag))
+    except InvalidRequest:
+        raise
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise InvalidRequest(param, f"cannot be compiled: {e}") from None
+
+
+def _structural_tag_grammar(text: str) -> str:
+    """vLLM's structural tag: `{"type": "structural_tag", "structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}`: free text in which each `begin` (which starts with one of the
+    triggers) is followed by JSON matching its schema, then `end`."""
+    import llguidance
+
+    param = "structured_outputs.structural_tag"
+    try:
+        tag = json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest(param, f"is not JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise InvalidRequest(param, "must be a JSON object")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list):
+        raise InvalidRequest(param, "needs a non-empty `structures` list and a `triggers` list")
+    tags = []
+    for s in structures:
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            raise InvalidRequest(param, "each structure needs string `begin` and `end`")
+        trigger = next(
+            (t for t in triggers if isinstance(t, str) and s["begin"].startswith(t)), None
+        )
+        if trigger is None:
+            raise InvalidRequest(param, f"no trigger starts the begin {s['begin']!r}")
+        schema = s.get("schema", {"type": "object"})
+        tags.append(
+            llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"])
+        )
+    return str(llguidance.StructTag.to_grammar(tags))
+
+
+class GrammarCompiler:
+    """Matchers for one tokenizer's vocabulary, the compiled ones cached by constraint.
+    Thread-safe: the front end checks on its event loop or text pool, the engine core
+    compiles in its grammar thread."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_id
+        )
+        self._compiled: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def matcher(self, so: StructuredOutputsParams) -> Any:
+        """A fresh `llguidance.LLMatcher` for the constraint. Raises `InvalidRequest` naming
+        the compiler's complaint."""
+        import llguidance
+
+        key = msgspec.msgpack.encode(so)
+        with self._lock:
+            pristine = self._compiled.get(key)
+            if pristine is not None:
+                self._compiled.move_to_end(key)
+                return pristine.deep_copy()
+        pristine = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(so))
+        if pristine.is_error():
+            raise InvalidRequest(
+                f"structured_outputs.{so.kind}", f"cannot be compiled: {pristine.get_error()}"
+            )
+        with self._lock:
+            self._compiled[key] = pristine
+            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return pristine.deep_copy()
+
+    def check(self, so: StructuredOutputsParams) -> None:
+        """Raises `InvalidRequest` if the constraint does not compile (and caches it if it
+        does)."""
+        self.matcher(so)
+
+
+def fill_bitmask(matchers: list[Any], vocab_size: int, executor: Any) -> torch.Tensor:
+    """int32 [len(matchers), words]: bit t of row i is set when matcher i allows token t.
+    Filled in parallel by llguidance's thread pool (`executor`: an `llguidance.LLExecutor`)."""
+    import llguidance.torch
+
+    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
+    llguidance.torch.fill_next_token_bitmask_par(
+        executor, [(m, i) for i, m in enumerate(matchers)], bitmask
+    )
+    return bitmask
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size] from an int32 [rows, words] bitmask (tokens past the mask's
+    width are not allowed)."""
+    rows, words = bitmask.shape
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    allowed = bits.bool().reshape(rows, words * 32)
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(rows, vocab_size - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
+    return torch.cat([allowed, pad], dim=1)
