@@ -13,7 +13,7 @@ Where each piece runs:
 - the engine core compiles each request's matcher in a thread (`GrammarCompiler.matcher`),
   fills one bitmask per step for the requests that sample under a constraint, and advances
   the matchers with the sampled tokens;
-- the worker's sampler masks the logits with it (`allowed_tokens`), after every other
+- the worker's sampler masks the logits with it (`token_penalty`), after every other
   restriction of the request and before sampling.
 
 Compiled grammars are cached by constraint (LRU): a request repeating a schema gets a copy
@@ -158,16 +158,24 @@ def fill_bitmask(matchers: list[Any], vocab_size: int, executor: Any) -> torch.T
     return bitmask
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# Row b: 0 for each of byte b's set bits, -inf for the others, lowest bit first. A little-endian
+# int32 bitmask read as bytes is then one row lookup per byte (token 8j + k is bit k of byte
+# j), and the mask is applied by an addition: 64 rows of a 49k vocabulary in ~1.4 ms, where
+# shifting every word 32 times and a bool `masked_fill` took ~10 (bool masks run unvectorized
+# in PyTorch's CPU kernels).
+_BYTE_PENALTY = torch.zeros(256, 8).masked_fill(
+    ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0, float("-inf")
+)
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [rows, vocab_size] from an int32 [rows, words] bitmask (tokens past the mask's
-    width are not allowed)."""
+def token_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [rows, vocab_size] from an int32 [rows, words] bitmask: 0 where a token is
+    allowed, -inf where not (tokens past the mask's width are not allowed)."""
     rows, words = bitmask.shape
-    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
-    allowed = bits.bool().reshape(rows, words * 32)
-    if allowed.shape[1] >= vocab_size:
-        return allowed[:, :vocab_size]
-    pad = torch.zeros(rows, vocab_size - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
-    return torch.cat([allowed, pad], dim=1)
+    as_bytes = bitmask.to(torch.int32).contiguous().view(torch.uint8).reshape(-1).long()
+    table = _BYTE_PENALTY.to(bitmask.device)
+    penalty = torch.index_select(table, 0, as_bytes).reshape(rows, words * 32)
+    if penalty.shape[1] >= vocab_size:
+        return penalty[:, :vocab_size]
+    pad = torch.full((rows, vocab_size - penalty.shape[1]), float("-inf"), device=bitmask.device)
+    return torch.cat([penalty, pad], dim=1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.structured_outputs import allowed_tokens
+from treadle.structured_outputs import token_penalty
 from treadle.wire.engine import Logprobs
 
 
@@ -135,11 +135,11 @@ def _apply_grammar(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tens
     """Only the tokens the constraint allows. Should the request's other bans (min_tokens, bad
     words, allowed_token_ids) leave none of them, the constraint alone decides: a token outside
     it would end the request with an error."""
-    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
-    masked = logits[rows].masked_fill(~allowed, float("-inf"))
-    empty = torch.isneginf(masked).all(dim=-1)
+    penalty = token_penalty(bitmask.to(logits.device), logits.shape[1])
+    masked = logits[rows] + penalty
+    empty = masked.amax(dim=-1) == float("-inf")
     if bool(empty.any()):
-        masked[empty] = torch.zeros_like(masked[empty]).masked_fill(~allowed[empty], float("-inf"))
+        masked[empty] = penalty[empty]
     logits[rows] = masked
 
 
