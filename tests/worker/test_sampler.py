@@ -73,6 +73,15 @@ def test_sampling_follows_the_distribution():
     assert 300 < counts[0] < 400 and 60 < counts[1] < 140 and 20 < counts[2] < 80
 
 
+def test_a_draw_never_lands_on_a_zero_probability_token_at_either_end():
+    """The inverse-transform draw at the edges of the cdf: the only possible token is the first
+    or the last of the vocabulary, and every other one has probability 0."""
+    logits = random_logits(1)
+    for only in (0, VOCAB - 1):
+        row = make_row(allowed_token_ids=torch.tensor([only]))
+        assert set(draws(logits, row, 50)) == {only}
+
+
 def test_tokens_outside_top_k_never_appear():
     logits = random_logits(1)
     top3 = set(logits[0].topk(3).indices.tolist())
