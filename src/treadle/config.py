@@ -170,6 +170,10 @@ class FrontendConfig:
     """Longest prompt in characters (each completion prompt, or chat messages and the rendered chat); default: max_model_len x the longest token in the vocabulary, beyond which no prompt can fit."""
     trust_request_chat_template: bool = False
     """Accept a chat template sent in a request (`chat_template`, or in `chat_template_kwargs`); templates run code-like Jinja on the server."""
+    tool_call_parser: str | None = None
+    """How to read tool calls out of the model's text for `tool_choice: "auto"` (`hermes`: JSON in <tool_call> tags, as SmolLM2, Qwen2/3 and many Llama fine-tunes write them); set only with --enable-auto-tool-choice."""
+    exclude_tools_when_tool_choice_none: bool = False
+    """With `tool_choice: "none"`, keep the tools out of the chat template too."""
 
 
 @dataclass(frozen=True)

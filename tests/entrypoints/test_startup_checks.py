@@ -50,6 +50,14 @@ MISTAKES = {
     ),
     "block-size": (["--block-size", "0"], "--block-size must be at least 1, not 0"),
     "cpu-threads": (["--cpu-threads", "0"], "--cpu-threads must be at least 1, not 0"),
+    "enable-auto-tool-choice": (
+        ["--enable-auto-tool-choice"],
+        "--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)",
+    ),
+    "tool-call-parser": (
+        ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
+        "unknown tool call parser 'mistral'; choose one of: hermes",
+    ),
 }
 
 

@@ -154,6 +154,18 @@ def add_serve_parser(sub: Any) -> None:
         help=front_doc["trust_request_chat_template"],
     )
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (`tool_choice: "auto"`, the default when '
+        "a request has tools); needs --tool-call-parser",
+    )
+    p.add_argument("--tool-call-parser", default=None, help=front_doc["tool_call_parser"])
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help=front_doc["exclude_tools_when_tool_choice_none"],
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=0.0,
@@ -166,6 +178,23 @@ def add_serve_parser(sub: Any) -> None:
         help="log level",
     )
     p.set_defaults(func=serve)
+
+
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """vLLM's rule: auto tool choice needs a parser, and a parser is named from the list.
+    Raises ValueError."""
+    from treadle.entrypoints.openai.tool_calls import get_tool_parser
+
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
+        if not enable_auto_tool_choice:
+            print(
+                "treadle serve: warning: --tool-call-parser is used only with "
+                '--enable-auto-tool-choice; without it tool_choice "auto" is refused',
+                file=sys.stderr,
+            )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -227,9 +256,12 @@ def serve(args: argparse.Namespace) -> int:
                 args.max_request_body_bytes,
                 args.max_prompt_chars,
                 args.trust_request_chat_template,
+                args.tool_call_parser if args.enable_auto_tool_choice else None,
+                args.exclude_tools_when_tool_choice_none,
             ),
         )
         config.parallel.check()
+        check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)
         if api_servers < 1 and not args.headless:
             raise ValueError(f"--api-server-count must be at least 1, not {api_servers}")
         if args.tensor_parallel_size > 1:

@@ -111,9 +111,11 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat as prompt text. `chat_template` replaces the model's own (whether a
-        client may send one is the caller's policy). Raises `InvalidRequest`."""
+        """The chat as prompt text, `tools` (OpenAI tool definitions) given to the template.
+        `chat_template` replaces the model's own (whether a client may send one is the
+        caller's policy). Raises `InvalidRequest`."""
         self.check_chars(message_chars(messages), "messages")
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -132,6 +134,7 @@ class InputProcessor:
                 chat_template=template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 **kwargs,
             )
         except Exception as e:  # a template may raise anything on odd messages

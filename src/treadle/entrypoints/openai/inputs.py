@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from treadle.config import FrontendConfig
 from treadle.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from treadle.entrypoints.openai.tool_calls import template_messages
 from treadle.frontend.input_processor import InputProcessor, message_chars
 from treadle.validation import InvalidRequest, check_batch, check_prompt, check_token_ids
 
@@ -99,9 +100,14 @@ class PromptInputs:
             out.append((text, cut))
         return out
 
-    async def chat_prompt(self, req: ChatCompletionRequest, truncate: Truncation | None) -> Prompt:
-        """The rendered chat and its token ids (cut to `truncate` tokens if asked), checked
-        against the model."""
+    async def chat_prompt(
+        self,
+        req: ChatCompletionRequest,
+        truncate: Truncation | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Prompt:
+        """The rendered chat (with `tools` given to the template) and its token ids (cut to
+        `truncate` tokens if asked), checked against the model."""
         if not req.messages:
             raise InvalidRequest("messages", "must not be empty")
         kwargs = dict(req.chat_template_kwargs or {})
@@ -112,9 +118,9 @@ class PromptInputs:
                 "a request's own chat template is refused: start the server with "
                 "--trust-request-chat-template to allow it",
             )
-        messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+        messages = template_messages([m.template_dict(i) for i, m in enumerate(req.messages)])
         self.processor.check_chars(message_chars(messages), "messages")
-        size = message_chars(messages) + (INLINE_CHARS if own_template else 0)
+        size = message_chars(messages) + (INLINE_CHARS if own_template or tools else 0)
         return await self.run(
             size,
             self._render_and_encode,
@@ -124,6 +130,7 @@ class PromptInputs:
             kwargs,
             truncate,
             req.add_special_tokens,
+            tools,
         )
 
     def _render_and_encode(
@@ -134,8 +141,9 @@ class PromptInputs:
         kwargs: dict[str, Any] | None = None,
         truncate: Truncation | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
-        text = self.processor.render_chat(messages, add_generation_prompt, template, kwargs)
+        text = self.processor.render_chat(messages, add_generation_prompt, template, kwargs, tools)
         # The template already holds the special tokens: by default do not add them twice.
         ids = self.processor.encode(text, add_special_tokens=add_special_tokens, param="messages")
         cut = truncated(ids, truncate)

@@ -225,6 +225,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM's: on top of those the template writes
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's tool calling (checked and planned by `tool_calls.plan_tools`)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per choice
 
 
 class TokenizeRequest(OpenAIModel):

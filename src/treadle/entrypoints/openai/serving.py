@@ -20,11 +20,18 @@ from treadle.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from treadle.entrypoints.openai.tool_calls import (
+    Delta,
+    ToolCallStream,
+    ToolPlan,
+    finish_reason,
+    plan_tools,
+)
 from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import EngineDeadError
 from treadle.logger import init_logger
 from treadle.outputs import CompletionOutput, RequestOutput
-from treadle.sampling_params import SamplingParams
+from treadle.sampling_params import SamplingParams, StructuredOutputsParams
 from treadle.validation import InvalidRequest, check_batch, check_max_tokens, is_int64
 
 logger = init_logger(__name__)
@@ -119,9 +126,11 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
         truncate: Truncation | None,
+        tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's `SamplingParams`, checked with every prompt against the model (the
-        same `validation` rules the engine core runs again). Raises `InvalidRequest`."""
+        same `validation` rules the engine core runs again); `tool_constraint` is the output
+        a `tool_choice` forces. Raises `InvalidRequest`."""
         limits = self.engine.input_processor.limits
         longest = max(len(ids) for _, ids in prompts)
         if max_tokens is None:
@@ -131,6 +140,14 @@ class OpenAIServing:
         # The prompts are already cut; "right" cuts are no rule the engine knows.
         keep_last = truncate[0] if truncate is not None and truncate[1] == "left" else None
         params = sampling_params(req, max_tokens, logprobs, prompt_logprobs, keep_last)
+        if tool_constraint is not None:
+            if params.structured_outputs is not None:  # vLLM: one or the other
+                raise InvalidRequest(
+                    "tool_choice",
+                    "a required or named tool choice cannot be combined with structured_outputs "
+                    "or response_format: ask for one of them",
+                )
+            params = params.clone(structured_outputs=tool_constraint)
         check_batch(len(prompts), params.n)
         # A grammar compiles on its first use: off the event loop.
         size = INLINE_CHARS if params.structured_outputs is not None else 0
@@ -339,9 +356,17 @@ class OpenAIServing:
         truncate = self._check_request(req)
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs", "needs `logprobs: true`")
+        front = self.engine.config.frontend
+        plan = plan_tools(
+            req.tools,
+            req.tool_choice,
+            auto_parser=front.tool_call_parser,
+            exclude_tools_when_none=front.exclude_tools_when_tool_choice_none,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+        )
         names = {"logprobs": "top_logprobs", "prompt": "messages"}
         try:
-            text, ids = await self.inputs.chat_prompt(req, truncate)
+            text, ids = await self.inputs.chat_prompt(req, truncate, plan.template_tools)
         except InvalidRequest as e:
             raise e.renamed(names) from None
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -350,7 +375,13 @@ class OpenAIServing:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         try:
             params = await self._params(
-                req, max_tokens, [(text, ids)], top, req.prompt_logprobs, truncate
+                req,
+                max_tokens,
+                [(text, ids)],
+                top,
+                req.prompt_logprobs,
+                truncate,
+                plan.structured_outputs,
             )
         except InvalidRequest as e:
             raise e.renamed(names) from None
@@ -358,13 +389,15 @@ class OpenAIServing:
         stream = self._run([(text, ids)], params, rid, req.priority, rank)
         if req.stream:
             return StreamingResponse(
-                self._stream_chat(req, len(ids), stream, rid), media_type="text/event-stream"
+                self._stream_chat(req, plan, len(ids), stream, rid),
+                media_type="text/event-stream",
             )
-        return await self._until_done(raw, self._full_chat(req, ids, stream, rid))
+        return await self._until_done(raw, self._full_chat(req, plan, ids, stream, rid))
 
     async def _full_chat(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan,
         prompt_ids: list[int],
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
@@ -374,24 +407,39 @@ class OpenAIServing:
             final = out
         assert final is not None
         return await self.inputs.run(
-            _logprob_work([final]), self._chat_body, req, prompt_ids, final, rid
+            _logprob_work([final]), self._chat_body, req, plan, prompt_ids, final, rid
         )
 
     def _chat_body(
-        self, req: ChatCompletionRequest, prompt_ids: list[int], final: RequestOutput, rid: str
+        self,
+        req: ChatCompletionRequest,
+        plan: ToolPlan,
+        prompt_ids: list[int],
+        final: RequestOutput,
+        rid: str,
     ) -> dict[str, Any]:
         writer = LogprobWriter(self.token_text, req.return_tokens_as_token_ids)
         choices, completion_tokens = [], 0
         for comp in final.outputs:
             completion_tokens += len(comp.token_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": comp.text}
+            calls = 0
+            if plan.mode != "none":
+                parsed = plan.parse(comp.text)
+                tool_calls = (
+                    parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
+                )
+                message["content"], calls = parsed.content, len(tool_calls)
+                if tool_calls:
+                    message["tool_calls"] = tool_calls
             choices.append(
                 {
                     "index": comp.index,
-                    "message": {"role": "assistant", "content": comp.text},
+                    "message": message,
                     "logprobs": None
                     if comp.logprobs is None
                     else writer.chat(comp.token_ids, comp.logprobs, req.top_logprobs or 0),
-                    "finish_reason": comp.finish_reason,
+                    "finish_reason": finish_reason(comp.finish_reason, calls),
                     "stop_reason": comp.stop_reason,
                 }
             )
@@ -410,11 +458,26 @@ class OpenAIServing:
     def _stream_chat(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan,
         prompt_len: int,
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
     ) -> AsyncIterator[str]:
         writer = LogprobWriter(self.token_text, req.return_tokens_as_token_ids)
+        parsers: dict[int, ToolCallStream] = {}  # per choice, when tools are planned
+
+        def deltas(index: int, text: str, finished: bool) -> tuple[list[Delta], int]:
+            """The choice's deltas for its new text, and the tool calls it has made so far."""
+            if plan.mode == "none":
+                return ([{"content": text}] if text else []), 0
+            parser = parsers.setdefault(index, plan.stream())
+            out = parser.feed(text) if text else []
+            if finished:
+                out += parser.finish()
+            if req.parallel_tool_calls is False:  # only the first call
+                out = [d for d in out if all(c["index"] == 0 for c in d.get("tool_calls", ()))]
+                return out, min(parser.tool_calls, 1)
+            return out, parser.tool_calls
 
         def choices(
             i: int,
@@ -428,21 +491,31 @@ class OpenAIServing:
             if first:  # the role comes first, on its own
                 role = {"role": "assistant", "content": ""}
                 out.append({"index": index, "delta": role, "logprobs": None, "finish_reason": None})
-            delta = comp.text[start[0] :]
-            if not delta and not comp.finished:
+            text = comp.text[start[0] :]
+            if not text and not comp.finished:
                 return out, False
-            choice = {
-                "index": index,
-                "delta": {"content": delta} if delta else {},
-                "logprobs": None
+            pieces, calls = deltas(index, text, comp.finished)
+            logprobs = (
+                None
                 if comp.logprobs is None
                 else writer.chat(
                     comp.token_ids[start[1] :], comp.logprobs[start[1] :], req.top_logprobs or 0
-                ),
-                "finish_reason": comp.finish_reason,
-                "stop_reason": comp.stop_reason,
-            }
-            return [*out, choice], True
+                )
+            )
+            if not pieces and (comp.finished or logprobs is not None):
+                pieces = [{}]  # the finish_reason, or logprobs of text a parser holds back
+            for n, piece in enumerate(pieces):  # each delta its own chunk; the last ends it
+                last = n == len(pieces) - 1
+                out.append(
+                    {
+                        "index": index,
+                        "delta": piece,
+                        "logprobs": logprobs if last else None,
+                        "finish_reason": finish_reason(comp.finish_reason, calls) if last else None,
+                        "stop_reason": comp.stop_reason if last else None,
+                    }
+                )
+            return out, True
 
         head = {
             "id": rid,

@@ -423,8 +423,10 @@ def plan_tools(
     *,
     auto_parser: str | None,
     exclude_tools_when_none: bool = False,
+    parallel_tool_calls: bool = True,
 ) -> ToolPlan:
-    """Check `tools` with `tool_choice` and say what to do (see the module docstring)."""
+    """Check `tools` with `tool_choice` and say what to do (see the module docstring).
+    Without `parallel_tool_calls`, "required" forces exactly one call (the array's maxItems)."""
     checked = _check_tools(tools)
     choice = _check_choice(tool_choice)
     if choice is None:
@@ -444,7 +446,11 @@ def plan_tools(
         return ToolPlan("auto", dicts, parser=get_tool_parser(auto_parser))
     if choice == "required":
         return ToolPlan(
-            "required", dicts, _structured(_required_schema(checked)), None, RequiredStream
+            "required",
+            dicts,
+            _structured(_required_schema(checked, parallel_tool_calls)),
+            None,
+            RequiredStream,
         )
     assert isinstance(choice, NamedToolChoice)
     name = choice.function.name
@@ -501,8 +507,9 @@ def _object_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return {"type": "object", **parameters}
 
 
-def _required_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
-    """A JSON array (at least one item) of `{"name": <a tool>, "parameters": <its schema>}`.
+def _required_schema(tools: list[ToolDefinition], parallel: bool = True) -> dict[str, Any]:
+    """A JSON array (at least one item; exactly one unless `parallel`) of `{"name": <a tool>,
+    "parameters": <its schema>}`.
     Each tool's `$defs` / `definitions` move to the root, where its `#/...` refs now point."""
     shared: dict[str, dict[str, Any]] = {}
     options = []
@@ -523,7 +530,8 @@ def _required_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
                 "additionalProperties": False,
             }
         )
-    return {"type": "array", "minItems": 1, "items": {"anyOf": options}, **shared}
+    most = {} if parallel else {"maxItems": 1}
+    return {"type": "array", "minItems": 1, **most, "items": {"anyOf": options}, **shared}
 
 
 def _structured(schema: dict[str, Any]) -> StructuredOutputsParams:
