@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest bench bench-peers serve clean
+.PHONY: install test lint typecheck pytest bench bench-peers lm-eval-check serve clean
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -54,6 +54,11 @@ PEERS ?= .peers
 LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
 bench-peers: install
 	benchmarks/build_llama_server.sh $(BIN)/python $(PEERS) "$(LLAMA_CPP_PYTHON)"
+
+# lm-eval's local-completions runs a loglikelihood task against `treadle serve` (lm-eval in its
+# own venv, .lm-eval-venv/): not part of `make test`.
+lm-eval-check: install
+	benchmarks/lm_eval/run.sh $(BIN)
 
 # Sets everything up, then serves the default model (SmolLM2-135M-Instruct) on $(HOST):$(PORT).
 serve: install
