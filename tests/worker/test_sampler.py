@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from treadle.worker.sampler import Sampler, SamplingRow
+from treadle.model import cpu_kernels
+from treadle.worker.sampler import Sampler, SamplingRow, _apply_grammar
 
 VOCAB = 32
 CPU = torch.device("cpu")
@@ -250,23 +251,60 @@ def _bitmask(allowed: list[list[int]]) -> torch.Tensor:
     return mask.to(torch.int32)  # wraps bit 31 to the sign bit, as llguidance's int32 masks
 
 
-def test_grammar_bitmask_applies_to_its_rows_only():
+# The grammar mask on PyTorch (None) and on the C kernel of every ISA level this CPU runs.
+MASK_BACKENDS = [None] + (cpu_kernels.available_isas() if cpu_kernels.load() is not None else [])
+
+
+def _kernels(isa: str | None) -> cpu_kernels.Kernels | None:
+    return None if isa is None else cpu_kernels.kernels_for(isa)
+
+
+@pytest.mark.parametrize("isa", MASK_BACKENDS)
+def test_grammar_bitmask_applies_to_its_rows_only(isa: str | None):
     logits = random_logits(3)
     logits[1] = 0.0  # uniform: an unconstrained row shows many tokens over 30 seeds
     rows = [make_row()] * 3
     grammar = (torch.tensor([0, 2]), _bitmask([[31], [4, 17]]))
+    kernels = _kernels(isa)
     for seed in range(10):
-        tokens, _ = Sampler(seed, CPU)(logits.clone(), rows, grammar)
+        tokens, _ = Sampler(seed, CPU, kernels)(logits.clone(), rows, grammar)
         assert tokens[0] == 31 and tokens[2] in (4, 17)
-    free = {Sampler(seed, CPU)(logits.clone(), rows, grammar)[0][1] for seed in range(30)}
+    free = {Sampler(seed, CPU, kernels)(logits.clone(), rows, grammar)[0][1] for seed in range(30)}
     assert len(free) > 2  # the unconstrained row still samples freely
 
 
-def test_grammar_wins_when_other_bans_leave_no_token():
+@pytest.mark.parametrize("isa", MASK_BACKENDS)
+def test_grammar_wins_when_other_bans_leave_no_token(isa: str | None):
     logits = random_logits(1)
     row = make_row(temperature=0.0, banned_token_ids=[6])  # min_tokens bans EOS, say 6 ...
-    tokens, _ = Sampler(0, CPU)(logits.clone(), [row], (torch.tensor([0]), _bitmask([[6]])))
+    sampler = Sampler(0, CPU, _kernels(isa))
+    tokens, _ = sampler(logits.clone(), [row], (torch.tensor([0]), _bitmask([[6]])))
     assert tokens == [6]  # ... but the grammar is complete and allows only EOS
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler (or TREADLE_CPU_KERNELS=0)")
+@pytest.mark.parametrize("isa", MASK_BACKENDS[1:])
+@pytest.mark.parametrize("vocab", [1000, 1024, 49152])
+def test_the_bitmask_kernel_matches_the_pytorch_path(isa: str, vocab: int):
+    """Words all clear, all set and mixed; a mask narrower than the vocabulary; strided rows
+    (every other row of a wider tensor); and a row whose allowed tokens were banned already."""
+    gen = seeded(vocab)
+    n_rows, words = 7, vocab // 32 - 2  # the last 64+ tokens are past the mask: never allowed
+    kind = torch.randint(0, 3, (n_rows, words), generator=gen)
+    mixed = torch.randint(-(2**31), 2**31, (n_rows, words), generator=gen, dtype=torch.int64)
+    mask = torch.where(kind == 0, 0, torch.where(kind == 1, -1, mixed)).to(torch.int32)
+    wide = torch.randn(2 * n_rows + 1, vocab, generator=gen)
+    wide[:, ::5] = float("-inf")  # earlier bans (min_tokens, bad words, ...)
+    wide[6] = float("-inf")  # row 3 of the view below: no token left before the mask
+    rows = torch.tensor([0, 2, 3, 5, 6])
+    before = wide.clone()
+    expected = wide[::2].clone()
+    _apply_grammar(expected, rows, mask[: len(rows)])
+    got = wide[::2]  # a strided view, masked in place
+    cpu_kernels.kernels_for(isa).apply_token_bitmask_(got, rows, mask[: len(rows)])
+    assert torch.equal(got, expected)
+    assert torch.equal(wide[1::2], before[1::2])  # rows outside the view untouched
+    assert bool((got[3] == 0).any()) and bool(torch.isinf(got[3]).any())
 
 
 def test_logprobs_are_the_raw_distribution_s_before_bias_and_masks():

@@ -3,7 +3,8 @@ library per level, and typed calls into it.
 
 The kernels: decode/prefill attention over the paged KV cache (`paged_decode_attention`),
 linear layers on GGUF blocks (`gguf_linear`, see `quantized.py`) and the small per-layer ops
-(RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write), float32 throughout.
+(RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write), and the structured-output
+bitmask applied to the logits, float32 throughout.
 
 ISA levels, best first: `avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C), `portable`
 (no flags: any CPU the compiler targets). The level is chosen once per process from the CPU's
@@ -166,6 +167,7 @@ _SIGNATURES = {
     "silu_and_mul_f32": [ptr, i64, i64, ptr, c_int],
     "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64],
     "decode_layers_f32": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int],
+    "apply_token_bitmask_f32": [ptr, i64, ptr, i64, ptr, i64, i64, c_int],
 }
 
 
@@ -276,6 +278,21 @@ class Kernels:
             k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), rows, num_kv, d,
             slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache.shape[1] * k_cache.shape[2],
+        )  # fmt: skip
+
+    def apply_token_bitmask_(
+        self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+    ) -> None:
+        """Structured outputs, in place on float32 logits [R, vocab] (rows may be strided):
+        -inf at the tokens that int32 bitmask row i (`structured_outputs.fill_bitmask`) does
+        not allow in logits row rows[i] (int64); a row that would keep no finite logit gets 0
+        at the allowed tokens instead (as the sampler's PyTorch path)."""
+        assert logits.dtype == torch.float32 and logits.stride(1) == 1
+        rows = rows.to(torch.int64).contiguous()
+        bitmask = bitmask.to(torch.int32).contiguous()
+        self._lib.apply_token_bitmask_f32(
+            logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.shape[0],
+            bitmask.data_ptr(), bitmask.shape[1], logits.shape[1], torch.get_num_threads(),
         )  # fmt: skip
 
 

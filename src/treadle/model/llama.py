@@ -156,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
             else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         )
         self.fused: FusedDecoder | None = None
+        self.kernels: Kernels | None = None  # the C kernels it runs on (the sampler's too)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return list(self.model.layers)  # type: ignore[arg-type]
@@ -184,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
         """After loading, once every layer has chosen its implementation: the LM head chooses
         how to multiply (the embedding table is only looked up by row, so an untied one
         forgets its GGUF blocks), and decode steps take the fused path where it applies."""
+        self.kernels = kernels
         self.lm_head.prepare_lm_head(kernels)
         if self.lm_head is not self.model.embed_tokens:
             self.model.embed_tokens.drop_gguf_blocks()

@@ -48,7 +48,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.sampler = Sampler(seed, device)
+        self.sampler = Sampler(seed, device, model.kernels)
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 

@@ -4,7 +4,8 @@
      place;
    - gguf_linear_f32: y = x W^T with W kept in its GGUF blocks (Q4_0, Q4_1, Q8_0) and expanded
      to float32 on the fly, so that a decode step reads 0.75-1.25 bytes per weight instead of 4;
-   - the small per-layer operations (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write).
+   - the small per-layer operations (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write);
+   - the structured-output token bitmask applied to the logits in place.
 
    One source, compiled once per ISA level with that level's flags (cpu_kernels.py picks the
    level from the CPU, or TREADLE_CPU_ISA): the compiler's macros choose the header with the
@@ -261,6 +262,42 @@ void write_kv_f32(const float* k, const float* v, int64_t k_stride, int64_t v_st
             memcpy(k_cache + dst, k + t * k_stride + h * d, sizeof(float) * d);
             memcpy(v_cache + dst, v + t * v_stride + h * d, sizeof(float) * d);
         }
+}
+
+/* Structured outputs, in place: logits[rows[i], t] = -inf where bit t of the int32 bitmask row
+   i is clear (bit t % 32 of word t / 32; tokens at or past 32 * words are never allowed). A row
+   whose allowed tokens were all -inf already (other bans took every one) becomes 0 where the
+   mask allows and -inf elsewhere: the constraint alone decides. Whole words are the common
+   case (a JSON string allows almost every token, a JSON structure almost none), so they are
+   filled or skipped without looking at their bits. */
+void apply_token_bitmask_f32(float* logits, int64_t row_stride, const int64_t* rows,
+                             int64_t n_rows, const int32_t* mask, int64_t words, int64_t vocab,
+                             int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (n_rows * vocab >= PARALLEL_MIN_FLOATS)
+    for (int64_t i = 0; i < n_rows; i++) {
+        float* x = logits + rows[i] * row_stride;
+        const uint32_t* m = (const uint32_t*)(mask + i * words);
+        int any = 0;  /* an allowed token keeps a finite logit */
+        for (int64_t w = 0; w * 32 < vocab; w++) {
+            const uint32_t bits = w < words ? m[w] : 0u;
+            float* xw = x + w * 32;
+            const int64_t n = vocab - w * 32 < 32 ? vocab - w * 32 : 32;
+            if (bits == 0u) {
+                for (int64_t k = 0; k < n; k++) xw[k] = -INFINITY;
+                continue;
+            }
+            if (bits == 0xffffffffu && any) continue;
+            for (int64_t k = 0; k < n; k++) {
+                if ((bits >> k) & 1u) any |= xw[k] != -INFINITY;
+                else xw[k] = -INFINITY;
+            }
+        }
+        if (!any)
+            for (int64_t t = 0; t < vocab; t++) {
+                const int64_t w = t >> 5;
+                x[t] = w < words && ((m[w] >> (t & 31)) & 1u) ? 0.f : -INFINITY;
+            }
+    }
 }
 
 /* ---- A whole decode step's decoder layers in one call ---------------------------------------
