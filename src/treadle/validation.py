@@ -256,6 +256,23 @@ def check_max_tokens(max_tokens: int, prompt_len: int, limits: ModelLimits) -> N
         )
 
 
+def check_resumed(request: Any, limits: ModelLimits) -> None:
+    """The outputs of a resumed `EngineCoreRequest` (`resumed_output_token_ids`): token ids
+    that leave room for at least one more token, within max_tokens and the context."""
+    outputs = request.resumed_output_token_ids
+    param = "resumed_output_token_ids"
+    _list(outputs, param, limit=None)
+    check_token_ids(outputs, limits.vocab_size, param)
+    if len(request.prompt_token_ids) + len(outputs) >= limits.max_model_len:
+        raise InvalidRequest(param, "leave no room in the context for another token")
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None and len(outputs) >= max_tokens:
+        raise InvalidRequest(param, f"are already max_tokens ({max_tokens}) tokens")
+    _int(
+        request.resumed_prompt_logprobs, "resumed_prompt_logprobs", 0, len(request.prompt_token_ids)
+    )
+
+
 def check_request(
     prompt_token_ids: Sequence[int],
     params: SamplingParams,

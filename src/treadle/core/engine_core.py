@@ -16,7 +16,13 @@ from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
 from treadle.model.loader import read_arch
-from treadle.validation import InvalidRequest, ModelLimits, check_request, is_finite
+from treadle.validation import (
+    InvalidRequest,
+    ModelLimits,
+    check_request,
+    check_resumed,
+    is_finite,
+)
 from treadle.wire.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -93,6 +99,8 @@ class EngineCore:
             raise InvalidRequest("arrival_time", f"must be finite, got {request.arrival_time}")
         if request.prompt_embeds is not None:
             raise InvalidRequest("prompt_embeds", "are not supported")
+        if request.resumed_output_token_ids:
+            check_resumed(request, self.limits)
         if request.request_id in self.scheduler.requests or any(
             r.request_id == request.request_id for r, _ in self._compiling
         ):
@@ -134,6 +142,11 @@ class EngineCore:
                 continue
             try:
                 req.grammar = future.result()
+                for token in req.output_token_ids:  # a resumed request's outputs so far
+                    if not req.grammar.consume_token(token):
+                        raise InvalidRequest(
+                            "resumed_output_token_ids", "do not follow the request's grammar"
+                        )
             except InvalidRequest as e:
                 self.refuse(req.request_id, req.client_index, str(e))
                 continue

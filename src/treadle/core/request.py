@@ -41,7 +41,9 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
-        return cls(
+        """A resumed request (its engine died) starts with the outputs it had, recomputed
+        like a preempted one."""
+        request = cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling_params=req.sampling_params,
@@ -49,7 +51,10 @@ class Request:
             arrival_time=req.arrival_time,
             priority=req.priority,
             client_index=req.client_index,
+            num_prompt_logprobs=req.resumed_prompt_logprobs,
         )
+        request.all_token_ids.extend(req.resumed_output_token_ids or ())
+        return request
 
     @property
     def num_tokens(self) -> int:

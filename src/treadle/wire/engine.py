@@ -47,6 +47,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     current_wave: int = 0
     priority: int = 0
     prompt_embeds: torch.Tensor | None = None
+    # A request resumed on a new engine core after its engine died (the front end's
+    # `frontend/inflight.py`): the output tokens its client received before the death (they
+    # count as outputs: max_tokens, penalties, stop rules and grammars see them; a seeded
+    # request's generator skips their draws), and how many prompt-logprob rows it received.
+    resumed_output_token_ids: list[int] | None = None
+    resumed_prompt_logprobs: int = 0
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -86,7 +86,7 @@ class ModelRunner:
                 eos_token_id=new.eos_token_id,
                 generator=None
                 if seed is None
-                else torch.Generator(device=self.device).manual_seed(seed),
+                else self._generator(seed, p, len(new.token_ids) - new.num_prompt_tokens),
                 logit_bias=None
                 if not p.logit_bias
                 else (
@@ -101,6 +101,16 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _generator(self, seed: int, params: SamplingParams, num_outputs: int) -> torch.Generator:
+        """A seeded request's generator, past the draws of the outputs it has already (one
+        uniform per sampled token: `Sampler._sample`), so that a request recomputed after a
+        preemption or resumed on a new engine core continues its stream exactly."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        if params.temperature > 0.0:
+            for _ in range(num_outputs):
+                torch.rand(1, generator=generator, device=self.device)
+        return generator
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
