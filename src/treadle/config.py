@@ -177,12 +177,25 @@ class FrontendConfig:
 
 
 @dataclass(frozen=True)
+class RestartConfig:
+    """What an API server does when an engine core dies or stops making progress."""
+
+    max_engine_restarts: int = 3
+    """Engine core restarts allowed in any 10 minutes (a death restarts the engine core and resumes its requests where their clients are; one more death ends the server); 0: an engine core death ends the server, as in vLLM."""
+    engine_stall_timeout: float = 30.0
+    """Seconds an engine core with requests may go without finishing a step before /health/ready says it is not ready (and the log says so)."""
+    engine_stall_kill_timeout: float = 300.0
+    """Seconds without a finished step, with requests, after which a stalled engine core is killed and restarted like a dead one; 0: never."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -44,6 +44,14 @@ def mq_max_chunk_bytes() -> int:
     return int(float(value if value not in (None, "") else 16) * (1 << 20))
 
 
+def test_crash_on_token() -> int | None:
+    """Test-only fault hook, off unless set: an engine core that schedules a request whose
+    prompt holds this token id crashes (SIGSEGV), as a kernel bug would (the engine restart
+    tests' poison request)."""
+    value = os.environ.get("TREADLE_TEST_CRASH_ON_TOKEN")
+    return None if value in (None, "") else int(value)
+
+
 def worker_multiproc_method() -> str | None:
     return os.environ.get("TREADLE_WORKER_MULTIPROC_METHOD") or None
 

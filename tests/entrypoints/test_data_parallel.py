@@ -156,7 +156,10 @@ def test_a_bad_rank_header_is_a_400(dp2: RemoteServer) -> None:
 def test_kill_9_of_any_process_takes_the_server_down(
     server_factory, tiny_llama: Path, victim: str, api_servers: str
 ) -> None:  # type: ignore[no-untyped-def]
-    srv = server_factory([str(tiny_llama), "-dp", "2", "--api-server-count", api_servers])
+    restarts = ["--max-engine-restarts", "0"]  # (one API server would restart an engine)
+    srv = server_factory(
+        [str(tiny_llama), "-dp", "2", "--api-server-count", api_servers, *restarts]
+    )
     pids = [p.pid for p in srv.family()]  # with Python's resource tracker (spawn)
     assert len(treadle_titles(srv)) == (6 if api_servers == "2" else 4)
     os.kill(srv.pid_of(victim), signal.SIGKILL)

@@ -322,7 +322,9 @@ def test_sigterm_exits_cleanly(server_factory, tiny_model_factory) -> None:  # t
 def test_engine_kill_fails_the_stream_and_the_server_exits(
     server_factory, tiny_model_factory
 ) -> None:  # type: ignore[no-untyped-def]
-    srv = server_factory([str(tiny_model_factory("llama"))])
+    """With --max-engine-restarts 0, vLLM's behaviour (tests/entrypoints/test_engine_restart.py
+    has the default's)."""
+    srv = server_factory([str(tiny_model_factory("llama")), "--max-engine-restarts", "0"])
     pids = [p.pid for p in srv.family()]
     engine = srv.pid_of("treadle::EngineCore_DP0")
     body = {"prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True}
@@ -367,7 +369,9 @@ def test_serve_tp4_runs_six_processes_and_a_dead_worker_takes_it_down(
     server_factory, tiny_model_factory
 ) -> None:  # type: ignore[no-untyped-def]
     shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("treadle")}
-    srv = server_factory([str(tiny_model_factory("llama")), "-tp", "4"])
+    srv = server_factory(
+        [str(tiny_model_factory("llama")), "-tp", "4", "--max-engine-restarts", "0"]
+    )
     workers = [f"treadle::Worker_TP{r}" for r in range(4)]
     assert treadle_titles(srv) == sorted(
         ["treadle::APIServer_0", "treadle::EngineCore_DP0", *workers]

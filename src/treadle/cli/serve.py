@@ -16,6 +16,7 @@ from treadle.config import (
     FrontendConfig,
     ModelConfig,
     ParallelConfig,
+    RestartConfig,
     SchedulerConfig,
     field_docs,
 )
@@ -171,6 +172,18 @@ def add_serve_parser(sub: Any) -> None:
         default=0.0,
         help="on SIGTERM, seconds to let running requests finish before aborting them",
     )
+    restart_doc = cli_docs(RestartConfig)
+    for flag, kind in (
+        ("max_engine_restarts", int),
+        ("engine_stall_timeout", float),
+        ("engine_stall_kill_timeout", float),
+    ):
+        p.add_argument(
+            "--" + flag.replace("_", "-"),
+            type=kind,
+            default=getattr(RestartConfig, flag),
+            help=restart_doc[flag] + f" (default {getattr(RestartConfig, flag)})",
+        )
     p.add_argument(
         "--log-level",
         default="info",
@@ -195,6 +208,20 @@ def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None
                 '--enable-auto-tool-choice; without it tool_choice "auto" is refused',
                 file=sys.stderr,
             )
+
+
+def check_restart_config(c: RestartConfig) -> None:
+    """Raises ValueError for a restart or stall setting that cannot work."""
+    if c.max_engine_restarts < 0:
+        raise ValueError(f"--max-engine-restarts must be 0 or more, not {c.max_engine_restarts}")
+    if not 0 < c.engine_stall_timeout < float("inf"):
+        raise ValueError(f"--engine-stall-timeout must be positive, not {c.engine_stall_timeout}")
+    kill = c.engine_stall_kill_timeout
+    if not (kill == 0 or c.engine_stall_timeout <= kill < float("inf")):
+        raise ValueError(
+            f"--engine-stall-kill-timeout must be 0 (never) or at least --engine-stall-timeout "
+            f"({c.engine_stall_timeout}), not {kill}"
+        )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -259,7 +286,11 @@ def serve(args: argparse.Namespace) -> int:
                 args.tool_call_parser if args.enable_auto_tool_choice else None,
                 args.exclude_tools_when_tool_choice_none,
             ),
+            restart=RestartConfig(
+                args.max_engine_restarts, args.engine_stall_timeout, args.engine_stall_kill_timeout
+            ),
         )
+        check_restart_config(config.restart)
         config.parallel.check()
         check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)
         if api_servers < 1 and not args.headless:

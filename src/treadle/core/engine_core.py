@@ -3,11 +3,15 @@ core process wraps it with IO threads; the offline `LLM` and the tests drive it 
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import queue
+import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
+from treadle import envs
 from treadle.config import EngineConfig, resolve_model
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
@@ -30,6 +34,7 @@ from treadle.wire.engine import (
     FinishReason,
     SchedulerStats,
 )
+from treadle.wire.worker import SchedulerOutput
 from treadle.worker.worker import resolve_max_model_len
 
 logger = init_logger(__name__)
@@ -57,6 +62,7 @@ class EngineCore:
         # Structured-output requests wait here while their grammar compiles (in a thread).
         self.structured = StructuredOutputManager(config.model.model, self.vocab_size)
         self._compiling: list[tuple[Request, Future[Any]]] = []
+        self._crash_token = envs.test_crash_on_token()
         # Set by the engine core process: aborts that arrive during a forward pass are applied
         # before its tokens are added, so an aborted request gets no more outputs.
         self.aborts_queue: queue.Queue[list[str]] | None = None
@@ -165,6 +171,8 @@ class EngineCore:
         per_client, self._refused = self._refused, {}
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
+            if self._crash_token is not None:
+                self._crash_if_poisoned(sched)
             grammar_rows = self.scheduler.grammar_rows(sched)
             if grammar_rows:
                 sched.grammar_request_ids = [r.request_id for r in grammar_rows]
@@ -183,6 +191,15 @@ class EngineCore:
             )
             for client, outs in per_client.items()
         }
+
+    def _crash_if_poisoned(self, sched: SchedulerOutput) -> None:
+        """The test-only fault hook (`TREADLE_TEST_CRASH_ON_TOKEN`)."""
+        for new in sched.new_requests:
+            if self._crash_token in new.token_ids[: new.num_prompt_tokens]:
+                logger.error("TREADLE_TEST_CRASH_ON_TOKEN: crashing on %r", new.request_id)
+                faulthandler.disable()
+                signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGSEGV)
 
     def _apply_eager_aborts(self) -> None:
         if self.aborts_queue is None:

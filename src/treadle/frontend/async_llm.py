@@ -108,6 +108,9 @@ class AsyncLLM:
             for engine in range(self.client.num_engines)
         ]
         self.last_output_time = time.monotonic()
+        self.client.on_event = lambda kind, engine, count: self.stat_loggers[engine].record_event(
+            kind, count
+        )
 
     def start(self) -> None:
         """Start reading engine outputs; call inside the running event loop."""
@@ -179,6 +182,16 @@ class AsyncLLM:
             self.client.call_utility("get_stats", engine=e) for e in range(self.client.num_engines)
         ]
         return list(await asyncio.gather(*calls))
+
+    async def check_health(self) -> None:
+        """Liveness (vLLM's /health): every engine that is up answers a call; one being
+        restarted counts as alive. Raises `EngineDeadError` or `TimeoutError` otherwise."""
+        up = [e for e, s in enumerate(self.client.engine_states) if s != "restarting"]
+        await asyncio.gather(*(self.client.call_utility("get_stats", engine=e) for e in up))
+
+    def readiness(self) -> str | None:
+        """None when ready to serve at full speed (/health/ready), else why not."""
+        return self.client.readiness()
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()

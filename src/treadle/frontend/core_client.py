@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextlib
 import itertools
 import os
@@ -46,6 +47,7 @@ from treadle.core.engine_core_proc import (
     UtilityRequest,
 )
 from treadle.frontend.engine_router import EngineRouter
+from treadle.frontend.inflight import InFlight
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.output_reader import OutputReader
 from treadle.ipc.inbound import DropLog, check_outbound, inbound_options
@@ -66,9 +68,11 @@ from treadle.ipc.zmq_utils import (
 )
 from treadle.logger import init_logger
 from treadle.wire.engine import (
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    FinishReason,
 )
 from treadle.worker.worker import check_config
 
@@ -77,6 +81,8 @@ logger = init_logger(__name__)
 # How long an engine may take to answer when a peer left the request socket (a step of a long
 # prefill must fit): one that does not answer is dead.
 ENGINE_PING_TIMEOUT_S = 10.0
+# --max-engine-restarts counts the restarts in this window.
+ENGINE_RESTART_WINDOW_S = 600
 
 
 # Clients whose engine process still runs. At interpreter exit, multiprocessing joins every
@@ -158,13 +164,20 @@ class MPClient:
                 return get_tcp_uri(host, 0) if host else get_open_zmq_ipc_path()
 
             limits = inbound_options()
+            # HANDOVER: a restarted engine core takes over its identity at once, even if the
+            # dead one's connection is not cleaned up yet.
             self.input_socket = make_zmq_socket(
-                self.ctx, address(), zmq.ROUTER, linger=0, options=limits
+                self.ctx,
+                address(),
+                zmq.ROUTER,
+                linger=0,
+                options={**limits, zmq.ROUTER_HANDOVER: 1},
             )
             self.output_socket = make_zmq_socket(
                 self.ctx, address(), zmq.PULL, linger=0, options=limits
             )
             mine = [get_bound_address(self.input_socket), get_bound_address(self.output_socket)]
+            self.addresses = mine
             if self.launcher is not None:
                 self.launcher.handshake(self.ctx, [mine[0]], [mine[1]])
                 coordinator = self.launcher.coordinator_addresses(1.0)
@@ -420,6 +433,25 @@ class AsyncMPClient(MPClient):
         self._restore_signals: Callable[[], None] = lambda: None
         self._watch_disconnects = attach is not None or config.parallel.multi_node
         self._supervisor = os.getppid() if attach is not None else None  # started us
+        # Engine restarts (issue 14): what each engine has in flight, and each one's state.
+        n = config.parallel.data_parallel_size
+        self.restart_config = config.restart
+        self.inflight = InFlight()
+        self.engine_states = ["up"] * n  # up | restarting | resuming
+        self.stalled = [False] * n
+        self.last_progress = [time.monotonic()] * n
+        self.on_event: Callable[[str, int, int], None] = lambda kind, engine, count: None
+        self._restart_times: collections.deque[float] = collections.deque()
+        self._engine_up = [asyncio.Event() for _ in range(n)]
+        for event in self._engine_up:
+            event.set()
+        self._staged: list[collections.deque[str]] = [collections.deque() for _ in range(n)]
+        self._probation: list[str | None] = [None] * n
+        self._awaiting_ready: dict[bytes, asyncio.Future[None]] = {}
+        self._kill_cause: dict[int, str] = {}
+        self._queued = 0
+        self._max_queued = 4 * config.scheduler.max_num_seqs
+        self._utility_engine: dict[int, int] = {}
         super().__init__(config, shutdown_timeout, client_index, attach)
 
     def start(self) -> None:
@@ -431,6 +463,7 @@ class AsyncMPClient(MPClient):
         self._spawn(self._drain_requests(self._async_input), "request socket reader")
         if self.coordinator_socket is not None:
             self._spawn(self._read_coordinator(), "DP coordinator reader")
+        self._spawn(self._watch_stalls(), "engine stall watch")
         assert self.output_socket is not None
         for sock, name in ((self.input_socket, "request"), (self.output_socket, "output")):
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -481,6 +514,9 @@ class AsyncMPClient(MPClient):
             if item is None:
                 continue
             if item == ENGINE_CORE_DEAD:
+                if self.can_restart:  # it exits next; the process monitor restarts it
+                    logger.warning("An engine core reported a fatal error (see its log)")
+                    continue
                 self._fail("an engine core reported a fatal error (see its log)")
                 return
             if item == ENGINE_CORE_STOPPED:
@@ -489,6 +525,7 @@ class AsyncMPClient(MPClient):
             assert isinstance(item, EngineCoreOutputs)
             if item.utility_output is not None:
                 u = item.utility_output
+                self._utility_engine.pop(u.call_id, None)
                 fut = self._utility.pop(u.call_id, None)
                 if fut is not None and not fut.done():
                     if u.failure_message is not None:
@@ -497,11 +534,23 @@ class AsyncMPClient(MPClient):
                         fut.set_result(u.result)
                 continue
             self.router.note_finished(item)
+            self._note_progress(item)
+            progressed = self.inflight.on_outputs(item)
             self.on_outputs(item)
+            probation = self._probation[item.engine_index]
+            if probation is not None and probation in progressed:
+                await self._release_next(item.engine_index)
 
     async def _drain_requests(self, sock: zmq.asyncio.Socket) -> None:
+        """Engines send nothing on the request socket after start-up, but for the first
+        message of a restarted engine core (its identity, and what it found at start-up)."""
         while True:
-            self._on_stray_request_message(await sock.recv_multipart(copy=False))
+            frames = await sock.recv_multipart(copy=False)
+            ready = self._awaiting_ready.get(frames[0].bytes) if len(frames) == 2 else None
+            if ready is not None and not ready.done():
+                ready.set_result(None)
+                continue
+            self._on_stray_request_message(frames)
 
     async def _read_coordinator(self) -> None:
         assert self.coordinator_socket is not None
@@ -580,27 +629,240 @@ class AsyncMPClient(MPClient):
     async def add_request(
         self, request: EngineCoreRequest, data_parallel_rank: int | None = None
     ) -> None:
+        """Send a request to its engine; while that engine restarts, wait (at most
+        4 x max_num_seqs requests wait; more get `EngineDeadError`, a 503)."""
         self._check_alive()
         assert self._async_input is not None
-        identity = self._route(request, data_parallel_rank)
+        rank = self.router.route(request, data_parallel_rank)
+        if not self._engine_up[rank].is_set():
+            if self._queued >= self._max_queued:
+                self.router.owners([request.request_id])
+                raise EngineDeadError(
+                    f"engine core {rank} is restarting and {self._queued} requests wait for "
+                    "it already: try again in a few seconds"
+                )
+            self._queued += 1
+            try:
+                await self._engine_up[rank].wait()
+            finally:
+                self._queued -= 1
+            self._check_alive()
+        if self.inflight.count(rank) == 0:
+            self.last_progress[rank] = time.monotonic()  # its work starts now
+        self.inflight.add(request, rank)
         await self._async_input.send_multipart(
-            self._frames(identity, EngineCoreRequestType.ADD, request), copy=False
+            self._frames(self.identities[rank], EngineCoreRequestType.ADD, request), copy=False
         )
 
     async def abort_requests(self, request_ids: list[str]) -> None:
+        self.inflight.remove(request_ids)
         if request_ids and self.dead_reason is None and self._async_input is not None:
             for frames in self._abort_frames(request_ids):
                 await self._async_input.send_multipart(frames)
+        for rank, probation in enumerate(self._probation):
+            if probation is not None and probation in request_ids:
+                await self._release_next(rank)
 
     async def call_utility(self, method: str, *args: Any, engine: int = 0) -> Any:
         self._check_alive()
         assert self.loop is not None and self._async_input is not None
+        if not self._engine_up[engine].is_set():
+            raise EngineDeadError(f"engine core {engine} is restarting")
         call_id = next(self._call_ids)
         frames = self._utility_frames(engine, call_id, method, args)
         fut: asyncio.Future[Any] = self.loop.create_future()
         self._utility[call_id] = fut
+        self._utility_engine[call_id] = engine
         await self._async_input.send_multipart(frames)
         return await fut
+
+    # -- engine restarts (issue 14) ------------------------------------------------------------
+
+    @property
+    def can_restart(self) -> bool:
+        """This client started its engines (so it can start them again) and may."""
+        return self.launcher is not None and self.restart_config.max_engine_restarts > 0
+
+    def readiness(self) -> str | None:
+        """None when every engine is up, resumed what it had, and makes progress; else why
+        not (for /health/ready)."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        for rank, state in enumerate(self.engine_states):
+            if state != "up":
+                return f"engine core {rank} is {state}"
+            if self.stalled[rank]:
+                idle = time.monotonic() - self.last_progress[rank]
+                return f"engine core {rank} has requests but finished no step for {idle:.0f} s"
+        return None
+
+    def _on_child_death(self, child: ChildProcess) -> None:
+        """(The process monitor's thread.) A dead engine core of ours is restarted."""
+        launcher, loop = self.launcher, self.loop
+        if child.exitcode != 0 and self.can_restart and launcher is not None and loop is not None:
+            for i, engine in enumerate(launcher.engines):
+                if engine is child:
+                    cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
+                    loop.call_soon_threadsafe(self._engine_died, launcher.start_rank + i, cause)
+                    return
+        super()._on_child_death(child)
+
+    def _engine_died(self, rank: int, cause: str) -> None:
+        """Restart the engine (if the budget allows) and resume its requests; the dead-letter
+        rule (`InFlight.on_engine_death`) fails those that were in flight at a death before."""
+        if self._ended or self._closed:
+            return
+        cause = self._kill_cause.pop(rank, cause)
+        now = time.monotonic()
+        limit = self.restart_config.max_engine_restarts
+        while self._restart_times and now - self._restart_times[0] > ENGINE_RESTART_WINDOW_S:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= limit:
+            self._fail(
+                f"{cause}; it was restarted {limit} time(s) in the last "
+                f"{ENGINE_RESTART_WINDOW_S / 60:.0f} minutes already (--max-engine-restarts)"
+            )
+            return
+        self._restart_times.append(now)
+        self.engine_states[rank] = "restarting"
+        self.stalled[rank] = False
+        self.router.down.add(rank)
+        self._engine_up[rank].clear()
+        self._staged[rank].clear()
+        self._probation[rank] = None
+        for call_id, engine in list(self._utility_engine.items()):
+            if engine == rank:
+                del self._utility_engine[call_id]
+                fut = self._utility.pop(call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(EngineDeadError(cause))
+        resume, poisoned = self.inflight.on_engine_death(rank)
+        logger.warning(
+            "%s. Restarting it (restart %d of at most %d in %d minutes); %d request(s) to resume%s",
+            cause[:1].upper() + cause[1:],
+            len(self._restart_times),
+            limit,
+            ENGINE_RESTART_WINDOW_S // 60,
+            len(resume),
+            f", {len(poisoned)} failed: in flight at two engine deaths in a row"
+            if poisoned
+            else "",
+        )
+        if poisoned:
+            self.router.owners(poisoned)
+            reason = (
+                "the engine core died twice while running this request; it is not resumed "
+                "again (it may be what kills the engine)"
+            )
+            fails = [
+                EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+                for rid in poisoned
+            ]
+            self.on_outputs(EngineCoreOutputs(engine_index=rank, outputs=fails))
+            self.on_event("poisoned", rank, len(poisoned))
+        self._spawn(self._restart(rank, cause, resume, now), f"restart of engine core {rank}")
+
+    async def _restart(self, rank: int, cause: str, resume: list[str], since: float) -> None:
+        assert self.launcher is not None and self.monitor is not None and self.loop is not None
+        identity = self.identities[rank]
+        ready: asyncio.Future[None] = self.loop.create_future()
+        self._awaiting_ready[identity] = ready
+        try:
+            child = await asyncio.to_thread(
+                self.launcher.restart_engine,
+                rank,
+                self.ctx,
+                [self.addresses[0]],
+                [self.addresses[1]],
+            )
+            self.monitor.add(child)
+            await asyncio.wait_for(ready, ENGINE_PING_TIMEOUT_S)
+        except Exception as e:
+            self._fail(f"{cause}, and restarting it failed: {type(e).__name__}: {e}")
+            return
+        finally:
+            self._awaiting_ready.pop(identity, None)
+        if self._ended or self._closed:
+            return
+        logger.warning(  # a warning, as its death was: a quiet log shows both
+            "EngineCore_DP%d is back %.1f s after it died; resuming %d request(s)",
+            rank,
+            time.monotonic() - since,
+            len(resume),
+        )
+        self.on_event("restarted", rank, 1)
+        self.engine_states[rank] = "resuming"
+        self.last_progress[rank] = time.monotonic()
+        self.router.down.discard(rank)
+        self._engine_up[rank].set()  # new requests go to it again
+        self._staged[rank].extend(resume)
+        await self._release_next(rank)
+
+    async def _release_next(self, rank: int) -> None:
+        """Resume the next suspect of a restarted engine: one at a time, each once the one
+        before made progress, so that a request that kills the engine again is the only one
+        in flight at that second death."""
+        assert self._async_input is not None
+        staged = self._staged[rank]
+        while staged:
+            request = self.inflight.resumed(staged.popleft())
+            if request is None:  # it was aborted meanwhile
+                continue
+            self._probation[rank] = request.request_id
+            await self._async_input.send_multipart(
+                self._frames(self.identities[rank], EngineCoreRequestType.ADD, request), copy=False
+            )
+            self.on_event("resumed", rank, 1)
+            return
+        self._probation[rank] = None
+        if self.engine_states[rank] == "resuming":
+            self.engine_states[rank] = "up"
+
+    def _note_progress(self, item: EngineCoreOutputs) -> None:
+        """When the engine finished the step of these outputs (its timestamp, not when they
+        were read: a front end that falls behind must not hide a stopped engine)."""
+        lag = max(0.0, time.time() - item.timestamp) if item.timestamp else 0.0
+        rank = item.engine_index
+        self.last_progress[rank] = max(self.last_progress[rank], time.monotonic() - lag)
+
+    async def _watch_stalls(self) -> None:
+        """An engine with requests that finishes no step for --engine-stall-timeout is not
+        ready (logged once); past --engine-stall-kill-timeout it is killed, and restarted."""
+        cfg = self.restart_config
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for rank, state in enumerate(self.engine_states):
+                if state == "restarting" or self.inflight.count(rank) == 0:
+                    self.last_progress[rank] = now
+                    self.stalled[rank] = False
+                    continue
+                idle = now - self.last_progress[rank]
+                if idle <= cfg.engine_stall_timeout:
+                    if self.stalled[rank]:
+                        logger.warning("EngineCore_DP%d finishes steps again", rank)
+                    self.stalled[rank] = False
+                    continue
+                if not self.stalled[rank]:
+                    self.stalled[rank] = True
+                    logger.warning(
+                        "EngineCore_DP%d has %d request(s) in flight but finished no step for "
+                        "%.0f s: not ready until it does",
+                        rank,
+                        self.inflight.count(rank),
+                        idle,
+                    )
+                kill = cfg.engine_stall_kill_timeout
+                if kill > 0 and idle > kill and self.can_restart and rank not in self._kill_cause:
+                    self._kill_stalled(rank, idle)
+
+    def _kill_stalled(self, rank: int, idle: float) -> None:
+        assert self.launcher is not None
+        child = self.launcher.engines[rank - self.launcher.start_rank]
+        self._kill_cause[rank] = f"EngineCore_DP{rank} finished no step for {idle:.0f} s"
+        logger.error("%s: killing it", self._kill_cause[rank])
+        with contextlib.suppress(ProcessLookupError):
+            child.process.kill()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         for task in self._tasks:

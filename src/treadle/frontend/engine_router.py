@@ -25,6 +25,7 @@ class EngineRouter:
         self.request_engine: dict[str, tuple[int, int]] = {}  # request id -> (engine, tokens)
         self.current_wave = 0
         self._tie_break = itertools.cycle(range(num_engines))
+        self.down: set[int] = set()  # restarting: chosen only when every engine is
 
     def route(self, request: EngineCoreRequest, rank: int | None) -> int:
         """Pick the engine for a new request (stamping the current wave) and remember it.
@@ -38,8 +39,9 @@ class EngineRouter:
         if rank is None:
             counts, in_flight = self.lb_counts, self.in_flight
             first = next(self._tie_break)
+            up = [e for e in range(n) if e not in self.down] or range(n)
             rank = min(
-                range(n),
+                up,
                 key=lambda e: (4 * counts[e][0] + counts[e][1], in_flight[e], (e - first) % n),
             )
         self.lb_counts[rank][0] += 1

@@ -60,6 +60,9 @@ class EngineLauncher:
         p.check()
         check_config(config)  # a mistake in the flags fails here, before any process starts
         self.num_engines = p.data_parallel_size
+        self.config = config
+        self.shutdown_timeout = shutdown_timeout
+        self.start_rank = p.data_parallel_start_rank
         host = front_end_host(config)
         if host is not None or not front_end:
             assert p.data_parallel_rpc_port is not None
@@ -78,16 +81,32 @@ class EngineLauncher:
                 )
             start = p.data_parallel_start_rank
             for rank in range(start, start + p.local_engine_count):
-                self.engines.append(
-                    start_process(
-                        run_engine_core,
-                        f"EngineCore_DP{rank}",
-                        args=(config, self.handshake_address, rank, shutdown_timeout),
-                    )
-                )
+                self.engines.append(self._start_engine(rank))
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_engine(self, rank: int) -> ChildProcess:
+        return start_process(
+            run_engine_core,
+            f"EngineCore_DP{rank}",
+            args=(self.config, self.handshake_address, rank, self.shutdown_timeout),
+        )
+
+    def restart_engine(
+        self, rank: int, ctx: zmq.Context[Any], inputs: list[str], outputs: list[str]
+    ) -> ChildProcess:
+        """Replace this host's engine core of `rank` (dead, or killed here) by a new process
+        of the same config and rank, and run its handshake; returns the new child. Raises as
+        `handshake` does when it cannot start."""
+        i = rank - self.start_rank
+        old = self.engines[i]
+        if old.process.is_alive():
+            old.process.kill()
+        shutdown_processes([old], timeout=1.0)
+        self.engines[i] = new = self._start_engine(rank)
+        self.handshake(ctx, inputs, outputs, ranks=[rank])
+        return new
 
     @property
     def children(self) -> list[ChildProcess]:
@@ -107,9 +126,14 @@ class EngineLauncher:
         inputs: list[str],
         outputs: list[str],
         watch: Sequence[ChildProcess] = (),
+        ranks: Sequence[int] | None = None,
     ) -> dict[int, Handshake]:
-        """Give every engine (local or remote) the front ends' and the coordinator's addresses
-        and wait until each has loaded its model; returns each rank's READY message."""
+        """Give every engine (local or remote; or only those of `ranks`) the front ends' and
+        the coordinator's addresses and wait until each has loaded its model; returns each
+        rank's READY message."""
+        expected = set(range(self.num_engines) if ranks is None else ranks)
+        if ranks is not None:  # a restart: only the new processes can fail it
+            watch = [*watch, *(self.engines[r - self.start_rank] for r in ranks)]
         timeout = envs.engine_ready_timeout_s()
         deadline = time.monotonic() + timeout
         coordinator = self.coordinator_addresses(timeout)
@@ -128,27 +152,28 @@ class EngineLauncher:
         drops = DropLog(logger)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        self.watch(poller, watch)
+        everyone = ranks is None
+        self.watch(poller, watch, everyone)
         ready: dict[int, Handshake] = {}
         try:
-            while len(ready) < self.num_engines:
+            while set(ready) != expected:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = sorted(set(range(self.num_engines)) - set(ready))
+                    missing = sorted(expected - set(ready))
                     raise TimeoutError(
                         f"engine core(s) {missing} were not ready within {timeout} s; raise "
                         "TREADLE_ENGINE_READY_TIMEOUT_S if loading the model takes longer"
                     )
                 events = dict(poller.poll(int(min(remaining, 1.0) * 1000)))
-                self.check(poller, events, watch)
+                self.check(poller, events, watch, everyone)
                 if sock in events:
                     frames = sock.recv_multipart()
                     try:
                         identity, payload = frames
                         rank = engine_rank(identity)
                         msg = decode(payload)
-                        if not 0 <= rank < self.num_engines:
-                            raise ValueError(f"unknown engine rank {rank}")
+                        if rank not in expected:
+                            raise ValueError(f"unexpected engine rank {rank}")
                     except Exception as e:  # anyone may connect to the handshake socket
                         drops.drop("Dropped a message on the handshake socket: %s", e)
                         continue
@@ -160,18 +185,25 @@ class EngineLauncher:
             sock.close(linger=0)
         return ready
 
-    def watch(self, poller: zmq.Poller, extra: Sequence[ChildProcess] = ()) -> None:
-        """Register what `check` needs: every local child's sentinel and ready pipe."""
-        for child in [*self.children, *extra]:
+    def watch(
+        self, poller: zmq.Poller, extra: Sequence[ChildProcess] = (), everyone: bool = True
+    ) -> None:
+        """Register what `check` needs: every local child's sentinel and ready pipe (or only
+        those of `extra`)."""
+        for child in [*(self.children if everyone else ()), *extra]:
             poller.register(child.sentinel, zmq.POLLIN)
             if not child.is_ready and not child.ready_reader.closed:
                 poller.register(child.ready_reader.fileno(), zmq.POLLIN)
 
     def check(
-        self, poller: zmq.Poller, events: dict[Any, int], extra: Sequence[ChildProcess] = ()
+        self,
+        poller: zmq.Poller,
+        events: dict[Any, int],
+        extra: Sequence[ChildProcess] = (),
+        everyone: bool = True,
     ) -> None:
         """Raise the start-up error of a local child that failed or died."""
-        for child in [*self.children, *extra]:
+        for child in [*(self.children if everyone else ()), *extra]:
             if not child.ready_reader.closed and child.ready_reader.fileno() in events:
                 poller.unregister(child.ready_reader.fileno())  # it says one thing, once
                 _raise_if_failed(child)

@@ -77,6 +77,17 @@ def _registry() -> dict[str, Any]:
                 _LABELS,
                 buckets=_LATENCY_BUCKETS,
             ),
+            restarts=Counter(
+                p + "engine_restarts", "Engine core restarts after a death or a stall", _LABELS
+            ),
+            resumed=Counter(
+                p + "requests_resumed", "Requests resumed on a restarted engine core", _LABELS
+            ),
+            poisoned=Counter(
+                p + "requests_failed_poison",
+                "Requests failed because the engine core died twice while running them",
+                _LABELS,
+            ),
             e2e=Histogram(
                 p + "e2e_request_latency_seconds",
                 "Request latency",
@@ -125,6 +136,11 @@ class StatLogger:
             if delta > 0:
                 self._get(name).inc(delta)
         self._last = stats
+
+    def record_event(self, kind: str, count: int) -> None:
+        """An engine restart event: "restarted", "resumed" or "poisoned" (requests)."""
+        name = {"restarted": "restarts", "resumed": "resumed", "poisoned": "poisoned"}[kind]
+        self._get(name).inc(count)
 
     def record_output(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
         tokens = sum(len(c.token_ids) for c in out.outputs)

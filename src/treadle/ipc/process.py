@@ -348,24 +348,38 @@ class ProcessMonitor:
     `on_death(child)` runs in the monitor thread (`child.exitcode` says how it ended), after a
     logged error (a line at INFO for exit code 0, which is a child that was stopped on
     purpose: `on_death` decides what that means); `stop()` ends the watch without reporting
-    anything.
+    anything; `add(child)` watches one more (a restarted engine core).
     """
 
     def __init__(self, children: Sequence[ChildProcess], on_death: Callable[[ChildProcess], None]):
         self._children = list(children)
         self._on_death = on_death
-        self._stop_r, self._stop_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe()  # also wakes the thread for `add`
         self._stopped = False
+        self._added: list[ChildProcess] = []
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="process-monitor", daemon=True)
         self._thread.start()
+
+    def add(self, child: ChildProcess) -> None:
+        with self._lock:
+            self._added.append(child)
+        with contextlib.suppress(OSError):
+            os.write(self._stop_w, b"+")
 
     def _run(self) -> None:
         alive = {c.sentinel: c for c in self._children}
         try:
-            while alive:
+            while alive or not self._stopped:
                 fired = wait([*alive, self._stop_r])
-                if self._stop_r in fired or self._stopped:
+                if self._stopped:
                     return
+                if self._stop_r in fired:
+                    os.read(self._stop_r, 512)
+                    with self._lock:
+                        alive.update((c.sentinel, c) for c in self._added)
+                        self._added.clear()
+                    continue
                 for sentinel in fired:
                     child = alive.pop(sentinel)  # type: ignore[arg-type]
                     child.process.join(1.0)

@@ -147,13 +147,22 @@ def build_app(
                 error_body("the engine is dead", 503, "EngineDeadError"), status_code=503
             )
         try:
-            await asyncio.wait_for(engine.get_stats(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
         except (EngineDeadError, TimeoutError, RuntimeError) as e:
             return JSONResponse(
                 error_body(f"the engine is not answering: {e}", 503, "EngineDeadError"),
                 status_code=503,
             )
         return Response(status_code=200)
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        """Readiness: every engine core is up, has resumed what it had after a restart, and
+        finishes steps while it has requests (--engine-stall-timeout)."""
+        why = engine.readiness()
+        if why is None:
+            return Response(status_code=200)
+        return JSONResponse(error_body(f"not ready: {why}", 503, "NotReady"), status_code=503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

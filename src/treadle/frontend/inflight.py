@@ -1,0 +1,92 @@
+"""What a front end needs to resume its requests on a restarted engine core (ARCHITECTURE §5,
+issue 14): each request as it was sent, the engine it runs on, and what came back so far.
+
+    add(request, engine)            sent
+    on_outputs(outputs)             tokens and prompt-logprob rows received (progress: no
+                                    longer a suspect); finished ones go
+    remove(ids)                     aborted
+    on_engine_death(engine)         -> (ids to resume, ids to fail): the dead-letter rule
+    resumed(id)                     the request to send again, with what its client has
+
+The dead-letter rule: a request in flight at an engine death is a suspect; one that is in
+flight at a second death before it has made progress on the restarted engine (a token, or
+its end) is failed instead of being resumed again, so a request that kills every engine it
+meets cannot take the service down in a loop. The client resumes suspects one at a time
+(each waits until the one before it has made progress), so a second death can be pinned on
+the one suspect then running. Nothing here touches sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest
+
+
+@dataclass(slots=True, eq=False)
+class InFlightRequest:
+    request: EngineCoreRequest
+    engine: int
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: int = 0  # prompt-logprob rows received
+    deaths: int = 0  # engine deaths it has been in flight at, since it last made progress
+
+
+class InFlight:
+    def __init__(self) -> None:
+        self.requests: dict[str, InFlightRequest] = {}
+
+    def add(self, request: EngineCoreRequest, engine: int) -> None:
+        self.requests[request.request_id] = InFlightRequest(request, engine)
+
+    def remove(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def on_outputs(self, outputs: EngineCoreOutputs) -> list[str]:
+        """Record what arrived; returns the ids that made progress (a token, or their end)."""
+        progressed = []
+        for out in outputs.outputs:
+            entry = self.requests.get(out.request_id)
+            if entry is None:
+                continue
+            entry.output_token_ids.extend(out.new_token_ids)
+            if out.new_prompt_logprobs is not None:
+                entry.prompt_logprobs += len(out.new_prompt_logprobs.ranks)
+            if out.finished:
+                del self.requests[out.request_id]
+            if out.finished or out.new_token_ids:
+                entry.deaths = 0
+                progressed.append(out.request_id)
+        return progressed
+
+    def count(self, engine: int) -> int:
+        return sum(1 for r in self.requests.values() if r.engine == engine)
+
+    def on_engine_death(self, engine: int) -> tuple[list[str], list[str]]:
+        """The engine's requests as (to resume, in the order they arrived; to fail: in flight
+        at their second death without progress in between). The failed ones are forgotten."""
+        resume: list[str] = []
+        fail: list[str] = []
+        for rid, entry in self.requests.items():
+            if entry.engine != engine:
+                continue
+            entry.deaths += 1
+            (fail if entry.deaths >= 2 else resume).append(rid)
+        self.remove(fail)
+        resume.sort(key=lambda rid: self.requests[rid].request.arrival_time)
+        return resume, fail
+
+    def resumed(self, request_id: str) -> EngineCoreRequest | None:
+        """The request to send again (None if it ended meanwhile): its prompt and params as
+        first sent, and the outputs and prompt-logprob rows its client has already."""
+        entry = self.requests.get(request_id)
+        if entry is None:
+            return None
+        return msgspec.structs.replace(
+            entry.request,
+            resumed_output_token_ids=list(entry.output_token_ids),
+            resumed_prompt_logprobs=entry.prompt_logprobs,
+        )

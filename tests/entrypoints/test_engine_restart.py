@@ -1,0 +1,210 @@
+"""Engine death loses nothing (issue 14): a killed or crashed engine core is restarted with the
+same config and every stream it had continues exactly where its client was; a request that
+kills the engine twice is failed instead; /health/ready says whether the engines make
+progress; a crash loop still ends the server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from serve_helpers import TREADLE, RemoteServer, assert_no_leftovers
+
+POISON_TOKEN = 49000  # the fault hook crashes the engine on a prompt holding it
+STREAMS = 16
+MAX_TOKENS = 96
+STALL_S = 5  # a prefill step on two loaded cores may take seconds
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    srv = RemoteServer(
+        [
+            "--dtype", "float32", "--max-engine-restarts", "10",
+            "--engine-stall-timeout", str(STALL_S), "--engine-stall-kill-timeout", "20",
+        ],
+        tmp_path_factory.mktemp("restart"),
+        env={"TREADLE_TEST_CRASH_ON_TOKEN": str(POISON_TOKEN)},
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def prompts(n: int) -> list[str]:
+    return [
+        f"Write a story about a {w} number {i}."
+        for i, w in zip(range(n), "abcdefghijklmnop", strict=False)
+    ]
+
+
+class Streams:
+    """n greedy completion streams in threads, each collecting its text and usage."""
+
+    def __init__(self, url: str, texts: list[str], max_tokens: int = MAX_TOKENS) -> None:
+        self.client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        self.tokens = [0] * len(texts)
+        self.pool = concurrent.futures.ThreadPoolExecutor(len(texts))
+        self.futures = [
+            self.pool.submit(self._one, i, text, max_tokens) for i, text in enumerate(texts)
+        ]
+
+    def _one(self, i: int, prompt: str, max_tokens: int) -> tuple[str, int]:
+        stream = self.client.completions.create(
+            model=self.client.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage = "", 0
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                self.tokens[i] += 1
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return text, usage
+
+    def wait_all_started(self, tokens: int = 3, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while min(self.tokens) < tokens:
+            assert time.monotonic() < deadline, f"streams stuck at {self.tokens}"
+            for f in self.futures:
+                if f.done():
+                    f.result()  # raises the stream's error
+            time.sleep(0.05)
+
+    def results(self, timeout: float = 300) -> list[tuple[str, int]]:
+        out = [f.result(timeout) for f in self.futures]
+        self.pool.shutdown()
+        return out
+
+
+def engine_pid(server: RemoteServer) -> int | None:
+    try:
+        return server.pid_of("treadle::EngineCore_DP0")
+    except LookupError:  # between a death and its restart
+        return None
+
+
+def wait_ready(server: RemoteServer, timeout: float) -> float:
+    """Seconds until /health/ready answers 200."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if httpx.get(server.url + "/health/ready", timeout=5).status_code == 200:
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"not ready in {timeout} s:\n{server.output()[-3000:]}")
+
+
+def metric(server: RemoteServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    values = re.findall(rf"^treadle:{name}\{{[^}}]*\}} ([\d.e+]+)$", text, re.M)
+    return sum(float(v) for v in values)
+
+
+def test_kill_9_of_the_engine_core_twice_resumes_every_stream(server: RemoteServer) -> None:
+    texts = prompts(STREAMS)
+    reference = Streams(server.url, texts).results()
+    assert all(n == MAX_TOKENS for _, n in reference)
+    restarts = metric(server, "engine_restarts_total")
+    streams = Streams(server.url, texts)
+    for kill in range(2):
+        streams.wait_all_started(tokens=5 + 20 * kill)
+        os.kill(server.pid_of("treadle::EngineCore_DP0"), signal.SIGKILL)
+        time.sleep(0.5)
+        assert httpx.get(server.url + "/health/ready").status_code == 503
+        assert httpx.get(server.url + "/health").status_code == 200  # alive: restarting
+        wait_ready(server, timeout=60)
+    assert streams.results() == reference  # the same text, and usage counts every token
+    assert metric(server, "engine_restarts_total") == restarts + 2
+    assert metric(server, "requests_resumed_total") >= 2 * STREAMS - 4
+    log = server.output()
+    assert "is back" in log and "resuming" in log
+    assert Streams(server.url, texts[:1]).results() == reference[:1]  # still serving
+
+
+def test_a_request_that_crashes_the_engine_twice_fails_and_the_others_resume(
+    server: RemoteServer,
+) -> None:
+    texts = prompts(4)
+    reference = Streams(server.url, texts).results()
+    poisoned = metric(server, "requests_failed_poison_total")
+    streams = Streams(server.url, texts)
+    streams.wait_all_started()
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "SmolLM2-135M-Instruct", "prompt": [1, 2, POISON_TOKEN], "max_tokens": 4},
+        timeout=120,
+    )
+    assert resp.status_code >= 400 and "died twice" in resp.json()["error"]["message"]
+    assert streams.results() == reference
+    assert metric(server, "requests_failed_poison_total") == poisoned + 1
+    wait_ready(server, timeout=60)
+
+
+def test_a_stopped_engine_is_not_ready_and_a_long_stall_is_restarted(
+    server: RemoteServer,
+) -> None:
+    texts = prompts(4)
+    reference = Streams(server.url, texts, max_tokens=256).results()
+    streams = Streams(server.url, texts, max_tokens=256)
+    pid = server.pid_of("treadle::EngineCore_DP0")
+    for stall in ("short", "long"):
+        streams.wait_all_started(tokens=5 if stall == "short" else 30)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            while httpx.get(server.url + "/health/ready").status_code == 200:
+                assert time.monotonic() - stopped < STALL_S + 1.5, "ready past the stall timeout"
+                time.sleep(0.1)
+            assert "finished no step" in httpx.get(server.url + "/health/ready").text
+        finally:
+            if stall == "short":
+                os.kill(pid, signal.SIGCONT)
+        wait_ready(server, timeout=60)
+        if stall == "short":
+            assert engine_pid(server) == pid  # it came back by itself
+    # past --engine-stall-kill-timeout it was killed and restarted, and its streams resumed
+    assert engine_pid(server) != pid
+    assert streams.results() == reference
+    assert "finished no step for" in server.output()
+
+
+def test_a_crash_loop_ends_the_server(server_factory, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_model_factory("llama")), "--max-engine-restarts", "1"])
+    pids = [p.pid for p in srv.family()]
+    os.kill(srv.pid_of("treadle::EngineCore_DP0"), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while engine_pid(srv) in (*pids, None):
+        assert time.monotonic() < deadline, srv.output()
+        time.sleep(0.1)
+    wait_ready(srv, timeout=60)
+    pids.append(engine_pid(srv))
+    os.kill(pids[-1], signal.SIGKILL)
+    assert srv.proc.wait(30) != 0
+    assert "--max-engine-restarts" in srv.output()
+    assert_no_leftovers(srv, pids)
+
+
+def test_bad_restart_flags_are_refused(tmp_path: Path) -> None:
+    for flags in (
+        ["--max-engine-restarts", "-1"],
+        ["--engine-stall-timeout", "0"],
+        ["--engine-stall-timeout", "10", "--engine-stall-kill-timeout", "5"],
+    ):
+        out = subprocess.run(
+            [TREADLE, "serve", *flags, "--port", "0"], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 2 and "treadle serve: error:" in out.stderr, flags
