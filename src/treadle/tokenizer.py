@@ -7,7 +7,7 @@ import hashlib
 import os
 from typing import Any
 
-from treadle.config import ModelSource
+from treadle.config import ModelConfig, ModelSource, resolve_model
 from treadle.logger import init_logger
 
 logger = init_logger(__name__)
@@ -43,3 +43,9 @@ def load_tokenizer(source: ModelSource) -> Any:
     except OSError as e:  # a read-only home is fine, just slower next time
         logger.warning("Could not cache the tokenizer in %s: %s", cache, e)
     return tokenizer
+
+
+def load_model_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer of `model`: its `--tokenizer` (a local directory or .gguf file) when
+    given, else the model's own."""
+    return load_tokenizer(resolve_model(model.tokenizer or model.model))
