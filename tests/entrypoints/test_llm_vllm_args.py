@@ -60,3 +60,25 @@ def test_unknown_or_refused_kwargs_fail_before_anything_starts(tiny_model_factor
     with pytest.raises(ValueError, match="speculative decoding is not supported"):
         LLM(str(tiny_model_factory("llama")), speculative_config={"method": "ngram"})
     assert set(psutil.Process().children(recursive=True)) <= before
+
+
+def test_request_output_metrics(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", max_model_len=64, max_num_seqs=1)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        first, second = llm.generate(["Hello", "Hi there"], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out in (first, second):
+        m = out.metrics
+        assert m is not None and m.num_generation_tokens == 5
+        assert m.first_token_time is not None and m.last_token_time is not None
+        assert m.finished_time is not None
+        assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+        assert m.first_token_latency is not None and m.first_token_latency > 0
+        assert m.time_in_queue is not None and m.time_in_queue >= 0
+        assert m.prefill_time is not None and m.prefill_time > 0
+    # max_num_seqs 1: the second request waited for the whole first one.
+    assert second.metrics is not None and first.metrics is not None
+    assert second.metrics.time_in_queue is not None and first.metrics.time_in_queue is not None
+    assert second.metrics.time_in_queue > first.metrics.time_in_queue
