@@ -7,6 +7,7 @@ import hashlib
 import os
 from typing import Any
 
+from treadle import envs
 from treadle.config import ModelConfig, ModelSource, resolve_model
 from treadle.logger import init_logger
 
@@ -16,10 +17,7 @@ logger = init_logger(__name__)
 def _cache_dir(source: ModelSource) -> str:
     stat = os.stat(source.path)
     key = hashlib.sha256(f"{source.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    base = os.environ.get("TREADLE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "treadle"
-    )
-    return os.path.join(base, "tokenizers", key[:16])
+    return os.path.join(envs.cache_dir(), "tokenizers", key[:16])
 
 
 def load_tokenizer(source: ModelSource) -> Any:
