@@ -81,9 +81,11 @@ def build_app(
         title="treadle",
         version=treadle.__version__,
         lifespan=lifespan,
-        root_path=server.root_path,
         **docs,
     )
+    # As vLLM sets it (the constructor's parameter is deprecated): requests come with or
+    # without the prefix, and the docs and the OpenAPI servers list carry it.
+    app.root_path = server.root_path
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
