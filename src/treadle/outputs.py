@@ -36,6 +36,29 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When one request reached its milestones (vLLM's `RequestMetrics` names). Times are
+    wall-clock seconds (`time.time()`) taken in the front end as outputs arrive; `time_in_queue`
+    and `prefill_time` are durations the engine core measured (waiting before it was first
+    scheduled; from then to its first token)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    time_in_queue: float | None = None
+    prefill_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """Seconds from arrival to the first token (TTFT)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -45,3 +68,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With `prompt_logprobs`: per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[LogprobsDict | None] | None = None
+    metrics: RequestMetrics | None = None

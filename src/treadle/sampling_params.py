@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import msgspec
 
+from treadle.config import ModelConfig, resolve_model
 from treadle.validation import MIN_TEMPERATURE, check_sampling_params, is_finite
 
 
@@ -85,3 +88,25 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     def clone(self, **changes: object) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+
+# generation_config.json keys that are default sampling parameters (vLLM reads the same ones).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model: ModelConfig) -> dict[str, Any]:
+    """The default sampling parameters of requests that set none (`--generation-config`):
+    from the model's generation_config.json with `auto` (none when it has no such file), from
+    the directory given, or none with `vllm`."""
+    if model.generation_config == "vllm":
+        return {}
+    if model.generation_config == "auto":
+        directory = resolve_model(model.model).directory
+    else:
+        directory = os.path.expanduser(model.generation_config)
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return {key: data[key] for key in GENERATION_CONFIG_KEYS if data.get(key) is not None}

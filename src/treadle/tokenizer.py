@@ -7,7 +7,8 @@ import hashlib
 import os
 from typing import Any
 
-from treadle.config import ModelSource
+from treadle import envs
+from treadle.config import ModelConfig, ModelSource, resolve_model
 from treadle.logger import init_logger
 
 logger = init_logger(__name__)
@@ -16,10 +17,7 @@ logger = init_logger(__name__)
 def _cache_dir(source: ModelSource) -> str:
     stat = os.stat(source.path)
     key = hashlib.sha256(f"{source.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    base = os.environ.get("TREADLE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "treadle"
-    )
-    return os.path.join(base, "tokenizers", key[:16])
+    return os.path.join(envs.cache_dir(), "tokenizers", key[:16])
 
 
 def load_tokenizer(source: ModelSource) -> Any:
@@ -43,3 +41,9 @@ def load_tokenizer(source: ModelSource) -> Any:
     except OSError as e:  # a read-only home is fine, just slower next time
         logger.warning("Could not cache the tokenizer in %s: %s", cache, e)
     return tokenizer
+
+
+def load_model_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer of `model`: its `--tokenizer` (a local directory or .gguf file) when
+    given, else the model's own."""
+    return load_tokenizer(resolve_model(model.tokenizer or model.model))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from treadle.cli.bench import (
     arrival_gaps,
     compute_metrics,
     format_table,
+    random_lengths,
     random_prompts,
 )
 
@@ -106,6 +108,20 @@ def test_prompts_and_arrivals_are_seeded() -> None:
     assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
 
 
+def test_range_ratio_and_percentiles_are_vllms() -> None:
+    assert random_lengths(5, 64, 0.0, seed=0) == [64] * 5
+    lens = random_lengths(500, 64, 0.5, seed=0)
+    assert min(lens) >= 32 and max(lens) <= 96 and len(set(lens)) > 10
+    with pytest.raises(ValueError, match="range-ratio"):
+        random_lengths(1, 64, 1.5, seed=0)
+    results = [RequestResult(1, True, 1, t / 1000, [], t / 1000) for t in range(1, 101)]
+    m = compute_metrics(results, duration=1.0, percentiles=(50, 90))
+    assert m["p50_ttft_ms"] == pytest.approx(50.5) and m["p90_ttft_ms"] == pytest.approx(90.1)
+    assert m["p99_ttft_ms"] == pytest.approx(99.01) and m["std_ttft_ms"] > 0
+    table = format_table(m, shown=("ttft",), percentiles=(50, 90))
+    assert "P90 TTFT (ms):" in table and "TPOT" not in table
+
+
 def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     server = server_factory([str(tiny_model_factory("llama")), "--max-model-len", "256"])
     result_file = tmp_path / "result.json"
@@ -141,3 +157,35 @@ def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Pa
     assert result["total_output_tokens"] == 8 * 8
     assert result["output_lens"] == [8] * 8
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
+
+    # vLLM's command line, word for word.
+    host, port = server.url.removeprefix("http://").split(":")
+    result_dir = tmp_path / "results"
+    vllm_line = [
+        *("--backend", "vllm", "--host", host, "--port", port, "--dataset-name", "random"),
+        *("--random-input-len", "64", "--random-output-len", "16", "--num-prompts", "8"),
+        *("--save-result", "--result-dir", str(result_dir), "--ignore-eos", "--disable-tqdm"),
+        *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"),
+    ]
+    proc = subprocess.run(
+        [TREADLE, "bench", "serve", *vllm_line], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "P50 E2EL (ms):" in proc.stdout
+    (saved,) = result_dir.iterdir()
+    assert saved.name.startswith("vllm-infqps-") and saved.suffix == ".json"
+    result = json.loads(saved.read_text())
+    assert result["backend"] == "vllm" and result["model_id"] == result["model"]
+    assert result["completed"] == 8 and result["total_input_tokens"] == 8 * 64
+    assert result["total_output_tokens"] == 8 * 16 and "p50_itl_ms" in result
+
+    chat = subprocess.run(
+        [TREADLE, "bench", "serve", "--backend", "openai-chat", "--base-url", server.url]
+        + ["--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4"]
+        + ["--ignore-eos", "--disable-tqdm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert chat.returncode == 0, chat.stdout + chat.stderr
+    assert re.search(r"Total generated tokens:\s+8\b", chat.stdout), chat.stdout

@@ -8,6 +8,7 @@ import sys
 from treadle.cli.bench import add_bench_parser
 from treadle.cli.serve import add_serve_parser, cli_docs
 from treadle.config import ModelConfig
+from treadle.engine_args import suggest
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -60,11 +61,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    for command in _leaf_parsers(parser):  # for `unrecognized`: the usage of the command used
+        command.set_defaults(_parser=command)
     return parser
 
 
+def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _leaf_parsers(sub) or [sub]
+    return found
+
+
+def unrecognized(command: argparse.ArgumentParser, extras: list[str]) -> str:
+    """`unrecognized arguments: --max-num-seq; did you mean '--max-num-seqs'?`"""
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    flags = [s for a in command._actions for s in a.option_strings if s.startswith("--")]
+    first = next((e.split("=")[0] for e in extras if e.startswith("-")), None)
+    if first is not None:
+        message += suggest(first if first.startswith("--") else "-" + first, flags)
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extras = build_parser().parse_known_args(argv)
+    if extras:  # argparse would print the top-level usage and no hint
+        args._parser.error(unrecognized(args._parser, extras))
     return int(args.func(args))
 
 

@@ -11,7 +11,6 @@ then exits 0) stop them all and exit 0.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import shutil
@@ -26,6 +25,7 @@ import zmq
 from treadle import envs
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
+from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.process import (
     ChildProcess,
@@ -91,7 +91,7 @@ def run_api_servers(
     model_name: str,
     model_path: str,
     count: int,
-    args: argparse.Namespace,
+    args: FrontendArgs,
     sock: socket.socket,
 ) -> int:
     """Serve with `count` API server processes on the bound HTTP socket `sock` (closed here)."""
@@ -118,9 +118,7 @@ def run_api_servers(
                 model_path,
                 index,
                 coordinator.front_publish if coordinator else None,
-                args.api_key,
-                args.log_level,
-                args.shutdown_timeout,
+                args,
             )
             # An orphaned API server gets 5 s (not 2) to drain and remove its socket files.
             api_servers.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # kv_cache_manager.block_key
     grammar: Any = None  # the llguidance matcher of a structured-output request
     num_prompt_logprobs: int = 0  # prompt tokens whose logprobs were sent (`prompt_logprobs`)
+    queued_ts: float = field(default_factory=time.monotonic)  # reached the engine core
+    scheduled_ts: float | None = None  # first scheduled
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

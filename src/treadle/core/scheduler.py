@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import Block, KVCacheManager
@@ -118,6 +119,8 @@ class Scheduler:
             req.num_computed_tokens += num_hit
             req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
+            if req.scheduled_ts is None:
+                req.scheduled_ts = time.monotonic()
             self.running.append(req)
             out.new_requests.append(
                 NewRequestData(
@@ -161,17 +164,19 @@ class Scheduler:
             self.kv.cache_full_blocks(req)
             if reason is not None:
                 self._finish(req, reason)
-            outputs.setdefault(req.client_index, []).append(
-                EngineCoreOutput(
-                    request_id=rid,
-                    new_token_ids=[token],
-                    new_logprobs=result.logprobs.get(rid),
-                    finish_reason=reason,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=req.num_cached_tokens,
-                    new_prompt_logprobs=prompt_logprobs,
-                )
+            out = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[token],
+                new_logprobs=result.logprobs.get(rid),
+                finish_reason=reason,
+                stop_reason=req.stop_reason,
+                num_cached_tokens=req.num_cached_tokens,
+                new_prompt_logprobs=prompt_logprobs,
             )
+            if req.num_output_tokens == 1 and req.scheduled_ts is not None:
+                out.queue_time = req.scheduled_ts - req.queued_ts
+                out.prefill_time = time.monotonic() - req.scheduled_ts
+            outputs.setdefault(req.client_index, []).append(out)
         return outputs
 
     def grammar_rows(self, sched: SchedulerOutput) -> list[Request]:

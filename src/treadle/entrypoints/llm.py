@@ -9,63 +9,39 @@ from typing import Any
 from tqdm import tqdm
 
 from treadle import envs
-from treadle.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    resolve_model,
-)
+from treadle.config import resolve_model
+from treadle.engine_args import EngineArgs
 from treadle.entrypoints.openai.protocol import template_message
 from treadle.executor.multiproc import check_parallel_layout
 from treadle.frontend.core_client import InprocClient, SyncMPClient
 from treadle.frontend.input_processor import InputProcessor, PromptType
 from treadle.frontend.output_processor import OutputProcessor, child_params
+from treadle.logger import init_logger
 from treadle.model.loader import read_arch
 from treadle.outputs import RequestOutput
-from treadle.sampling_params import SamplingParams
-from treadle.tokenizer import load_tokenizer
+from treadle.sampling_params import SamplingParams, generation_defaults
+from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import ModelLimits
 from treadle.wire.engine import SchedulerStats
+
+logger = init_logger(__name__)
 
 Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = SchedulerConfig.max_num_seqs,
-        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        block_size: int = CacheConfig.block_size,
-        max_logprobs: int = ModelConfig.max_logprobs,
-    ) -> None:
-        source = resolve_model(model)  # fail fast, before any loading, on a bad path
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs`: any `EngineArgs` field, with vLLM's names (`dtype`, `max_model_len`,
+        `max_num_seqs`, `kv_cache_memory_bytes`, `tensor_parallel_size`, ...). vLLM's
+        arguments that mean nothing here (`gpu_memory_utilization`, `enforce_eager`, ...) log a
+        warning; an unknown name raises `TypeError` naming the closest known one."""
+        args, warnings = EngineArgs.from_kwargs(model=model, **kwargs)
+        for warning in warnings:
+            logger.warning("LLM: %s", warning)
+        self.config = args.create_engine_config()
+        source = resolve_model(self.config.model.model)  # fail fast on a bad path
         read_arch(source)  # and on a checkpoint that is corrupt or of an unsupported kind
-        self.config = EngineConfig(
-            model=ModelConfig(
-                model=source.path,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                max_logprobs=max_logprobs,
-            ),
-            cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
-        )
-        if pipeline_parallel_size != 1:
-            raise ValueError(
-                "pipeline parallelism is not supported yet: use pipeline_parallel_size 1"
-            )
+        tensor_parallel_size = args.tensor_parallel_size
         if tensor_parallel_size > 1:
             check_parallel_layout(read_arch(source), tensor_parallel_size)
         self.engine: SyncMPClient | InprocClient = (
@@ -73,12 +49,13 @@ class LLM:
             if envs.enable_multiprocessing()
             else InprocClient(self.config)
         )
-        self.tokenizer = load_tokenizer(source)
+        self.tokenizer = load_model_tokenizer(self.config.model)
         info = self.engine.info
-        limits = ModelLimits(info.vocab_size, info.max_model_len, max_logprobs)
+        limits = ModelLimits(info.vocab_size, info.max_model_len, args.max_logprobs)
         self.input_processor = InputProcessor(self.tokenizer, limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._sampling_defaults = generation_defaults(self.config.model)
 
     @property
     def engine_core(self) -> Any:
@@ -108,6 +85,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt given no `SamplingParams` is sampled with: vLLM's defaults, with the
+        model's generation_config.json over them (`generation_config`, "auto" by default)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
@@ -173,7 +155,7 @@ class LLM:
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield the growing output of one prompt after every step (the CLI streams with it)."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         text, tokens = self.input_processor.tokenize(prompt)
         tokens = _truncated(tokens, params)
         rid = str(next(self._ids))
@@ -203,7 +185,7 @@ class LLM:
         self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * len(prompts)
+            return [self.get_default_sampling_params()] * len(prompts)
         if isinstance(params, SamplingParams):
             return [params] * len(prompts)
         if len(params) != len(prompts):

@@ -9,25 +9,28 @@ Cancelling `generate()` (a client that disconnected) aborts the request in the e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.config import EngineConfig, resolve_model
+from treadle.config import EngineConfig
 from treadle.frontend.core_client import AsyncMPClient, AttachTo, EngineDeadError
 from treadle.frontend.input_processor import InputProcessor
-from treadle.frontend.metrics import RequestTimes, StatLogger
+from treadle.frontend.metrics import RequestTimes, StatLogger, log_line
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
 from treadle.logger import init_logger
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
-from treadle.tokenizer import load_tokenizer
+from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
 from treadle.wire.engine import EngineCoreOutputs, FinishReason, SchedulerStats
 
 logger = init_logger(__name__)
+
+LOG_STATS_INTERVAL_S = 10.0
 
 
 @dataclass(eq=False)
@@ -67,10 +70,9 @@ class AsyncLLM:
         self.client_index = client_index
         self.model_name = model_name
         self.shutdown_timeout = shutdown_timeout
-        source = resolve_model(config.model.model)
         # Load the tokenizer while the engine core loads the model (both take seconds).
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:
-            tokenizer = pool.submit(load_tokenizer, source)
+            tokenizer = pool.submit(load_model_tokenizer, config.model)
             self.client = AsyncMPClient(
                 config,
                 self._on_outputs,
@@ -80,6 +82,8 @@ class AsyncLLM:
                 attach=attach,
             )
             self.tokenizer = tokenizer.result()
+        if config.frontend.chat_template is not None:  # --chat-template
+            self.tokenizer.chat_template = config.frontend.chat_template
         info = self.client.info
         self.max_model_len = info.max_model_len
         limits = ModelLimits(info.vocab_size, info.max_model_len, config.model.max_logprobs)
@@ -111,10 +115,28 @@ class AsyncLLM:
         self.client.on_event = lambda kind, engine, count: self.stat_loggers[engine].record_event(
             kind, count
         )
+        self._log_stats_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Start reading engine outputs; call inside the running event loop."""
+        """Start reading engine outputs (and logging stats every 10 s unless
+        --disable-log-stats); call inside the running event loop."""
         self.client.start()
+        if not self.config.frontend.disable_log_stats and self.client_index == 0:
+            self._log_stats_task = asyncio.get_running_loop().create_task(self._log_stats())
+
+    async def _log_stats(self) -> None:
+        """One line per engine every interval in which something happened."""
+        last = [(0, 0, SchedulerStats()) for _ in self.stat_loggers]
+        while True:
+            await asyncio.sleep(LOG_STATS_INTERVAL_S)
+            for engine, stat_logger in enumerate(self.stat_loggers):
+                now = (stat_logger.prompt_tokens, stat_logger.generation_tokens, self.stats[engine])
+                if now == last[engine]:
+                    continue
+                prompt = (now[0] - last[engine][0]) / LOG_STATS_INTERVAL_S
+                generation = (now[1] - last[engine][1]) / LOG_STATS_INTERVAL_S
+                logger.info("%s", log_line(engine, now[2], prompt, generation))
+                last[engine] = now
 
     @property
     def dead(self) -> bool:
@@ -152,6 +174,13 @@ class AsyncLLM:
         self.collectors[request_id] = collector
         self.times[request_id] = RequestTimes(time.monotonic(), len(prompt_token_ids))
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        if self.config.frontend.enable_log_requests:
+            logger.info(
+                "Received request %s: %d prompt tokens, params: %s",
+                request_id,
+                len(prompt_token_ids),
+                params,
+            )
         finished = False
         try:
             for request in requests:
@@ -160,6 +189,13 @@ class AsyncLLM:
                 out = await collector.get()
                 _raise_if_refused(out)
                 finished = out.finished
+                if finished and self.config.frontend.enable_log_requests:
+                    logger.info(
+                        "Finished request %s: %s, %d output tokens",
+                        request_id,
+                        ", ".join(str(c.finish_reason) for c in out.outputs),
+                        sum(len(c.token_ids) for c in out.outputs),
+                    )
                 yield out
                 if finished:
                     return
@@ -218,6 +254,9 @@ class AsyncLLM:
             collector.fail(error)
 
     def shutdown(self) -> None:
+        if self._log_stats_task is not None:  # asyncio.run cancels it too, when the loop ends
+            with contextlib.suppress(RuntimeError):  # the loop is closed already
+                self._log_stats_task.cancel()
         self.client.shutdown()
 
 

@@ -117,6 +117,9 @@ class StatLogger:
         self.labels = {"model_name": model_name, "engine": str(engine)}
         self.count_engine_totals = count_engine_totals
         self._last = SchedulerStats()
+        # Plain totals for the periodic log line (`log_line`).
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
 
     def _get(self, name: str, **extra: str) -> Any:
         return self.m[name].labels(**self.labels, **extra)
@@ -150,15 +153,30 @@ class StatLogger:
                 times.first_token = now
                 self._get("ttft").observe(now - times.arrival)
                 self._get("prompt_tokens").inc(times.num_prompt_tokens)
+                self.prompt_tokens += times.num_prompt_tokens
             elif times.last_token is not None:
                 self._get("itl").observe((now - times.last_token) / new)
             times.last_token = now
             times.num_tokens = tokens
             self._get("generation_tokens").inc(new)
+            self.generation_tokens += new
         if out.finished:
             self._get("e2e").observe(now - times.arrival)
             for c in out.outputs:
                 self._get("success", finished_reason=c.finish_reason or "abort").inc()
+
+
+def log_line(engine: int, stats: SchedulerStats, prompt_tps: float, generation_tps: float) -> str:
+    """vLLM's periodic line (`--disable-log-stats` turns it off)."""
+    queries = stats.prefix_cache_queries
+    hit_rate = 100.0 * stats.prefix_cache_hits / queries if queries else 0.0
+    return (
+        f"Engine {engine:03d}: Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+        f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
+        f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+        f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, "
+        f"Prefix cache hit rate: {hit_rate:.1f}%"
+    )
 
 
 def render_metrics() -> bytes:

@@ -6,11 +6,19 @@ outputs are merged back here into one `RequestOutput`.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.frontend.detokenizer import IncrementalDetokenizer
-from treadle.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from treadle.outputs import (
+    CompletionOutput,
+    Logprob,
+    LogprobsDict,
+    RequestMetrics,
+    RequestOutput,
+)
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs
 
@@ -30,6 +38,7 @@ class _ParentState:
     children: dict[str, _ChildState] = field(default_factory=dict)
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobsDict | None] | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
     @property
     def finished(self) -> bool:
@@ -124,6 +133,7 @@ class OutputProcessor:
         stop string ended them)."""
         changed: dict[str, _ParentState] = {}
         to_abort: list[str] = []
+        now = time.time()
         for out in outputs:
             parent_id = self._child_to_parent.get(out.request_id)
             if parent_id is None:
@@ -138,9 +148,12 @@ class OutputProcessor:
                 rows = self.token_texts.entries(out.new_prompt_logprobs)
                 parent.prompt_logprobs.extend(rows[:room])
             self._apply(child, out, to_abort)
+            _record(parent.metrics, out, now)
             changed[parent_id] = parent
         results = []
         for parent in changed.values():
+            if parent.finished:
+                parent.metrics.finished_time = now
             results.append(self._make_output(parent))
             if parent.finished:
                 self._forget(parent)
@@ -184,12 +197,23 @@ class OutputProcessor:
             prompt_logprobs=None
             if parent.prompt_logprobs is None
             else list(parent.prompt_logprobs),
+            metrics=dataclasses.replace(parent.metrics),
         )
 
     def _forget(self, parent: _ParentState) -> None:
         self._parents.pop(parent.request_id, None)
         for child_id in parent.children:
             self._child_to_parent.pop(child_id, None)
+
+
+def _record(metrics: RequestMetrics, out: EngineCoreOutput, now: float) -> None:
+    if out.new_token_ids:
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += len(out.new_token_ids)
+    if metrics.time_in_queue is None and (out.queue_time or out.prefill_time):
+        metrics.time_in_queue, metrics.prefill_time = out.queue_time, out.prefill_time
 
 
 def _copy(c: CompletionOutput) -> CompletionOutput:

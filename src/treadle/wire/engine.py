@@ -74,6 +74,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # Logprobs of the prompt tokens this step's prefill chunk scored (`prompt_logprobs`): one
     # row per prompt token from the second on, in order, across the request's chunks.
     new_prompt_logprobs: Logprobs | None = None
+    # On the output that carries a request's first token: seconds it waited before it was
+    # first scheduled, and from then to its first token (the engine core's clock).
+    queue_time: float = 0.0
+    prefill_time: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import treadle
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.body_limit import BodySizeLimit
+from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,10 +54,12 @@ def build_app(
     engine: AsyncLLM,
     model_name: str,
     model_path: str,
-    api_key: str | None,
+    server: FrontendArgs | None = None,
     announce: str | None = None,
 ) -> FastAPI:
     """The HTTP app. `model_path` is only logged: clients see `model_name`, never a path."""
+    server = server or FrontendArgs()
+    api_key = server.api_key
     serving = OpenAIServing(engine, model_name)
     inputs = serving.inputs
 
@@ -64,11 +68,24 @@ def build_app(
         engine.start()
         logger.info("Serving %s as %r", model_path, model_name)
         if announce:  # uvicorn says where it listens only when it opened the socket itself
-            logging.getLogger("uvicorn.error").info("%s", announce)
+            uvicorn_log = logging.getLogger("uvicorn.error")
+            # Above info (--uvicorn-log-level warning) uvicorn would not say it: treadle does.
+            (uvicorn_log if uvicorn_log.isEnabledFor(logging.INFO) else logger).info("%s", announce)
         yield
         inputs.shutdown()
 
-    app = FastAPI(title="treadle", version=treadle.__version__, lifespan=lifespan)
+    docs: dict[str, Any] = {}
+    if server.disable_fastapi_docs:
+        docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(
+        title="treadle",
+        version=treadle.__version__,
+        lifespan=lifespan,
+        **docs,
+    )
+    # As vLLM sets it (the constructor's parameter is deprecated): requests come with or
+    # without the prefix, and the docs and the OpenAPI servers list carry it.
+    app.root_path = server.root_path
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -83,6 +100,14 @@ def build_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimit, max_bytes=engine.config.frontend.max_request_body_bytes)
+    if server.allowed_origins:  # vLLM allows any origin by default; treadle none unless told
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server.allowed_origins),
+            allow_credentials=server.allow_credentials,
+            allow_methods=list(server.allowed_methods),
+            allow_headers=list(server.allowed_headers),
+        )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -212,32 +237,34 @@ def run_server(
     engine: AsyncLLM,
     model_name: str,
     model_path: str,
-    host: str,
+    server: FrontendArgs,
     port: int,
-    api_key: str | None,
-    log_level: str = "info",
     sock: socket.socket | None = None,
     shared: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit 0) or engine death (exit 1); returns the exit code.
     `sock`: the HTTP socket, already bound (by the CLI, or by the supervisor for several API
-    servers, which `shared` says)."""
+    servers, which `shared` says); `port`: the one it is bound to."""
     announce = None
     if sock is not None and engine.client_index == 0:
         note = " (shared by every API server)" if shared else ""
-        announce = f"Uvicorn running on http://{host}:{port}{note}"
-    app = build_app(engine, model_name, model_path, api_key, announce)
+        announce = f"Uvicorn running on {server.scheme}://{server.host}:{port}{note}"
+    app = build_app(engine, model_name, model_path, server, announce)
     config = uvicorn.Config(
         app,
-        host=host,
+        host=server.host,
         port=port,
-        log_level=log_level.lower(),
+        log_level=server.uvicorn_log_level,
+        access_log=not server.disable_uvicorn_access_log,
+        ssl_keyfile=server.ssl_keyfile,
+        ssl_certfile=server.ssl_certfile,
+        ssl_ca_certs=server.ssl_ca_certs,
         loop="uvloop",
         http="httptools",
         # Streams end when the engine has drained (--shutdown-timeout), not before.
         timeout_graceful_shutdown=5 + int(engine.shutdown_timeout),
     )
-    server = uvicorn.Server(config)
+    http_server = uvicorn.Server(config)
     engine_died = False
 
     def on_dead(reason: str) -> None:
@@ -245,7 +272,7 @@ def run_server(
         engine_died = True
         previous(reason)
         # Give failing streams a moment to send their error, then stop serving.
-        asyncio.get_running_loop().call_later(2.0, setattr, server, "should_exit", True)
+        asyncio.get_running_loop().call_later(2.0, setattr, http_server, "should_exit", True)
 
     previous = engine._on_dead
     engine._on_dead = on_dead  # type: ignore[method-assign]
@@ -255,7 +282,7 @@ def run_server(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run(sockets=[sock] if sock is not None else None)
+        http_server.run(sockets=[sock] if sock is not None else None)
     finally:
         engine.shutdown()
     if engine_died:
@@ -272,9 +299,7 @@ def run_api_server_worker(
     model_path: str,
     client_index: int,
     coordinator: str | None,
-    api_key: str | None,
-    log_level: str,
-    shutdown_timeout: float,
+    server: FrontendArgs,
 ) -> None:
     """Process entry of API server `client_index` of several (`--api-server-count`).
 
@@ -287,9 +312,7 @@ def run_api_server_worker(
 
     signal.signal(signal.SIGTERM, leave)
     attach = AttachTo(report=ready.send_ready, coordinator=coordinator)
-    engine = AsyncLLM(config, model_name, shutdown_timeout, client_index, attach)
-    host, port = sock.getsockname()[:2]
-    code = run_server(
-        engine, model_name, model_path, host, port, api_key, log_level, sock, shared=True
-    )
+    engine = AsyncLLM(config, model_name, server.shutdown_timeout, client_index, attach)
+    port = sock.getsockname()[1]
+    code = run_server(engine, model_name, model_path, server, port, sock, shared=True)
     raise SystemExit(code)

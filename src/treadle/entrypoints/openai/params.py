@@ -167,18 +167,29 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     truncate_prompt_tokens: int | None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """The request's `SamplingParams` (raises `InvalidRequest` naming a bad field)."""
+    """The request's `SamplingParams` (raises `InvalidRequest` naming a bad field).
+    `defaults`: values of the fields the request leaves out (`generation_defaults`)."""
+    given = req.model_fields_set
+    fallback = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(defaults or {})}
+
+    def pick(name: str) -> Any:
+        value = getattr(req, name)
+        if (name not in given or value is None) and name in fallback:
+            return fallback[name]
+        return value
+
     return SamplingParams(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p,
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        top_k=pick("top_k") or 0,
+        min_p=pick("min_p"),
         seed=req.seed,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
+        repetition_penalty=pick("repetition_penalty"),
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),

@@ -31,7 +31,11 @@ from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import EngineDeadError
 from treadle.logger import init_logger
 from treadle.outputs import CompletionOutput, RequestOutput
-from treadle.sampling_params import SamplingParams, StructuredOutputsParams
+from treadle.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    generation_defaults,
+)
 from treadle.validation import InvalidRequest, check_batch, check_max_tokens, is_int64
 
 logger = init_logger(__name__)
@@ -92,6 +96,13 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.token_text = engine.output_processor.token_texts
         self.inputs = PromptInputs(engine.input_processor, engine.config.frontend)
+        self.sampling_defaults = generation_defaults(engine.config.model)
+        if self.sampling_defaults:
+            logger.info(
+                "Default sampling parameters from generation_config.json (requests that set "
+                "them override them; --generation-config vllm ignores the file): %s",
+                self.sampling_defaults,
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -139,7 +150,9 @@ class OpenAIServing:
             check_max_tokens(max_tokens, longest, limits)
         # The prompts are already cut; "right" cuts are no rule the engine knows.
         keep_last = truncate[0] if truncate is not None and truncate[1] == "left" else None
-        params = sampling_params(req, max_tokens, logprobs, prompt_logprobs, keep_last)
+        params = sampling_params(
+            req, max_tokens, logprobs, prompt_logprobs, keep_last, self.sampling_defaults
+        )
         if tool_constraint is not None:
             if params.structured_outputs is not None:  # vLLM: one or the other
                 raise InvalidRequest(

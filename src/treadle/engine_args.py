@@ -1,0 +1,426 @@
+"""`EngineArgs`: the one list of engine arguments, with vLLM's names (as vLLM's `EngineArgs`).
+
+Its fields generate `treadle serve`'s options (`add_cli_args`, help from the config docstrings),
+are what `LLM(**kwargs)` accepts (`from_kwargs`), and build the `EngineConfig`
+(`create_engine_config`). vLLM arguments that mean nothing here are accepted with a one-line
+warning saying what treadle does instead, those that cannot be honoured are refused
+(`VLLM_ARGS`, `check_vllm_args`), and an unknown one is an error naming the closest known name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from treadle.config import (
+    CacheConfig,
+    EngineConfig,
+    FrontendConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    field_docs,
+    resolve_model,
+)
+
+# Argument groups of `--help`, in vLLM's order.
+GROUPS = {
+    "model": "model",
+    "cache": "cache",
+    "parallel": "parallel",
+    "scheduler": "scheduler",
+    "frontend": "frontend",
+    "vllm": "vLLM arguments without effect here (accepted with a warning) or refused",
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """`2147483648`, `2GiB`, `512MiB`, `1.5G` -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 2GiB or 2147483648)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def arg(
+    default: Any,
+    *flags: str,
+    group: str,
+    area: type | None = None,
+    type: Callable[[str], Any] | None = None,
+    choices: Iterable[str] | None = None,
+    help: str | None = None,
+    positional: str | None = None,
+) -> Any:
+    """A dataclass field that is also a command-line option. `flags`: its option strings
+    (default `--field-name`); `area`: the config class whose docstring of the same field is
+    the help; `positional`: also accepted as this positional argument (`serve MODEL`)."""
+    meta = {
+        "flags": flags,
+        "group": group,
+        "area": area,
+        "type": type,
+        "choices": tuple(choices) if choices else None,
+        "help": help,
+        "positional": positional,
+    }
+    return field(default=default, metadata=meta)
+
+
+def _value_type(cls: type, name: str) -> Any:
+    """`int | None` -> int; `str` -> str."""
+    hint = typing.get_type_hints(cls)[name]
+    if isinstance(hint, types.UnionType):
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    return hint
+
+
+def add_cli_args(
+    parser: argparse.ArgumentParser, cls: type, groups: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Add an option per field of `cls` (fields made with `arg`) to `parser`, in argument
+    groups; returns the groups (by key of `GROUPS`) so that another class can add to them."""
+    groups = {} if groups is None else groups
+    own_docs = field_docs(cls)
+    for f in fields(cls):
+        meta = f.metadata
+        if "group" not in meta:
+            continue
+        if meta["group"] not in groups:
+            groups[meta["group"]] = parser.add_argument_group(GROUPS[meta["group"]])
+        group = groups[meta["group"]]
+        doc = meta["help"] or own_docs.get(f.name) or ""
+        if not doc and meta["area"] is not None:
+            doc = field_docs(meta["area"]).get(f.name, "")
+        doc = doc.replace("%", "%%")  # argparse %-formats help
+        if meta["positional"]:
+            group.add_argument(
+                meta["positional"], nargs="?", default=None, metavar=f.name.upper(), help=doc
+            )
+            doc = f"same as the positional {f.name.upper()}"
+        flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
+        default = f.default
+        kind = _value_type(cls, f.name)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": doc}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif typing.get_origin(kind) is tuple:
+            kwargs["type"] = meta["type"] or str
+        else:
+            kwargs["type"] = meta["type"] or kind
+            if meta["choices"]:
+                kwargs["choices"] = meta["choices"]
+        group.add_argument(*flags, **kwargs)
+    return groups
+
+
+def from_namespace(cls: type, args: argparse.Namespace) -> Any:
+    """An instance of `cls` from the parsed options that `add_cli_args(cls)` added. A
+    positional and its option (`serve M` and `--model M`) must agree."""
+    values = {}
+    for f in fields(cls):
+        if "group" not in f.metadata:
+            continue
+        value = getattr(args, f.name)
+        positional = f.metadata["positional"]
+        given = getattr(args, positional, None) if positional else None
+        if given is not None:
+            if value is not None and value != given:
+                raise ValueError(
+                    f"the model is given twice ({given!r} and --{f.name} {value!r}): give one"
+                )
+            value = given
+        values[f.name] = value
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything the engine needs, flat, with vLLM's names; `create_engine_config()` sorts
+    it into the per-area configs."""
+
+    model: str | None = arg(None, group="model", area=ModelConfig, positional="model_tag")
+    served_model_name: str | None = arg(None, group="model", area=ModelConfig)
+    tokenizer: str | None = arg(None, group="model", area=ModelConfig)
+    dtype: str = arg(ModelConfig.dtype, group="model", area=ModelConfig)
+    max_model_len: int | None = arg(None, group="model", area=ModelConfig)
+    seed: int = arg(ModelConfig.seed, group="model", area=ModelConfig)
+    max_logprobs: int = arg(ModelConfig.max_logprobs, group="model", area=ModelConfig)
+    generation_config: str = arg(ModelConfig.generation_config, group="model", area=ModelConfig)
+    block_size: int = arg(CacheConfig.block_size, group="cache", area=CacheConfig)
+    kv_cache_memory: int | None = arg(
+        None,
+        "--kv-cache-memory",
+        "--kv-cache-memory-bytes",
+        group="cache",
+        type=parse_bytes,
+        help=field_docs(CacheConfig)["kv_cache_memory"]
+        + " Accepts 2GiB, 512MiB or bytes (vLLM's --kv-cache-memory-bytes).",
+    )
+    enable_prefix_caching: bool = arg(
+        CacheConfig.enable_prefix_caching, group="cache", area=CacheConfig
+    )
+    tensor_parallel_size: int = arg(
+        1, "-tp", "--tensor-parallel-size", group="parallel", area=ParallelConfig
+    )
+    pipeline_parallel_size: int = arg(
+        1, "-pp", "--pipeline-parallel-size", group="parallel", area=ParallelConfig
+    )
+    data_parallel_size: int = arg(
+        1, "-dp", "--data-parallel-size", group="parallel", area=ParallelConfig
+    )
+    data_parallel_size_local: int | None = arg(
+        None, "-dpl", "--data-parallel-size-local", group="parallel", area=ParallelConfig
+    )
+    data_parallel_start_rank: int = arg(
+        0, "-dpr", "--data-parallel-start-rank", group="parallel", area=ParallelConfig
+    )
+    data_parallel_address: str | None = arg(
+        None, "-dpa", "--data-parallel-address", group="parallel", area=ParallelConfig
+    )
+    data_parallel_rpc_port: int | None = arg(
+        None, "-dpp", "--data-parallel-rpc-port", group="parallel", area=ParallelConfig
+    )
+    cpu_threads: int | None = arg(None, group="parallel", area=ParallelConfig)
+    max_num_seqs: int = arg(SchedulerConfig.max_num_seqs, group="scheduler", area=SchedulerConfig)
+    max_num_batched_tokens: int = arg(
+        SchedulerConfig.max_num_batched_tokens, group="scheduler", area=SchedulerConfig
+    )
+    disable_log_stats: bool = arg(False, group="frontend", area=FrontendConfig)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return typing.cast(EngineArgs, from_namespace(cls, args))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> tuple[EngineArgs, list[str]]:
+        """`LLM(**kwargs)`: vLLM's names and aliases; returns the args and the warnings about
+        vLLM arguments that have no effect here. Raises `TypeError` for an unknown name
+        (naming the closest known one) and `ValueError` for one that cannot be honoured."""
+        known = {f.name for f in fields(cls)}
+        ours, theirs = {}, {}
+        for key, value in kwargs.items():
+            key = KWARG_ALIASES.get(key, key)
+            if key in known:
+                ours[key] = value
+            elif key in VLLM_ARGS:
+                theirs[key] = value
+            else:
+                hint = suggest(key, [*known, *VLLM_ARGS, *KWARG_ALIASES])
+                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}{hint}")
+        if isinstance(ours.get("kv_cache_memory"), str):
+            ours["kv_cache_memory"] = parse_bytes(ours["kv_cache_memory"])
+        return cls(**ours), check_vllm_args(theirs)
+
+    def create_engine_config(self, frontend: FrontendConfig | None = None) -> EngineConfig:
+        """The checked `EngineConfig` (the model path resolved to local files). Raises
+        `ValueError` or `FileNotFoundError` with one line that says what to change; the checks
+        that need the model's header run later (`worker.check_config`)."""
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                "pipeline parallelism is not supported yet: use --pipeline-parallel-size 1"
+            )
+        source = resolve_model(self.model)
+        if self.tokenizer is not None:
+            path = os.path.expanduser(self.tokenizer)
+            if not (os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf"))):
+                raise ValueError(
+                    f"--tokenizer {self.tokenizer!r}: not a local directory or .gguf file "
+                    "(treadle never downloads tokenizers)"
+                )
+        gen = self.generation_config
+        if gen not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(os.path.expanduser(gen), "generation_config.json")
+        ):
+            raise ValueError(
+                f"--generation-config {gen!r}: give auto, vllm or a directory that holds a "
+                "generation_config.json"
+            )
+        config = EngineConfig(
+            model=ModelConfig(
+                model=source.path,
+                served_model_name=self.served_model_name,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+                max_logprobs=self.max_logprobs,
+                tokenizer=None if self.tokenizer is None else os.path.abspath(path),
+                generation_config=gen,
+            ),
+            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
+            parallel=ParallelConfig(
+                self.tensor_parallel_size,
+                self.pipeline_parallel_size,
+                self.data_parallel_size,
+                self.data_parallel_size_local,
+                self.data_parallel_start_rank,
+                self.data_parallel_address,
+                self.data_parallel_rpc_port,
+                self.cpu_threads,
+            ),
+            frontend=replace(
+                frontend or FrontendConfig(), disable_log_stats=self.disable_log_stats
+            ),
+        )
+        config.parallel.check()
+        return config
+
+
+# vLLM's keyword names that are another name of one of ours.
+KWARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+
+
+@dataclass(frozen=True)
+class VllmArg:
+    """A vLLM argument treadle has no use for. `refuse`: it cannot be honoured (start-up
+    error); otherwise a warning. `fine`: values that mean what treadle does anyway (silent).
+    `kind`: how the CLI reads it: "flag" (no value), "bool" (--x / --no-x) or "value"."""
+
+    note: str
+    kind: str = "value"
+    refuse: bool = False
+    fine: tuple[Any, ...] = ()
+    flags: tuple[str, ...] = ()
+
+
+VLLM_ARGS: dict[str, VllmArg] = {
+    "gpu_memory_utilization": VllmArg(
+        "treadle sizes the KV cache by --kv-cache-memory-bytes (1 GiB on the CPU by default, "
+        "90% of free memory on CUDA)"
+    ),
+    "enforce_eager": VllmArg(
+        "treadle always runs eagerly (no CUDA graphs, no torch.compile)", "flag", fine=(False,)
+    ),
+    "trust_remote_code": VllmArg(
+        "treadle runs its own code for the architectures it supports (Llama, Mistral, Qwen2, "
+        "Qwen3, SmolLM) and never loads a model's code",
+        "flag",
+        fine=(False,),
+    ),
+    "download_dir": VllmArg(
+        "treadle never downloads weights: give a local directory or .gguf file"
+    ),
+    "swap_space": VllmArg("preempted requests are recomputed, never swapped to CPU memory"),
+    "cpu_offload_gb": VllmArg("weights stay where the model runs", fine=(0,)),
+    "disable_custom_all_reduce": VllmArg(
+        "tensor parallelism all-reduces with torch.distributed (gloo on the CPU)",
+        "flag",
+        fine=(False,),
+    ),
+    "max_seq_len_to_capture": VllmArg("there are no CUDA graphs to capture"),
+    "compilation_config": VllmArg(
+        "nothing is compiled by torch.compile", flags=("-O", "--compilation-config")
+    ),
+    "distributed_executor_backend": VllmArg(
+        "tensor-parallel workers are always processes (mp)", fine=("mp",)
+    ),
+    "tokenizer_mode": VllmArg("the Hugging Face fast tokenizer is used", fine=("auto",)),
+    "load_format": VllmArg(
+        "weights load from safetensors or GGUF by the kind of file",
+        fine=("auto", "safetensors", "gguf"),
+    ),
+    "revision": VllmArg("treadle loads the local files as they are"),
+    "code_revision": VllmArg("treadle loads no model code"),
+    "tokenizer_revision": VllmArg("treadle loads the local tokenizer files as they are"),
+    "hf_token": VllmArg("treadle never contacts the Hugging Face hub"),
+    "device": VllmArg("treadle runs on CUDA when present, else on the CPU", fine=("auto",)),
+    "async_scheduling": VllmArg(
+        "the engine core's IO threads already overlap the step", "flag", fine=(False,)
+    ),
+    "enable_expert_parallel": VllmArg(
+        "treadle runs dense models only",
+        "flag",
+        fine=(False,),
+        flags=("-ep", "--enable-expert-parallel"),
+    ),
+    "disable_log_requests": VllmArg(
+        "requests are logged only with --enable-log-requests", "flag", fine=(True, False)
+    ),
+    "guided_decoding_backend": VllmArg("structured outputs always run on llguidance"),
+    "structured_outputs_config": VllmArg("structured outputs always run on llguidance"),
+    "limit_mm_per_prompt": VllmArg("treadle serves text-only models"),
+    "max_log_len": VllmArg("--enable-log-requests logs prompt lengths, not prompts"),
+    "enable_chunked_prefill": VllmArg(
+        "chunked prefill is always on", "bool", refuse=True, fine=(True,)
+    ),
+    "kv_cache_dtype": VllmArg(
+        "the KV cache is kept in the model's dtype (--dtype)", refuse=True, fine=("auto",)
+    ),
+    "quantization": VllmArg(
+        "treadle runs the quantizations of a GGUF file (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K ...) and no "
+        "other method",
+        refuse=True,
+        fine=(None, "gguf"),
+        flags=("-q", "--quantization"),
+    ),
+    "speculative_config": VllmArg("speculative decoding is not supported", refuse=True),
+    "enable_lora": VllmArg("LoRA adapters are not supported", "flag", refuse=True, fine=(False,)),
+    "lora_modules": VllmArg("LoRA adapters are not supported", refuse=True),
+    "reasoning_parser": VllmArg("no reasoning parser is implemented", refuse=True),
+    "hf_overrides": VllmArg("the model's config cannot be overridden", refuse=True),
+    "rope_scaling": VllmArg("RoPE scaling cannot be overridden", refuse=True),
+    "override_generation_config": VllmArg(
+        "not supported: use --generation-config with a directory", refuse=True
+    ),
+    "middleware": VllmArg("custom ASGI middleware is not supported", refuse=True),
+}
+
+
+def suggest(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """`"; did you mean 'max_num_seqs'?"` for the closest known name, or ''."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]!r}?" if close else ""
+
+
+def check_vllm_args(given: dict[str, Any], cli: bool = False) -> list[str]:
+    """The warnings about the vLLM-only arguments `given` (name -> value); raises
+    `ValueError` for one that cannot be honoured."""
+    warnings = []
+    for name, value in given.items():
+        spec = VLLM_ARGS[name]
+        if value in spec.fine:
+            continue
+        shown = "--" + name.replace("_", "-") if cli else name
+        if cli and spec.kind != "value":  # a flag: its name says it all
+            if value is False:
+                shown = "--no-" + shown[2:]
+        else:
+            shown = f"{shown}={value!r}"
+        if spec.refuse:
+            raise ValueError(f"{shown} cannot be honoured: {spec.note}")
+        warnings.append(f"{shown.split('=')[0]} has no effect: {spec.note}")
+    return warnings
+
+
+def add_vllm_cli_args(parser: argparse.ArgumentParser, groups: dict[str, Any]) -> None:
+    """The `VLLM_ARGS` as options that appear in the namespace only when given."""
+    group = groups.setdefault("vllm", parser.add_argument_group(GROUPS["vllm"]))
+    for name, spec in VLLM_ARGS.items():
+        flags = spec.flags or ("--" + name.replace("_", "-"),)
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+        if spec.refuse:
+            fine = ", ".join(str(v) for v in spec.fine if v not in (None, True, False))
+            doc = f"refused{f' (except {fine})' if fine else ''}: {spec.note}"
+        else:
+            doc = f"no effect: {spec.note}"
+        kwargs["help"] = doc.replace("%", "%%")
+        if spec.kind == "flag":
+            kwargs["action"] = "store_true"
+        elif spec.kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        group.add_argument(*flags, **kwargs)
+
+
+def vllm_args_given(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in VLLM_ARGS if hasattr(args, name)}
