@@ -55,6 +55,7 @@ bench: install bench-peers
 	$(BIN)/python benchmarks/ipc.py
 	$(BIN)/python benchmarks/tp_bench.py
 	$(BIN)/python benchmarks/dp_bench.py
+	$(BIN)/python benchmarks/restart_bench.py
 
 # llama.cpp's llama-server, the peer of benchmarks/peer_bench.py, built from the source vendored
 # in the llama-cpp-python sdist into $(PEERS)/ (native, and AVX2-only): not part of `make test`.

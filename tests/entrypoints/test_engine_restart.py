@@ -6,6 +6,7 @@ progress; a crash loop still ends the server."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -208,3 +209,76 @@ def test_bad_restart_flags_are_refused(tmp_path: Path) -> None:
             [TREADLE, "serve", *flags, "--port", "0"], capture_output=True, text=True, timeout=60
         )
         assert out.returncode == 2 and "treadle serve: error:" in out.stderr, flags
+
+
+def stream_completion(
+    url: str, prompt: str, max_tokens: int, rank: int | None = None, gaps: list[float] | None = None
+) -> str:
+    """A greedy streamed completion's text (pinned to a DP rank if given); `gaps` gets the
+    time between consecutive chunks."""
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    text, last = "", None
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body, headers=headers, timeout=120
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            now = time.monotonic()
+            if gaps is not None and last is not None:
+                gaps.append(now - last)
+            last = now
+    return text
+
+
+def test_a_dead_tp_worker_restarts_its_engine_and_the_stream_goes_on(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_model_factory("llama")), "-tp", "2"])
+    reference = stream_completion(srv.url, "hello there", 400)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        gaps: list[float] = []
+        future = pool.submit(stream_completion, srv.url, "hello there", 400, None, gaps)
+        while len(gaps) < 20:
+            assert not future.done(), future.result()
+            time.sleep(0.01)
+        worker = srv.pid_of("treadle::Worker_TP1")
+        os.kill(worker, signal.SIGKILL)
+        assert future.result(120) == reference
+    assert max(gaps) > 0.5  # it did pause for the restart
+    wait_ready(srv, timeout=60)
+    assert srv.pid_of("treadle::Worker_TP1") != worker
+    assert metric(srv, "engine_restarts_total") == 1
+
+
+def test_one_dead_engine_of_two_does_not_pause_the_other(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory([str(tiny_model_factory("llama")), "-dp", "2", "--api-server-count", "1"])
+    reference = stream_completion(srv.url, "hello there", 400, rank=0)
+    gaps: list[list[float]] = [[], []]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(stream_completion, srv.url, "hello there", 400, rank, gaps[rank])
+            for rank in (0, 1)
+        ]
+        while min(len(g) for g in gaps) < 20:
+            assert not any(f.done() for f in futures), [f.result() for f in futures]
+            time.sleep(0.01)
+        os.kill(srv.pid_of("treadle::EngineCore_DP1"), signal.SIGKILL)
+        assert [f.result(120) for f in futures] == [reference, reference]
+    pause = max(gaps[1])  # engine 1's stream waited for its restart ...
+    assert pause > 1.0
+    assert max(gaps[0]) < pause / 2  # ... engine 0's did not
+    wait_ready(srv, timeout=60)

@@ -7,6 +7,7 @@ issue 14): each request as it was sent, the engine it runs on, and what came bac
     remove(ids)                     aborted
     on_engine_death(engine)         -> (ids to resume, ids to fail): the dead-letter rule
     resumed(id)                     the request to send again, with what its client has
+                                    (sent: a death from now on is one it was in flight at)
 
 The dead-letter rule: a request in flight at an engine death is a suspect; one that is in
 flight at a second death before it has made progress on the restarted engine (a token, or
@@ -32,6 +33,7 @@ class InFlightRequest:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: int = 0  # prompt-logprob rows received
     deaths: int = 0  # engine deaths it has been in flight at, since it last made progress
+    sent: bool = True  # on its engine now (False: waiting to be resumed)
 
 
 class InFlight:
@@ -73,7 +75,9 @@ class InFlight:
         for rid, entry in self.requests.items():
             if entry.engine != engine:
                 continue
-            entry.deaths += 1
+            if entry.sent:  # one still waiting to be resumed was not there
+                entry.deaths += 1
+                entry.sent = False
             (fail if entry.deaths >= 2 else resume).append(rid)
         self.remove(fail)
         resume.sort(key=lambda rid: self.requests[rid].request.arrival_time)
@@ -85,6 +89,7 @@ class InFlight:
         entry = self.requests.get(request_id)
         if entry is None:
             return None
+        entry.sent = True
         return msgspec.structs.replace(
             entry.request,
             resumed_output_token_ids=list(entry.output_token_ids),
