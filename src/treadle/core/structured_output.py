@@ -27,7 +27,6 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: GrammarCompiler | None = None
-        self._executor: Any = None  # llguidance.LLExecutor, for filling masks in parallel
 
     def submit(self, so: StructuredOutputsParams) -> Future[Any]:
         """A future `LLMatcher` for the constraint; its exception is an `InvalidRequest` for
@@ -49,11 +48,7 @@ class StructuredOutputManager:
 
     def bitmask(self, matchers: list[Any]) -> torch.Tensor:
         """int32 [len(matchers), words]: the tokens each matcher allows next."""
-        if self._executor is None:
-            import llguidance
-
-            self._executor = llguidance.LLExecutor()
-        return fill_bitmask(matchers, self.vocab_size, self._executor)
+        return fill_bitmask(matchers, self.vocab_size)
 
     def shutdown(self) -> None:
         if self._pool is not None:
