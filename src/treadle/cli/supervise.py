@@ -4,20 +4,25 @@ this host's engine cores (`--headless`). ARCHITECTURE §1, §8.
 With N API servers the CLI process serves no HTTP. It binds the HTTP socket, starts the DP
 coordinator and the engine cores, spawns the API servers (each gets the socket, a client
 index and binds its own ROUTER/PULL pair, whose addresses come back on its ready pipe), runs
-the engines' handshake with all those addresses, then watches every child. Any child dying
-stops all of them and exits non-zero; SIGTERM/SIGINT (to this process or to any child, which
-then exits 0) stop them all and exit 0.
+the engines' handshake with all those addresses, then watches every child. A dead engine
+core is restarted (--max-engine-restarts; the API servers resume its requests when it says
+hello); any other child dying stops all of them and exits non-zero; SIGTERM/SIGINT (to this
+process or to any child, which then exits 0) stop them all and exit 0.
 """
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import socket
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -26,6 +31,7 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
+from treadle.frontend.core_client import ENGINE_RESTART_WINDOW_S
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.process import (
     ChildProcess,
@@ -60,11 +66,14 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 
 
 class _Stop:
-    """Set by a signal or a child's death; the main thread waits on it."""
+    """Set by a signal or a child's death; the main thread waits on it. With `restartable`
+    children (engine cores, when restarts are on) a death queues a restart instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, restartable: Callable[[ChildProcess], bool] = lambda child: False) -> None:
         self.event = threading.Event()
         self.failure: str | None = None
+        self.restartable = restartable
+        self.restarts: queue.SimpleQueue[ChildProcess] = queue.SimpleQueue()
 
     def on_signal(self, signum: int, frame: Any) -> None:
         logger.info("Received %s; shutting down", signal.Signals(signum).name)
@@ -75,15 +84,68 @@ class _Stop:
         everything stops cleanly. Any other end is a failure."""
         if self.event.is_set():
             return
+        if child.exitcode != 0 and self.restartable(child):
+            self.restarts.put(child)
+            return
         if child.exitcode == 0:
             logger.info("%s stopped; shutting down", child.describe())
         else:
             self.failure = f"{child.describe()} died: {describe_exit(child.exitcode)}"
         self.event.set()
 
-    def wait(self) -> None:
-        while not self.event.wait(0.5):
-            pass
+    def wait(self, on_restart: Callable[[ChildProcess], None] = lambda child: None) -> None:
+        """Until stopped; meanwhile run `on_restart` (in this thread) for each queued death."""
+        while not self.event.wait(0.2):
+            while not self.restarts.empty() and not self.event.is_set():
+                on_restart(self.restarts.get())
+
+
+class _EngineRestarts:
+    """The supervisor's side of engine restarts (the API servers resume their requests when
+    a restarted engine says hello): at most --max-engine-restarts in 10 minutes, then stop."""
+
+    def __init__(self, config: EngineConfig, launcher: EngineLauncher, stop: _Stop) -> None:
+        self.limit = config.restart.max_engine_restarts
+        self.launcher = launcher
+        self.stop = stop
+        self.times: collections.deque[float] = collections.deque()
+        self.addresses: list[list[str]] = []
+        self.monitor: ProcessMonitor | None = None
+
+    def restartable(self, child: ChildProcess) -> bool:
+        return self.limit > 0 and any(child is e for e in self.launcher.engines)
+
+    def restart(self, child: ChildProcess) -> None:
+        rank = self.launcher.start_rank + next(
+            i for i, e in enumerate(self.launcher.engines) if e is child
+        )
+        cause = f"{child.describe()} died: {describe_exit(child.exitcode)}"
+        now = time.monotonic()
+        while self.times and now - self.times[0] > ENGINE_RESTART_WINDOW_S:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            self.stop.failure = (
+                f"{cause}; it was restarted {self.limit} time(s) in the last "
+                f"{ENGINE_RESTART_WINDOW_S // 60} minutes already (--max-engine-restarts)"
+            )
+            self.stop.event.set()
+            return
+        self.times.append(now)
+        logger.warning("%s; restarting it (restart %d)", cause, len(self.times))
+        ctx: zmq.Context[Any] = zmq.Context()
+        try:
+            new = self.launcher.restart_engine(
+                rank, ctx, [a[0] for a in self.addresses], [a[1] for a in self.addresses]
+            )
+        except Exception as e:
+            self.stop.failure = f"{cause}, and restarting it failed: {e}"
+            self.stop.event.set()
+            return
+        finally:
+            ctx.term()
+        assert self.monitor is not None
+        self.monitor.add(new)
+        logger.warning("EngineCore_DP%d is back %.1f s after it died", rank, time.monotonic() - now)
 
 
 def run_api_servers(
@@ -107,6 +169,8 @@ def run_api_servers(
     addresses: list[list[str]] = []
     try:
         launcher = EngineLauncher(config, args.shutdown_timeout)
+        restarts = _EngineRestarts(config, launcher, stop)
+        stop.restartable = restarts.restartable
         timeout = envs.engine_ready_timeout_s()
         coordinator = launcher.coordinator_addresses(timeout)
         spawn = multiprocessing.get_context("spawn")  # always, for extra API servers (§7)
@@ -145,8 +209,10 @@ def run_api_servers(
             sock.getsockname()[1],
             config.parallel.data_parallel_size,
         )
+        restarts.addresses = addresses
         monitor = ProcessMonitor([*api_servers, *launcher.children], stop.on_death)
-        stop.wait()
+        restarts.monitor = monitor
+        stop.wait(restarts.restart)
         monitor.stop()
     except KeyboardInterrupt:
         pass

@@ -431,7 +431,12 @@ class AsyncMPClient(MPClient):
         self._pending_end: tuple[str, bool] | None = None
         self._monitors: list[tuple[zmq.Socket[Any], zmq.Socket[Any]]] = []  # (socket, monitor)
         self._restore_signals: Callable[[], None] = lambda: None
-        self._watch_disconnects = attach is not None or config.parallel.multi_node
+        self._attached = attach is not None
+        # A peer that leaves the request socket may be a dead engine (ping them all) where
+        # nobody restarts engines: remote ones, or a supervisor's with restarts off.
+        self._watch_disconnects = config.parallel.multi_node or (
+            attach is not None and config.restart.max_engine_restarts == 0
+        )
         self._supervisor = os.getppid() if attach is not None else None  # started us
         # Engine restarts (issue 14): what each engine has in flight, and each one's state.
         n = config.parallel.data_parallel_size
@@ -514,7 +519,7 @@ class AsyncMPClient(MPClient):
             if item is None:
                 continue
             if item == ENGINE_CORE_DEAD:
-                if self.can_restart:  # it exits next; the process monitor restarts it
+                if self.can_restart or self.follows_restarts:  # it exits, and is restarted
                     logger.warning("An engine core reported a fatal error (see its log)")
                     continue
                 self._fail("an engine core reported a fatal error (see its log)")
@@ -546,9 +551,16 @@ class AsyncMPClient(MPClient):
         message of a restarted engine core (its identity, and what it found at start-up)."""
         while True:
             frames = await sock.recv_multipart(copy=False)
-            ready = self._awaiting_ready.get(frames[0].bytes) if len(frames) == 2 else None
+            identity = frames[0].bytes if len(frames) == 2 else b""
+            ready = self._awaiting_ready.get(identity)
             if ready is not None and not ready.done():
                 ready.set_result(None)
+                continue
+            if self.follows_restarts and identity in self.identities and _is_hello(frames[1]):
+                # our supervisor restarted this engine: its old process is gone
+                rank = self.identities.index(identity)
+                self._engine_down(rank, f"EngineCore_DP{rank} was restarted (its process died)")
+                await self._engine_back(rank, "(restarted by the supervisor)")
                 continue
             self._on_stray_request_message(frames)
 
@@ -683,6 +695,12 @@ class AsyncMPClient(MPClient):
         """This client started its engines (so it can start them again) and may."""
         return self.launcher is not None and self.restart_config.max_engine_restarts > 0
 
+    @property
+    def follows_restarts(self) -> bool:
+        """The `treadle serve` supervisor started these engines and restarts them; this
+        client resumes its requests when a restarted one says hello."""
+        return self._attached and self.restart_config.max_engine_restarts > 0
+
     def readiness(self) -> str | None:
         """None when every engine is up, resumed what it had, and makes progress; else why
         not (for /health/ready)."""
@@ -708,8 +726,7 @@ class AsyncMPClient(MPClient):
         super()._on_child_death(child)
 
     def _engine_died(self, rank: int, cause: str) -> None:
-        """Restart the engine (if the budget allows) and resume its requests; the dead-letter
-        rule (`InFlight.on_engine_death`) fails those that were in flight at a death before."""
+        """Restart our dead engine (if the budget allows) and resume its requests."""
         if self._ended or self._closed:
             return
         cause = self._kill_cause.pop(rank, cause)
@@ -724,6 +741,16 @@ class AsyncMPClient(MPClient):
             )
             return
         self._restart_times.append(now)
+        self._engine_down(
+            rank, f"{cause}. Restarting it (restart {len(self._restart_times)} of at most "
+            f"{limit} in {ENGINE_RESTART_WINDOW_S // 60} minutes)"
+        )  # fmt: skip
+        self._spawn(self._restart(rank, cause, now), f"restart of engine core {rank}")
+
+    def _engine_down(self, rank: int, cause: str) -> None:
+        """The engine is gone: new requests wait for it, calls to it fail, and its requests
+        are staged to resume, but those the dead-letter rule (`InFlight.on_engine_death`)
+        fails: in flight at a death before without progress since."""
         self.engine_states[rank] = "restarting"
         self.stalled[rank] = False
         self.router.down.add(rank)
@@ -737,12 +764,10 @@ class AsyncMPClient(MPClient):
                 if fut is not None and not fut.done():
                     fut.set_exception(EngineDeadError(cause))
         resume, poisoned = self.inflight.on_engine_death(rank)
+        self._staged[rank].extend(resume)
         logger.warning(
-            "%s. Restarting it (restart %d of at most %d in %d minutes); %d request(s) to resume%s",
+            "%s; %d request(s) to resume%s",
             cause[:1].upper() + cause[1:],
-            len(self._restart_times),
-            limit,
-            ENGINE_RESTART_WINDOW_S // 60,
             len(resume),
             f", {len(poisoned)} failed: in flight at two engine deaths in a row"
             if poisoned
@@ -760,9 +785,8 @@ class AsyncMPClient(MPClient):
             ]
             self.on_outputs(EngineCoreOutputs(engine_index=rank, outputs=fails))
             self.on_event("poisoned", rank, len(poisoned))
-        self._spawn(self._restart(rank, cause, resume, now), f"restart of engine core {rank}")
 
-    async def _restart(self, rank: int, cause: str, resume: list[str], since: float) -> None:
+    async def _restart(self, rank: int, cause: str, since: float) -> None:
         assert self.launcher is not None and self.monitor is not None and self.loop is not None
         identity = self.identities[rank]
         ready: asyncio.Future[None] = self.loop.create_future()
@@ -782,20 +806,24 @@ class AsyncMPClient(MPClient):
             return
         finally:
             self._awaiting_ready.pop(identity, None)
+        await self._engine_back(rank, f"{time.monotonic() - since:.1f} s after it died")
+
+    async def _engine_back(self, rank: int, when: str) -> None:
+        """A new engine core of `rank` is up: new requests go to it, and its staged requests
+        resume."""
         if self._ended or self._closed:
             return
         logger.warning(  # a warning, as its death was: a quiet log shows both
-            "EngineCore_DP%d is back %.1f s after it died; resuming %d request(s)",
+            "EngineCore_DP%d is back %s; resuming %d request(s)",
             rank,
-            time.monotonic() - since,
-            len(resume),
+            when,
+            len(self._staged[rank]),
         )
         self.on_event("restarted", rank, 1)
         self.engine_states[rank] = "resuming"
         self.last_progress[rank] = time.monotonic()
         self.router.down.discard(rank)
         self._engine_up[rank].set()  # new requests go to it again
-        self._staged[rank].extend(resume)
         await self._release_next(rank)
 
     async def _release_next(self, rank: int) -> None:
@@ -873,6 +901,15 @@ class AsyncMPClient(MPClient):
                 sock.disable_monitor()
                 monitor.close(linger=0)
         super().shutdown(timeout)
+
+
+def _is_hello(payload: Any) -> bool:
+    """Whether a message on the request socket is an engine core's first one (`Handshake`)."""
+    try:
+        msgspec.msgpack.decode(payload.bytes, type=Handshake)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return True
 
 
 def _stop_this_process(reason: str) -> None:

@@ -142,6 +142,8 @@ class StatLogger:
 
     def record_event(self, kind: str, count: int) -> None:
         """An engine restart event: "restarted", "resumed" or "poisoned" (requests)."""
+        if kind == "restarted" and not self.count_engine_totals:
+            return  # every API server sees a restart; only one counts it
         name = {"restarted": "restarts", "resumed": "resumed", "poisoned": "poisoned"}[kind]
         self._get(name).inc(count)
 
