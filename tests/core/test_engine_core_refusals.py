@@ -4,8 +4,7 @@ serving. The same requests, once past the front end, used to crash the sampler."
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -16,14 +15,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_factory) -> Iterator[LLM]:  # type: ignore[no-untyped-def]
-    os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
-    try:
-        engine = LLM(str(tiny_model_factory("llama")), max_model_len=64)
-    finally:
-        del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
-    yield engine
-    engine.shutdown()
+def llm(inprocess_llm: Callable[..., LLM]) -> LLM:
+    return inprocess_llm(max_model_len=64)
 
 
 def _bad(**changes: object) -> SamplingParams:

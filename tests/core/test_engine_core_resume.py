@@ -5,8 +5,7 @@ that has seen the earlier tokens. Bad resumed outputs are refused like any bad f
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -16,14 +15,8 @@ from treadle.wire.engine import EngineCoreRequest, FinishReason
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_factory) -> Iterator[LLM]:  # type: ignore[no-untyped-def]
-    os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
-    try:
-        engine = LLM(str(tiny_model_factory("llama")), max_model_len=128)
-    finally:
-        del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
-    yield engine
-    engine.shutdown()
+def llm(inprocess_llm: Callable[..., LLM]) -> LLM:
+    return inprocess_llm(max_model_len=128)
 
 
 def run(llm: LLM, request: EngineCoreRequest) -> tuple[list[int], FinishReason | None, object]:
