@@ -632,6 +632,7 @@ class AsyncMPClient(MPClient):
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
         self._utility.clear()
+        self._utility_engine.clear()
         if stopped:
             logger.info("%s; stopping", reason[:1].upper() + reason[1:])
             self.on_stopped(reason)
@@ -656,6 +657,9 @@ class AsyncMPClient(MPClient):
             self._queued += 1
             try:
                 await self._engine_up[rank].wait()
+            except asyncio.CancelledError:  # its client left while it waited
+                self.router.owners([request.request_id])
+                raise
             finally:
                 self._queued -= 1
             self._check_alive()

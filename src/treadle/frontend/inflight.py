@@ -19,6 +19,7 @@ the one suspect then running. Nothing here touches sockets.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import msgspec
@@ -39,13 +40,21 @@ class InFlightRequest:
 class InFlight:
     def __init__(self) -> None:
         self.requests: dict[str, InFlightRequest] = {}
+        self._counts: collections.Counter[int] = collections.Counter()  # per engine
 
     def add(self, request: EngineCoreRequest, engine: int) -> None:
+        self._forget(request.request_id)  # (an id sent again replaces the earlier one)
         self.requests[request.request_id] = InFlightRequest(request, engine)
+        self._counts[engine] += 1
 
     def remove(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.requests.pop(rid, None)
+            self._forget(rid)
+
+    def _forget(self, request_id: str) -> None:
+        entry = self.requests.pop(request_id, None)
+        if entry is not None:
+            self._counts[entry.engine] -= 1
 
     def on_outputs(self, outputs: EngineCoreOutputs) -> list[str]:
         """Record what arrived; returns the ids that made progress (a token, or their end)."""
@@ -58,14 +67,15 @@ class InFlight:
             if out.new_prompt_logprobs is not None:
                 entry.prompt_logprobs += len(out.new_prompt_logprobs.ranks)
             if out.finished:
-                del self.requests[out.request_id]
+                self._forget(out.request_id)
             if out.finished or out.new_token_ids:
                 entry.deaths = 0
                 progressed.append(out.request_id)
         return progressed
 
     def count(self, engine: int) -> int:
-        return sum(1 for r in self.requests.values() if r.engine == engine)
+        """Requests in flight on the engine (O(1): read per request and by the stall watch)."""
+        return self._counts[engine]
 
     def on_engine_death(self, engine: int) -> tuple[list[str], list[str]]:
         """The engine's requests as (to resume, in the order they arrived; to fail: in flight
