@@ -66,7 +66,7 @@ def harness() -> Iterator[Harness]:
     for sock in (h.push, h.front, h.engines):
         sock.close(linger=0)
     ctx.term()
-    coordinator.close()
+    h.c.close()
 
 
 def test_a_new_front_end_gets_the_state_at_once(harness: Harness) -> None:
@@ -108,3 +108,20 @@ def test_malformed_and_unknown_engine_messages_are_dropped(harness: Harness) -> 
     assert not harness.c.wave_running
     harness.send(0, start_wave=0)
     assert harness.c.wave_running
+
+
+def test_a_restarted_coordinator_binds_the_same_addresses_and_catches_up_on_the_wave(
+    harness: Harness,
+) -> None:
+    """What `EngineLauncher.restart_coordinator` relies on: the engines' and front ends'
+    sockets reconnect to a new coordinator on the old addresses, which learns the wave the
+    engines are in from their next `start_wave`."""
+    addresses = harness.c.addresses
+    harness.c.close()  # (the dead one's ipc files are gone or stale: both bind again)
+    harness.c = DPCoordinator(num_engines=2, engine_host=None, addresses=addresses)
+    assert harness.c.addresses == addresses
+    assert harness.front_message(timeout=5.0) is not None  # the front end reconnected
+    harness.wave_messages()
+    harness.send(1, start_wave=7)  # the engines are in wave 7; the coordinator knew 0
+    assert harness.c.wave == 7 and harness.c.wave_running
+    assert harness.wave_messages() == [StartDPWave(wave=7, exclude=1)]

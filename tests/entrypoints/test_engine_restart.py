@@ -263,7 +263,7 @@ def test_a_dead_tp_worker_restarts_its_engine_and_the_stream_goes_on(
 
 
 @pytest.mark.parametrize("api_servers", ["1", "2"])  # 2: the supervisor restarts it
-def test_one_dead_engine_of_two_does_not_pause_the_other(
+def test_one_dead_engine_of_two_does_not_pause_the_other_nor_a_dead_coordinator(
     server_factory, tiny_model_factory, api_servers: str
 ) -> None:  # type: ignore[no-untyped-def]
     srv = server_factory(
@@ -286,3 +286,25 @@ def test_one_dead_engine_of_two_does_not_pause_the_other(
     assert max(gaps[0]) < pause / 2  # ... engine 0's did not
     wait_ready(srv, timeout=60)
     assert metric(srv, "engine_restarts_total") == 1  # counted once, whoever saw it
+
+    # The DP coordinator holds no request: a new one takes its addresses, no stream pauses.
+    coordinator = srv.pid_of("treadle::DPCoordinator")
+    gaps = [[], []]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(stream_completion, srv.url, "hello there", 400, rank, gaps[rank])
+            for rank in (0, 1)
+        ]
+        while min(len(g) for g in gaps) < 20:
+            assert not any(f.done() for f in futures), [f.result() for f in futures]
+            time.sleep(0.01)
+        os.kill(coordinator, signal.SIGKILL)
+        assert [f.result(120) for f in futures] == [reference, reference]
+    assert max(max(g) for g in gaps) < pause / 2
+    deadline = time.monotonic() + 30
+    while "DPCoordinator is back" not in srv.output():
+        assert time.monotonic() < deadline, srv.output()[-3000:]
+        time.sleep(0.1)
+    assert srv.pid_of("treadle::DPCoordinator") != coordinator
+    assert stream_completion(srv.url, "hello there", 400) == reference  # routed again
+    wait_ready(srv, timeout=10)

@@ -15,7 +15,8 @@ import pytest
 
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
 from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
-from treadle.frontend.core_client import AsyncMPClient, EngineDeadError
+from treadle.frontend.async_client import AsyncMPClient
+from treadle.frontend.core_client import EngineDeadError
 from treadle.frontend.output_reader import OutputReader
 from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound
 from treadle.ipc.serial import MsgpackEncoder

@@ -12,7 +12,6 @@ process or to any child, which then exits 0) stop them all and exit 0.
 
 from __future__ import annotations
 
-import collections
 import multiprocessing
 import os
 import queue
@@ -31,7 +30,7 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
-from treadle.frontend.core_client import ENGINE_RESTART_WINDOW_S
+from treadle.frontend.engine_restarts import RestartBudget
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.process import (
     ChildProcess,
@@ -101,51 +100,54 @@ class _Stop:
 
 
 class _EngineRestarts:
-    """The supervisor's side of engine restarts (the API servers resume their requests when
-    a restarted engine says hello): at most --max-engine-restarts in 10 minutes, then stop."""
+    """The supervisor's side of restarts (the API servers resume their requests when a
+    restarted engine says hello): engine cores and the DP coordinator, within the
+    --max-engine-restarts budget that an API server with its own engines spends."""
 
     def __init__(self, config: EngineConfig, launcher: EngineLauncher, stop: _Stop) -> None:
-        self.limit = config.restart.max_engine_restarts
+        self.budget = RestartBudget(config.restart.max_engine_restarts)
         self.launcher = launcher
         self.stop = stop
-        self.times: collections.deque[float] = collections.deque()
         self.addresses: list[list[str]] = []
         self.monitor: ProcessMonitor | None = None
 
     def restartable(self, child: ChildProcess) -> bool:
-        return self.limit > 0 and any(child is e for e in self.launcher.engines)
+        launcher = self.launcher
+        ours = child is launcher.coordinator or any(child is e for e in launcher.engines)
+        return self.budget.limit > 0 and ours
 
     def restart(self, child: ChildProcess) -> None:
-        rank = self.launcher.start_rank + next(
-            i for i, e in enumerate(self.launcher.engines) if e is child
-        )
         cause = f"{child.describe()} died: {describe_exit(child.exitcode)}"
-        now = time.monotonic()
-        while self.times and now - self.times[0] > ENGINE_RESTART_WINDOW_S:
-            self.times.popleft()
-        if len(self.times) >= self.limit:
-            self.stop.failure = (
-                f"{cause}; it was restarted {self.limit} time(s) in the last "
-                f"{ENGINE_RESTART_WINDOW_S // 60} minutes already (--max-engine-restarts)"
-            )
+        refusal = self.budget.spend(cause)
+        if refusal is not None:
+            self.stop.failure = refusal
             self.stop.event.set()
             return
-        self.times.append(now)
-        logger.warning("%s; restarting it (restart %d)", cause, len(self.times))
-        ctx: zmq.Context[Any] = zmq.Context()
+        logger.warning("%s; restarting it (%s)", cause, self.budget.describe())
+        since = time.monotonic()
         try:
-            new = self.launcher.restart_engine(
-                rank, ctx, [a[0] for a in self.addresses], [a[1] for a in self.addresses]
-            )
+            if child is self.launcher.coordinator:
+                new = self.launcher.restart_coordinator()
+            else:
+                new = self._restart_engine(child)
         except Exception as e:
             self.stop.failure = f"{cause}, and restarting it failed: {e}"
             self.stop.event.set()
             return
-        finally:
-            ctx.term()
         assert self.monitor is not None
         self.monitor.add(new)
-        logger.warning("EngineCore_DP%d is back %.1f s after it died", rank, time.monotonic() - now)
+        logger.warning("%s is back %.1f s after it died", new.name, time.monotonic() - since)
+
+    def _restart_engine(self, child: ChildProcess) -> ChildProcess:
+        launcher = self.launcher
+        rank = launcher.start_rank + next(i for i, e in enumerate(launcher.engines) if e is child)
+        ctx: zmq.Context[Any] = zmq.Context()
+        try:
+            return launcher.restart_engine(
+                rank, ctx, [a[0] for a in self.addresses], [a[1] for a in self.addresses]
+            )
+        finally:
+            ctx.term()
 
 
 def run_api_servers(

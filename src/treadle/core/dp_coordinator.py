@@ -47,9 +47,15 @@ class CoordinatorAddresses(msgspec.Struct, array_like=True):
     engine_publish: str  # XPUB -> engines
 
 
-def run_dp_coordinator(ready: ReadyPipe, num_engines: int, engine_host: str | None) -> None:
+def run_dp_coordinator(
+    ready: ReadyPipe,
+    num_engines: int,
+    engine_host: str | None,
+    addresses: CoordinatorAddresses | None = None,
+) -> None:
     """Process entry. Engine-side sockets are tcp on `engine_host` when some engine runs on
-    another host, ipc otherwise."""
+    another host, ipc otherwise. A restarted coordinator gets its predecessor's `addresses`
+    and binds them again: engines and front ends reconnect on their own."""
     stop = False
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -58,7 +64,7 @@ def run_dp_coordinator(ready: ReadyPipe, num_engines: int, engine_host: str | No
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    coordinator = DPCoordinator(num_engines, engine_host)
+    coordinator = DPCoordinator(num_engines, engine_host, addresses)
     try:
         ready.send_ready(msgspec.msgpack.encode(coordinator.addresses))
         while not stop:
@@ -68,19 +74,28 @@ def run_dp_coordinator(ready: ReadyPipe, num_engines: int, engine_host: str | No
 
 
 class DPCoordinator:
-    def __init__(self, num_engines: int, engine_host: str | None) -> None:
+    def __init__(
+        self,
+        num_engines: int,
+        engine_host: str | None,
+        addresses: CoordinatorAddresses | None = None,
+    ) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
 
         def engine_side() -> str:
             return get_tcp_uri(engine_host, 0) if engine_host else get_open_zmq_ipc_path()
 
+        if addresses is None:
+            addresses = CoordinatorAddresses(get_open_zmq_ipc_path(), engine_side(), engine_side())
         limits = inbound_options()  # every socket here hears from other processes
         self.front_pub = make_zmq_socket(
-            self.ctx, get_open_zmq_ipc_path(), zmq.XPUB, linger=0, options=limits
+            self.ctx, addresses.front_publish, zmq.XPUB, linger=0, options=limits
         )
-        self.stats_in = make_zmq_socket(self.ctx, engine_side(), zmq.PULL, linger=0, options=limits)
+        self.stats_in = make_zmq_socket(
+            self.ctx, addresses.engine_stats, zmq.PULL, linger=0, options=limits
+        )
         self.engine_pub = make_zmq_socket(
-            self.ctx, engine_side(), zmq.XPUB, linger=0, options=limits
+            self.ctx, addresses.engine_publish, zmq.XPUB, linger=0, options=limits
         )
         self.drops = DropLog(logger)
         self.addresses = CoordinatorAddresses(
@@ -129,6 +144,8 @@ class DPCoordinator:
                 self.stats[engine] = new
                 self.changed = True
         if msg.start_wave is not None:
+            if msg.start_wave > self.wave:  # (a restarted coordinator catches up)
+                self.wave = msg.start_wave
             self.busy.add(engine)
             if not self.wave_running:
                 self.wave_running = True

@@ -13,9 +13,9 @@ from treadle.config import resolve_model
 from treadle.engine_args import EngineArgs
 from treadle.entrypoints.openai.protocol import template_message
 from treadle.executor.multiproc import check_parallel_layout
-from treadle.frontend.core_client import InprocClient, SyncMPClient
 from treadle.frontend.input_processor import InputProcessor, PromptType
 from treadle.frontend.output_processor import OutputProcessor, child_params
+from treadle.frontend.sync_client import InprocClient, SyncMPClient
 from treadle.logger import init_logger
 from treadle.model.loader import read_arch
 from treadle.outputs import RequestOutput

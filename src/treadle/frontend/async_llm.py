@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.config import EngineConfig
-from treadle.frontend.core_client import AsyncMPClient, AttachTo, EngineDeadError
+from treadle.frontend.async_client import AsyncMPClient
+from treadle.frontend.core_client import AttachTo, EngineDeadError
 from treadle.frontend.input_processor import InputProcessor
 from treadle.frontend.metrics import RequestTimes, StatLogger, log_line
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids

@@ -108,6 +108,24 @@ class EngineLauncher:
         self.handshake(ctx, inputs, outputs, ranks=[rank])
         return new
 
+    def restart_coordinator(self) -> ChildProcess:
+        """Replace the (dead) DP coordinator by a new one bound to the same addresses; returns
+        the new child once it is ready."""
+        old = self.coordinator
+        addresses = self._coordinator_addresses
+        assert old is not None and addresses is not None
+        if old.process.is_alive():
+            old.process.kill()
+        shutdown_processes([old], timeout=1.0)
+        p = self.config.parallel
+        self.coordinator = new = start_process(
+            run_dp_coordinator,
+            "DPCoordinator",
+            args=(p.data_parallel_size, front_end_host(self.config), addresses),
+        )
+        wait_for_ready([new], envs.engine_ready_timeout_s())
+        return new
+
     @property
     def children(self) -> list[ChildProcess]:
         return [*self.engines, *([self.coordinator] if self.coordinator else [])]
