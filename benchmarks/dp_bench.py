@@ -27,7 +27,8 @@ os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from serve_bench import Server  # noqa: E402
-from treadle.cli.bench import compute_metrics, first_model_id, run_benchmark  # noqa: E402
+from treadle.cli.bench_client import first_model_id, run_benchmark  # noqa: E402
+from treadle.cli.bench_metrics import compute_metrics  # noqa: E402
 
 FRONT_END_REQUESTS, FRONT_END_CONCURRENCY = 600, 64
 LB_REQUESTS, LB_CONCURRENCY, LB_OUTPUT = 160, 32, 16

@@ -38,7 +38,9 @@ from typing import Any
 os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
 
 from serve_bench import Server  # noqa: E402
-from treadle.cli.bench import compute_metrics, random_prompts, run_benchmark  # noqa: E402
+from treadle.cli.bench_client import run_benchmark  # noqa: E402
+from treadle.cli.bench_datasets import random_prompts  # noqa: E402
+from treadle.cli.bench_metrics import compute_metrics  # noqa: E402
 from treadle.config import DEFAULT_MODEL_NAME, resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,13 +26,9 @@ from typing import Any
 
 os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
 
-from treadle.cli.bench import (  # noqa: E402
-    compute_metrics,
-    first_model_id,
-    format_table,
-    random_prompts,
-    run_benchmark,
-)
+from treadle.cli.bench_client import first_model_id, run_benchmark  # noqa: E402
+from treadle.cli.bench_datasets import random_prompts  # noqa: E402
+from treadle.cli.bench_metrics import compute_metrics, format_table  # noqa: E402
 
 TREADLE = str(Path(sys.executable).parent / "treadle")
 INPUT_LEN, OUTPUT_LEN = 128, 128

@@ -29,7 +29,7 @@ from typing import Any
 os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
 
 from serve_bench import Server  # noqa: E402
-from treadle.cli.bench import first_model_id  # noqa: E402
+from treadle.cli.bench_client import first_model_id  # noqa: E402
 
 WORKLOADS = (("c16", 64, 16), ("c64", 128, 64))  # (name, requests, max concurrency)
 MAX_TOKENS = 256

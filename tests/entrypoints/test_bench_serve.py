@@ -1,125 +1,15 @@
-"""`treadle bench serve`: the metrics on made-up request records, and one run against a real
-server."""
+"""`treadle bench serve` against a real server: vLLM's command lines, both backends, both
+datasets, the result JSON and the HTML report (the parts alone: tests/cli/test_bench_*.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from treadle.cli.bench import (
-    RequestResult,
-    arrival_gaps,
-    compute_metrics,
-    format_table,
-    random_lengths,
-    random_prompts,
-)
-
 TREADLE = str(Path(sys.executable).parent / "treadle")
-
-
-def _ok(ttft: float, latency: float, tokens: int, prompt_len: int = 10) -> RequestResult:
-    itl = [(latency - ttft) / (tokens - 1)] * (tokens - 1) if tokens > 1 else []
-    return RequestResult(prompt_len, True, tokens, ttft, itl, latency)
-
-
-def test_metrics_totals_throughput_and_failures() -> None:
-    results = [
-        _ok(0.1, 1.1, 11),
-        _ok(0.2, 2.2, 21, prompt_len=20),
-        RequestResult(30, error="HTTP 400: bad prompt"),
-        RequestResult(40, error="ClientConnectorError: refused"),
-    ]
-    m = compute_metrics(results, duration=4.0)
-    assert m["completed"] == 2 and m["failed"] == 2
-    assert m["first_error"] == "HTTP 400: bad prompt"
-    assert m["total_input_tokens"] == 30  # failed requests are not counted
-    assert m["total_output_tokens"] == 32
-    assert m["request_throughput"] == pytest.approx(0.5)
-    assert m["output_throughput"] == pytest.approx(8.0)
-    assert m["total_token_throughput"] == pytest.approx(15.5)
-    assert m["mean_ttft_ms"] == pytest.approx(150.0)
-    assert m["mean_e2el_ms"] == pytest.approx(1650.0)
-
-
-def test_tpot_skips_single_token_outputs() -> None:
-    # TPOT = (e2e - ttft) / (tokens - 1): 1.0/10 = 100 ms and 2.0/5 = 400 ms; the one-token
-    # request has no TPOT but its TTFT and E2EL still count.
-    results = [_ok(0.1, 1.1, 11), _ok(0.5, 2.5, 6), _ok(0.3, 0.3, 1)]
-    m = compute_metrics(results, duration=3.0)
-    assert m["mean_tpot_ms"] == pytest.approx(250.0)
-    assert m["median_tpot_ms"] == pytest.approx(250.0)
-    assert m["mean_ttft_ms"] == pytest.approx(300.0)
-    # ITL pools every gap: 10 of 100 ms and 5 of 400 ms.
-    assert m["mean_itl_ms"] == pytest.approx((10 * 100 + 5 * 400) / 15)
-    assert m["median_itl_ms"] == pytest.approx(100.0)
-
-
-def test_percentiles_interpolate_like_numpy() -> None:
-    # TTFTs of 1..100 ms: median 50.5, p99 by linear interpolation 99.01.
-    results = [RequestResult(1, True, 1, t / 1000, [], t / 1000) for t in range(1, 101)]
-    m = compute_metrics(results, duration=1.0)
-    assert m["median_ttft_ms"] == pytest.approx(50.5)
-    assert m["p99_ttft_ms"] == pytest.approx(99.01)
-    assert m["mean_ttft_ms"] == pytest.approx(50.5)
-
-
-def test_all_failed_reports_zeros_and_the_error() -> None:
-    m = compute_metrics([RequestResult(5, error="boom")], duration=0.0)
-    assert m["completed"] == 0 and m["failed"] == 1
-    assert m["request_throughput"] == 0.0 and m["p99_e2el_ms"] == 0.0
-    table = format_table(m, max_concurrency=4)
-    assert "Failed requests:" in table and "First error: boom" in table
-    assert "Maximum request concurrency:" in table
-
-
-def test_table_rows_are_vllms() -> None:
-    table = format_table(compute_metrics([_ok(0.1, 1.1, 11)], duration=2.0))
-    for label in (
-        "Successful requests:",
-        "Benchmark duration (s):",
-        "Total input tokens:",
-        "Total generated tokens:",
-        "Request throughput (req/s):",
-        "Output token throughput (tok/s):",
-        "Total token throughput (tok/s):",
-        "Mean TTFT (ms):",
-        "Median TPOT (ms):",
-        "P99 ITL (ms):",
-        "Mean E2EL (ms):",
-    ):
-        assert label in table
-    assert "First error" not in table
-
-
-def test_prompts_and_arrivals_are_seeded() -> None:
-    prompts = random_prompts(3, 7, seed=1)
-    assert prompts == random_prompts(3, 7, seed=1) != random_prompts(3, 7, seed=2)
-    assert all(len(p) == 7 and all(1000 <= t < 20000 for t in p) for p in prompts)
-    assert arrival_gaps(4, math.inf, seed=0) == [0.0] * 4
-    gaps = arrival_gaps(2000, 10.0, seed=0)
-    assert gaps == arrival_gaps(2000, 10.0, seed=0)
-    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
-
-
-def test_range_ratio_and_percentiles_are_vllms() -> None:
-    assert random_lengths(5, 64, 0.0, seed=0) == [64] * 5
-    lens = random_lengths(500, 64, 0.5, seed=0)
-    assert min(lens) >= 32 and max(lens) <= 96 and len(set(lens)) > 10
-    with pytest.raises(ValueError, match="range-ratio"):
-        random_lengths(1, 64, 1.5, seed=0)
-    results = [RequestResult(1, True, 1, t / 1000, [], t / 1000) for t in range(1, 101)]
-    m = compute_metrics(results, duration=1.0, percentiles=(50, 90))
-    assert m["p50_ttft_ms"] == pytest.approx(50.5) and m["p90_ttft_ms"] == pytest.approx(90.1)
-    assert m["p99_ttft_ms"] == pytest.approx(99.01) and m["std_ttft_ms"] > 0
-    table = format_table(m, shown=("ttft",), percentiles=(50, 90))
-    assert "P90 TTFT (ms):" in table and "TPOT" not in table
 
 
 def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -144,6 +34,7 @@ def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Pa
             "--disable-tqdm",
             "--result-file",
             str(result_file),
+            "--save-detailed",
         ],
         capture_output=True,
         text=True,
@@ -155,7 +46,7 @@ def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Pa
     assert result["completed"] == 8 and result["failed"] == 0
     assert result["total_input_tokens"] == 8 * 16
     assert result["total_output_tokens"] == 8 * 8
-    assert result["output_lens"] == [8] * 8
+    assert result["output_lens"] == [8] * 8 and len(result["start_times"]) == 8
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
 
     # vLLM's command line, word for word.
@@ -178,6 +69,9 @@ def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Pa
     assert result["backend"] == "vllm" and result["model_id"] == result["model"]
     assert result["completed"] == 8 and result["total_input_tokens"] == 8 * 64
     assert result["total_output_tokens"] == 8 * 16 and "p50_itl_ms" in result
+    assert (
+        "ttfts" not in result and len(result["latencies"]) == 8
+    )  # vLLM's, without --save-detailed
 
     chat = subprocess.run(
         [TREADLE, "bench", "serve", "--backend", "openai-chat", "--base-url", server.url]
@@ -189,3 +83,65 @@ def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Pa
     )
     assert chat.returncode == 0, chat.stdout + chat.stderr
     assert re.search(r"Total generated tokens:\s+8\b", chat.stdout), chat.stdout
+
+    # ShareGPT through the chat endpoint, with vLLM's percentile flags, JSON and timeline plot,
+    # and treadle's --plot. The "Hi" pair is too short for vLLM's filter; 3 requests of 2
+    # valid pairs repeat one.
+    answer = "Sure. Here is a longer answer with quite a few words in it, to be counted."
+    conversations = [
+        [("human", "Hi"), ("gpt", answer)],
+        [
+            ("system", "Be brief."),
+            ("human", "What is the capital of France, and why?"),
+            ("gpt", answer),
+        ],
+        [
+            ("human", "Write one sentence about the sea and the sky."),
+            ("gpt", answer),
+            ("human", "Another?"),
+        ],
+    ]
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(
+        json.dumps(
+            [
+                {"id": str(i), "conversations": [{"from": f, "value": v} for f, v in turns]}
+                for i, turns in enumerate(conversations)
+            ]
+        )
+    )
+    plot = tmp_path / "plots" / "report.html"
+    line = [
+        *("--backend", "openai-chat", "--base-url", server.url, "--disable-tqdm"),
+        *("--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--num-prompts", "3"),
+        *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "25,50,99"),
+        *("--save-result", "--result-dir", str(result_dir), "--result-filename", "sg.json"),
+        *("--plot", str(plot), "--plot-timeline"),
+    ]
+    proc = subprocess.run(
+        [TREADLE, "bench", "serve", *line], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "P25 TTFT (ms):" in proc.stdout and "Peak concurrent requests:" in proc.stdout
+    result = json.loads((result_dir / "sg.json").read_text())
+    assert result["completed"] == 3 and result["failed"] == 0
+    assert result["backend"] == result["endpoint_type"] == "openai-chat"
+    assert result["dataset_name"] == "sharegpt" and result["request_rate"] == "inf"
+    for key in (
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_output_tokens_per_s",
+        "max_concurrent_requests",
+    ):
+        assert result[key] > 0, key
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p25", "p50", "p99"):
+            assert result[f"{stat}_{metric}_ms"] >= 0, (stat, metric)
+    assert result["mean_ttft_ms"] > 0 and result["total_input_tokens"] > 3 * 4
+    for report in (plot, result_dir / "sg.timeline.html"):
+        page = report.read_text()
+        assert page.startswith("<!DOCTYPE html>") and "<script" not in page
+        assert '<svg id="throughput"' in page and 'data-series="output_tokens_per_s"' in page
+        assert all(f'<svg id="hist-{m}"' in page for m in ("ttft", "tpot", "itl", "e2el"))
+        assert "Successful requests:" in page and "sharegpt" in page
