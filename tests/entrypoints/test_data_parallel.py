@@ -4,6 +4,8 @@ headless second "host" on loopback, all real processes (tiny random models)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -227,6 +229,80 @@ def test_a_headless_second_host_serves_its_ranks(
         psutil.wait_procs(engines, timeout=max(0.1, 5 - (time.monotonic() - gone)))
         assert time.monotonic() - gone < 5.5
         assert not any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE for e in engines)
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+            headless.wait(10)
+        log.close()
+
+
+def _stream(server: RemoteServer, prompt: str, max_tokens: int, counts: list[int], i: int) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    text = ""
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                counts[i] += 1
+    return text
+
+
+def test_a_lost_headless_engine_hands_its_requests_to_the_other(
+    server_factory, tiny_llama: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Nobody on the front end's host can start a remote engine again: when it is gone, its
+    streams resume on the engine that is left, which serves on (/health/ready says 503)."""
+    port = str(_free_port())
+    common = ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1", "-dpp", port]
+    front = server_factory([str(tiny_llama), *common, "--api-server-count", "1"], wait=False)
+    log = open(tmp_path / "headless.log", "w")  # noqa: SIM115 - closed below
+    headless = subprocess.Popen(
+        [TREADLE, "serve", str(tiny_llama), *common, "-dpr", "1", "--headless"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir)),
+    )
+    try:
+        front.wait_healthy()
+        references = [complete(front, p, rank=0, max_tokens=400) for p in PROMPTS]
+        before = engine_successes(front).get("0", 0.0)
+        counts = [0] * len(PROMPTS)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [
+                pool.submit(_stream, front, p, 400, counts, i) for i, p in enumerate(PROMPTS)
+            ]
+            while min(counts) < 20:
+                assert not any(f.done() for f in futures), [f.result() for f in futures]
+                time.sleep(0.01)
+            engine = next(
+                c
+                for c in psutil.Process(headless.pid).children()
+                if c.cmdline()[0].startswith("treadle::EngineCore_DP1")
+            )
+            engine.kill()
+            assert [f.result(120) for f in futures] == references
+        assert headless.wait(10) != 0  # its engine died: that host's process ends
+        moved = re.search(
+            r"EngineCore_DP1 does not answer; it is lost; (\d+) request", front.output()
+        )
+        assert moved and int(moved.group(1)) >= 1, front.output()[-3000:]
+        assert engine_successes(front).get("0", 0.0) - before == len(PROMPTS)  # all finished on 0
+        assert httpx.get(front.url + "/health", timeout=10).status_code == 200
+        ready = httpx.get(front.url + "/health/ready", timeout=10)
+        assert ready.status_code == 503 and "lost" in ready.text
+        assert references[0].startswith(complete(front, PROMPTS[0]))  # engine 0 serves on
+        resp = httpx.post(
+            front.url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={"X-data-parallel-rank": "1"},
+            timeout=30,
+        )
+        assert resp.status_code == 503 and "lost" in resp.json()["error"]["message"]
     finally:
         if headless.poll() is None:
             headless.kill()

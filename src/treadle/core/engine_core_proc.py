@@ -30,6 +30,7 @@ engine on another host (tcp) exits when its front end disconnects.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -99,6 +100,7 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     num_blocks: int = 0
     max_model_len: int = 0
     vocab_size: int = 0
+    pid: int = 0  # the engine core's process (READY): front ends on its host watch it
 
 
 @dataclass
@@ -204,6 +206,7 @@ class EngineCoreProc:
                 num_blocks=self.engine.num_blocks,
                 max_model_len=self.engine.max_model_len,
                 vocab_size=self.engine.vocab_size,
+                pid=os.getpid(),
             )
             hs.send(encode(info))
         finally:

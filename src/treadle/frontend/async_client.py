@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
+import psutil
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -77,7 +78,12 @@ class AsyncMPClient(MPClient):
         self._attached = attach is not None
         # A peer that leaves the request socket may be a dead engine (ping them all) where
         # nobody restarts engines: remote ones, or a supervisor's with restarts off.
-        self._watch_disconnects = config.parallel.multi_node or (
+        p = config.parallel
+        self.multi_node = p.multi_node
+        self.local_ranks = range(
+            p.data_parallel_start_rank, p.data_parallel_start_rank + p.local_engine_count
+        )
+        self._watch_disconnects = self.multi_node or (
             attach is not None and config.restart.max_engine_restarts == 0
         )
         self._supervisor = os.getppid() if attach is not None else None  # started us
@@ -102,6 +108,8 @@ class AsyncMPClient(MPClient):
         if self.coordinator_socket is not None:
             self.spawn(self._read_coordinator(), "DP coordinator reader")
         self.spawn(self.restarts.watch_stalls(), "engine stall watch")
+        if self.follows_restarts:
+            self.spawn(self._watch_engine_processes(), "engine process watch")
         assert self.output_socket is not None
         for sock, name in ((self.input_socket, "request"), (self.output_socket, "output")):
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -178,17 +186,40 @@ class AsyncMPClient(MPClient):
         while True:
             frames = await sock.recv_multipart(copy=False)
             identity = frames[0].bytes if len(frames) == 2 else b""
-            hello = self._awaiting_hello.get(identity)
-            if hello is not None and not hello.done():
-                hello.set_result(None)
+            awaited = self._awaiting_hello.get(identity)
+            if awaited is not None and not awaited.done():
+                awaited.set_result(None)
                 continue
-            if self.follows_restarts and identity in self.identities and _is_hello(frames[1]):
+            hello = _hello(frames[1]) if len(frames) == 2 and identity in self.identities else None
+            if self.follows_restarts and hello is not None:
                 # our supervisor restarted this engine: its old process is gone
                 rank = self.identities.index(identity)
-                self.restarts.down(rank, f"EngineCore_DP{rank} was restarted (its process died)")
+                if self.restarts.states[rank] != "restarting":  # not seen by the process watch
+                    self.restarts.down(rank, f"EngineCore_DP{rank} was restarted (it died)")
+                self.engine_pids[rank] = hello.pid
                 await self.restarts.back(rank, "(restarted by the supervisor)")
                 continue
             self._on_stray_request_message(frames)
+
+    async def _watch_engine_processes(self) -> None:
+        """(An API server of the supervisor, on the engines' host.) An engine core whose
+        process is gone is `restarting` at once: /health/ready says so and new requests wait,
+        until the supervisor's new engine says hello."""
+        processes: dict[int, psutil.Process | None] = {}
+        while True:
+            await asyncio.sleep(0.25)
+            if self.ended:
+                return
+            for rank in self.local_ranks:  # (the supervisor's, on this host)
+                pid = self.engine_pids[rank]
+                if not pid or self.restarts.states[rank] == "restarting":
+                    continue
+                if pid not in processes:
+                    processes[pid] = _process(pid)
+                if not _running(processes[pid]):
+                    self.restarts.down(
+                        rank, f"EngineCore_DP{rank} (pid {pid}) is gone; its supervisor restarts it"
+                    )
 
     async def _read_coordinator(self) -> None:
         assert self.coordinator_socket is not None
@@ -209,9 +240,12 @@ class AsyncMPClient(MPClient):
                 continue
             if name == "request" and self._watch_disconnects:
                 silent = await self._silent_engines()
-                if silent:
+                answering = [e for e, state in enumerate(self.engine_states) if state != "lost"]
+                if silent and (len(silent) == len(answering) or not self.follows_remote):
                     self.fail(f"engine core(s) {silent} disconnected and do not answer")
                     return
+                for rank in silent:  # the others serve on
+                    await self.restarts.lost(rank, f"EngineCore_DP{rank} does not answer")
             logger.warning(
                 "A peer of the %s socket disconnected (it closed, or sent a message larger "
                 "than TREADLE_ZMQ_MAX_MSG_BYTES=%d)",
@@ -228,8 +262,15 @@ class AsyncMPClient(MPClient):
                 return False
 
         timeout = ENGINE_PING_TIMEOUT_S
-        replies = await asyncio.gather(*(answers(e) for e in range(self.num_engines)))
-        return [e for e, ok in enumerate(replies) if not ok]
+        # With restarts on, this host's engines are watched as processes (and restarted).
+        ours = self.local_ranks if self.restart_config.max_engine_restarts > 0 else range(0)
+        ranks = [
+            e
+            for e, state in enumerate(self.engine_states)
+            if state in ("up", "resuming") and e not in ours
+        ]
+        replies = await asyncio.gather(*(answers(e) for e in ranks))
+        return [e for e, ok in zip(ranks, replies, strict=True) if not ok]
 
     # -- the end --------------------------------------------------------------------------
 
@@ -279,6 +320,11 @@ class AsyncMPClient(MPClient):
         4 x max_num_seqs requests wait; more get `EngineDeadError`, a 503)."""
         self._check_alive()
         rank = self.router.route(request, data_parallel_rank)
+        if self.engine_states[rank] == "lost":
+            self.router.owners([request.request_id])
+            raise EngineDeadError(
+                f"engine core {rank} is lost (it disconnected and does not answer)"
+            )
         if not self.restarts.is_up(rank):
             try:
                 await self.restarts.wait_up(rank)
@@ -308,8 +354,8 @@ class AsyncMPClient(MPClient):
     async def call_utility(self, method: str, *args: Any, engine: int = 0) -> Any:
         self._check_alive()
         assert self.loop is not None and self._async_input is not None
-        if not self.restarts.is_up(engine):
-            raise EngineDeadError(f"engine core {engine} is restarting")
+        if not self.restarts.is_up(engine) or self.engine_states[engine] == "lost":
+            raise EngineDeadError(f"engine core {engine} is {self.engine_states[engine]}")
         call_id = next(self._call_ids)
         frames = self._utility_frames(engine, call_id, method, args)
         fut: asyncio.Future[Any] = self.loop.create_future()
@@ -338,6 +384,12 @@ class AsyncMPClient(MPClient):
         """The `treadle serve` supervisor started these engines and restarts them; this
         client resumes its requests when a restarted one says hello."""
         return self._attached and self.restart_config.max_engine_restarts > 0
+
+    @property
+    def follows_remote(self) -> bool:
+        """Engines on other hosts that go silent are lost, and the others serve on (restarts
+        on): nobody here can start them again."""
+        return self.multi_node and self.restart_config.max_engine_restarts > 0
 
     @property
     def engine_states(self) -> list[str]:
@@ -378,6 +430,7 @@ class AsyncMPClient(MPClient):
                 [self.addresses[1]],
             )
             self.monitor.add(child)
+            self.engine_pids[rank] = child.process.pid or 0
             await asyncio.wait_for(hello, ENGINE_PING_TIMEOUT_S)
         finally:
             self._awaiting_hello.pop(identity, None)
@@ -427,13 +480,31 @@ class AsyncMPClient(MPClient):
         super().shutdown(timeout)
 
 
-def _is_hello(payload: Any) -> bool:
-    """Whether a message on the request socket is an engine core's first one (`Handshake`)."""
+def _hello(payload: Any) -> Handshake | None:
+    """A message on the request socket that is an engine core's first one, or None."""
     try:
-        msgspec.msgpack.decode(payload.bytes, type=Handshake)
+        return msgspec.msgpack.decode(payload.bytes, type=Handshake)
     except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def _running(process: psutil.Process | None) -> bool:
+    """Whether the process runs (not gone, not a zombie, not a new one on a reused pid)."""
+    try:
+        return (
+            process is not None
+            and process.is_running()
+            and (process.status() != psutil.STATUS_ZOMBIE)
+        )
+    except psutil.Error:
         return False
-    return True
 
 
 def _stop_this_process(reason: str) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 
 from treadle.config import EngineConfig
 from treadle.frontend.async_client import AsyncMPClient
-from treadle.frontend.core_client import AttachTo, EngineDeadError
+from treadle.frontend.core_client import AttachTo, EngineDeadError, RequestKilledEngineError
+from treadle.frontend.engine_restarts import POISON_REASON
 from treadle.frontend.input_processor import InputProcessor
 from treadle.frontend.metrics import RequestTimes, StatLogger, log_line
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
@@ -222,8 +223,8 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         """Liveness (vLLM's /health): every engine that is up answers a call; one being
-        restarted counts as alive. Raises `EngineDeadError` or `TimeoutError` otherwise."""
-        up = [e for e, s in enumerate(self.client.engine_states) if s != "restarting"]
+        restarted counts as alive, as does a server that lost a remote engine and serves on. Raises `EngineDeadError` or `TimeoutError` otherwise."""
+        up = [e for e, s in enumerate(self.client.engine_states) if s in ("up", "resuming")]
         await asyncio.gather(*(self.client.call_utility("get_stats", engine=e) for e in up))
 
     def readiness(self) -> str | None:
@@ -265,5 +266,7 @@ def _raise_if_refused(out: RequestOutput) -> None:
     """An engine core refuses a request it cannot run with a finish reason "error" (see
     `EngineCore.add_request`); the caller gets it as the same error the front end raises."""
     for comp in out.outputs:
+        if comp.finish_reason == str(FinishReason.ERROR) and comp.stop_reason == POISON_REASON:
+            raise RequestKilledEngineError(POISON_REASON)
         if comp.finish_reason == str(FinishReason.ERROR):
             raise InvalidRequest(None, f"the engine refused the request: {comp.stop_reason}")

@@ -69,6 +69,12 @@ class EngineDeadError(RuntimeError):
     """The engine core process died; requests in flight cannot finish."""
 
 
+class RequestKilledEngineError(RuntimeError):
+    """The request was in flight at two engine core deaths in a row and is not resumed again
+    (the dead-letter rule, `inflight.py`): a server error (500), though it may be what kills
+    the engine."""
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What the engine found at start-up (returned, never written into the config)."""
@@ -119,6 +125,7 @@ class MPClient:
         self.output_socket: zmq.Socket[Any] | None = None
         self.coordinator_socket: zmq.Socket[Any] | None = None
         self.router = EngineRouter(self.num_engines)
+        self.engine_pids = [0] * self.num_engines  # as each engine said (0: not known)
         if attach is None:
             # Start the engines before this process makes its zmq context: the context's IO
             # threads would make forking unsafe. DEALERs that connect early are retried by zmq.
@@ -199,6 +206,7 @@ class MPClient:
                     infos[identity] = decode(payload)
                 except Exception as e:
                     self.request_drops.drop("Dropped a message on the request socket: %s", e)
+        self.engine_pids = [infos[identity].pid for identity in self.identities]
         return EngineInfo(
             num_blocks=min(i.num_blocks for i in infos.values()),
             max_model_len=min(i.max_model_len for i in infos.values()),

@@ -5,6 +5,7 @@ making progress is reported (`/health/ready`), then killed and restarted.
 Each engine's state:
 
     up --death--> restarting --new process says hello--> resuming --suspects done--> up
+    up --a remote engine does not answer--> lost (its requests resume on the others)
 
 While `restarting`, new requests for it wait (bounded: `max_waiting`), utility calls to it
 fail, and its requests are staged. While `resuming`, the staged requests are sent again one
@@ -38,7 +39,7 @@ logger = init_logger(__name__)
 
 # --max-engine-restarts counts the restarts in this window.
 ENGINE_RESTART_WINDOW_S = 600
-_POISON_REASON = (
+POISON_REASON = (
     "the engine core died twice while running this request; it is not resumed again "
     "(it may be what kills the engine)"
 )
@@ -150,7 +151,7 @@ class EngineRestarts:
 
     def readiness(self) -> str | None:
         """None when every engine is up, resumed what it had, and makes progress; else why
-        not (for /health/ready)."""
+        not (for /health/ready: a lost engine keeps it 503, the others still serve)."""
         for rank, state in enumerate(self.states):
             if state != "up":
                 return f"engine core {rank} is {state}"
@@ -207,16 +208,36 @@ class EngineRestarts:
         """The engine is gone: new requests wait for it, calls to it fail, and its requests
         are staged to resume, but those the dead-letter rule (`InFlight.on_engine_death`)
         fails: in flight at a death before without progress since."""
-        host = self.host
         self.states[rank] = "restarting"
-        self.stalled[rank] = False
-        host.router.down.add(rank)
         self._up[rank].clear()
         self._staged[rank].clear()
+        self._staged[rank].extend(self._take_requests(rank, cause))
+
+    async def lost(self, rank: int, cause: str) -> None:
+        """An engine nobody here can start again (on another host, `--headless`) is gone for
+        good: its requests resume on the other engines, which get every new request; one
+        sent to it alone (`X-data-parallel-rank`) fails."""
+        self.states[rank] = "lost"
+        self._up[rank].set()  # (whoever waits for it fails in the client)
+        host = self.host
+        for rid in self._take_requests(rank, f"{cause}; it is lost"):
+            request = host.inflight.resumed(rid)
+            if request is None:
+                continue
+            host.router.owners([rid])
+            target = host.router.route(request, None)
+            host.inflight.move(rid, target)
+            await host.send_add(target, request)
+            host.on_event("resumed", target, 1)
+
+    def _take_requests(self, rank: int, cause: str) -> list[str]:
+        """The engine's requests to resume; fails those in flight at a death before it."""
+        host = self.host
+        self.stalled[rank] = False
+        host.router.down.add(rank)
         self._probation[rank] = None
         host.fail_calls(rank, cause)
         resume, poisoned = host.inflight.on_engine_death(rank)
-        self._staged[rank].extend(resume)
         logger.warning(
             "%s; %d request(s) to resume%s",
             cause[:1].upper() + cause[1:],
@@ -228,11 +249,12 @@ class EngineRestarts:
         if poisoned:
             host.router.owners(poisoned)
             fails = [
-                EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=_POISON_REASON)
+                EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=POISON_REASON)
                 for rid in poisoned
             ]  # fmt: skip
             host.on_outputs(EngineCoreOutputs(engine_index=rank, outputs=fails))
             host.on_event("poisoned", rank, len(poisoned))
+        return resume
 
     async def back(self, rank: int, when: str) -> None:
         """A new engine core of `rank` is up: new requests go to it, and its staged requests
@@ -280,7 +302,7 @@ class EngineRestarts:
             await asyncio.sleep(0.25)
             now = time.monotonic()
             for rank, state in enumerate(self.states):
-                if state == "restarting" or inflight.count(rank) == 0:
+                if state in ("restarting", "lost") or inflight.count(rank) == 0:
                     self.last_progress[rank] = now
                     self.stalled[rank] = False
                     continue

@@ -6,6 +6,7 @@ issue 14): each request as it was sent, the engine it runs on, and what came bac
                                     longer a suspect); finished ones go
     remove(ids)                     aborted
     on_engine_death(engine)         -> (ids to resume, ids to fail): the dead-letter rule
+    move(id, engine)                to resume on another engine (its own is lost)
     resumed(id)                     the request to send again, with what its client has
                                     (sent: a death from now on is one it was in flight at)
 
@@ -92,6 +93,13 @@ class InFlight:
         self.remove(fail)
         resume.sort(key=lambda rid: self.requests[rid].request.arrival_time)
         return resume, fail
+
+    def move(self, request_id: str, engine: int) -> None:
+        """The request resumes on another engine (its own is lost)."""
+        entry = self.requests[request_id]
+        self._counts[entry.engine] -= 1
+        entry.engine = engine
+        self._counts[engine] += 1
 
     def resumed(self, request_id: str) -> EngineCoreRequest | None:
         """The request to send again (None if it ended meanwhile): its prompt and params as

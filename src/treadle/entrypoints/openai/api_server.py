@@ -39,7 +39,7 @@ from treadle.entrypoints.openai.protocol import (
 )
 from treadle.entrypoints.openai.serving import APIError, OpenAIServing, error_body
 from treadle.frontend.async_llm import AsyncLLM
-from treadle.frontend.core_client import AttachTo, EngineDeadError
+from treadle.frontend.core_client import AttachTo, EngineDeadError, RequestKilledEngineError
 from treadle.frontend.metrics import render_metrics
 from treadle.ipc.process import ReadyPipe
 from treadle.logger import init_logger
@@ -140,6 +140,10 @@ def build_app(
         return JSONResponse(
             error_body(f"The engine is dead: {e}", 503, "EngineDeadError"), status_code=503
         )
+
+    @app.exception_handler(RequestKilledEngineError)
+    async def killed_engine(_: Request, e: RequestKilledEngineError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), 500, "InternalServerError"), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

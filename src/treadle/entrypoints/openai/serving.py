@@ -28,7 +28,7 @@ from treadle.entrypoints.openai.tool_calls import (
     plan_tools,
 )
 from treadle.frontend.async_llm import AsyncLLM
-from treadle.frontend.core_client import EngineDeadError
+from treadle.frontend.core_client import EngineDeadError, RequestKilledEngineError
 from treadle.logger import init_logger
 from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import (
@@ -586,6 +586,8 @@ class OpenAIServing:
                 )
         except EngineDeadError as e:
             yield _sse(error_body(str(e), 503, "EngineDeadError"))
+        except RequestKilledEngineError as e:
+            yield _sse(error_body(str(e), 500, "InternalServerError"))
         except InvalidRequest as e:
             yield _sse(error_body(e.message, 400, "BadRequestError", e.param))
         except APIError as e:
