@@ -1,13 +1,16 @@
 """`/metrics` has vLLM v1's metrics (names under `treadle:`, types, labels, bucket edges) and
 they fill as requests run; the engine core logs vLLM's periodic stats line within 6 s of load,
-and its start-up facts. One server on the tiny model for all of it."""
+and its start-up facts; the Grafana dashboard asks for what is there. One server on the tiny
+model for all of it."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -200,3 +203,21 @@ def test_the_metrics_agree_with_each_other(loaded) -> None:  # type: ignore[no-u
     )
     assert inference == pytest.approx(phases, rel=1e-6)
     assert value("prefix_cache_queries", "_total") >= value("prefix_cache_hits", "_total") > 0
+
+
+def test_the_grafana_dashboard_queries_what_treadle_serves(loaded) -> None:  # type: ignore[no-untyped-def]
+    path = Path(__file__).parents[2] / "docs" / "grafana" / "treadle-dashboard.json"
+    dashboard = json.loads(path.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    targets = [t for p in panels for t in p["targets"]]
+    for item in [*panels, *targets]:
+        assert item["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    exprs = " ".join(t["expr"] for t in targets)
+    for name in [*VLLM_METRICS, "cache_config_info"]:
+        assert f"treadle:{name}" in exprs, f"no panel for {name}"
+    text = httpx.get(loaded[0].url + "/metrics", timeout=10).text
+    served = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert set(re.findall(r"treadle:\w+", exprs)) <= served
