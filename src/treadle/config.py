@@ -183,7 +183,7 @@ class FrontendConfig:
     enable_log_requests: bool = False
     """Log each request as it arrives (id, prompt length, sampling parameters) and as it finishes."""
     disable_log_stats: bool = False
-    """Do not log the periodic throughput / queue / KV-cache line."""
+    """Do not log the periodic throughput / queue / KV-cache line (each engine core logs it every 5 s while it has work)."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from treadle import envs
 from treadle.config import EngineConfig, resolve_model
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
+from treadle.core.stats_log import PeriodicStats, kv_cache_lines
 from treadle.core.structured_output import StructuredOutputManager
 from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
 from treadle.executor.uniproc import UniProcExecutor
@@ -66,13 +67,20 @@ class EngineCore:
         # Set by the engine core process: aborts that arrive during a forward pass are applied
         # before its tokens are added, so an aborted request gets no more outputs.
         self.aborts_queue: queue.Queue[list[str]] | None = None
+        self.periodic_stats = (
+            None if config.frontend.disable_log_stats else PeriodicStats(engine_index)
+        )
+        bytes_per_block = sum(self.executor.collective_rpc("kv_bytes_per_block"))
+        size, concurrency = kv_cache_lines(
+            self.num_blocks, config.cache.block_size, bytes_per_block, self.max_model_len
+        )
         logger.info(
-            "Engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
+            "Engine ready in %.1f s: %s, max_model_len %d",
             time.monotonic() - start,
-            self.num_blocks,
-            config.cache.block_size,
+            size,
             self.max_model_len,
         )
+        logger.info("%s", concurrency)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. Never raises for what a client sent: a request that fails
@@ -166,6 +174,8 @@ class EngineCore:
     def step(self) -> dict[int, EngineCoreOutputs]:
         """schedule -> execute -> update; returns the outputs for each client index (with the
         refusals of `add_request` since the last step)."""
+        if self.periodic_stats is not None:
+            self._log_stats()
         if self._compiling:
             self._admit_compiled()
         per_client, self._refused = self._refused, {}
@@ -191,6 +201,13 @@ class EngineCore:
             )
             for client, outs in per_client.items()
         }
+
+    def _log_stats(self) -> None:
+        assert self.periodic_stats is not None
+        busy = self.has_unfinished_requests()
+        line = self.periodic_stats.tick(self.scheduler, busy, time.monotonic())
+        if line is not None:
+            logger.info("%s", line)
 
     def _crash_if_poisoned(self, sched: SchedulerOutput) -> None:
         """The test-only fault hook (`TREADLE_TEST_CRASH_ON_TOKEN`)."""

@@ -45,6 +45,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers in the next step
         self.num_preemptions = 0
+        # For the periodic stats line: prompts that got their first token, tokens sampled.
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -160,6 +163,7 @@ class Scheduler:
                     )
                 continue
             req.all_token_ids.append(token)
+            self.generation_tokens_total += 1
             reason = self._check_stop(req, token)
             self.kv.cache_full_blocks(req)
             if reason is not None:
@@ -174,6 +178,7 @@ class Scheduler:
                 new_prompt_logprobs=prompt_logprobs,
             )
             if req.num_output_tokens == 1 and req.scheduled_ts is not None:
+                self.prompt_tokens_total += req.num_prompt_tokens
                 out.queue_time = req.scheduled_ts - req.queued_ts
                 out.prefill_time = time.monotonic() - req.scheduled_ts
             outputs.setdefault(req.client_index, []).append(out)

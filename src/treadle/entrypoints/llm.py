@@ -35,6 +35,7 @@ class LLM:
         `max_num_seqs`, `kv_cache_memory_bytes`, `tensor_parallel_size`, ...). vLLM's
         arguments that mean nothing here (`gpu_memory_utilization`, `enforce_eager`, ...) log a
         warning; an unknown name raises `TypeError` naming the closest known one."""
+        kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: no periodic stats line
         args, warnings = EngineArgs.from_kwargs(model=model, **kwargs)
         for warning in warnings:
             logger.warning("LLM: %s", warning)

@@ -9,7 +9,6 @@ Cancelling `generate()` (a client that disconnected) aborts the request in the e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,18 +20,17 @@ from treadle.frontend.async_client import AsyncMPClient
 from treadle.frontend.core_client import AttachTo, EngineDeadError, RequestKilledEngineError
 from treadle.frontend.engine_restarts import POISON_REASON
 from treadle.frontend.input_processor import InputProcessor
-from treadle.frontend.metrics import RequestTimes, StatLogger, log_line
+from treadle.frontend.metrics import StatLogger
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
+from treadle.frontend.request_stats import RequestStatsTable
 from treadle.logger import init_logger
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
-from treadle.wire.engine import EngineCoreOutputs, FinishReason, SchedulerStats
+from treadle.wire.engine import EngineCoreOutputs, FinishReason
 
 logger = init_logger(__name__)
-
-LOG_STATS_INTERVAL_S = 10.0
 
 
 @dataclass(eq=False)
@@ -106,39 +104,25 @@ class AsyncLLM:
             stop_this_process(reason)
 
         self.client.on_stopped = on_stopped
-        self.times: dict[str, RequestTimes] = {}
-        self.stats = [SchedulerStats() for _ in range(self.client.num_engines)]
+        self.request_stats = RequestStatsTable()
         # Engine-wide counters reach every API server; only the first one adds them up.
         self.stat_loggers = [
-            StatLogger(model_name, engine, count_engine_totals=client_index == 0)
+            StatLogger(
+                model_name, self.max_model_len, engine, count_engine_totals=client_index == 0
+            )
             for engine in range(self.client.num_engines)
         ]
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_cache_config(config.cache, info.num_blocks)
         self.last_output_time = time.monotonic()
         self.client.on_event = lambda kind, engine, count: self.stat_loggers[engine].record_event(
             kind, count
         )
-        self._log_stats_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Start reading engine outputs (and logging stats every 10 s unless
-        --disable-log-stats); call inside the running event loop."""
+        """Start reading engine outputs; call inside the running event loop. (The periodic
+        stats line comes from each engine core, which sees all of its requests.)"""
         self.client.start()
-        if not self.config.frontend.disable_log_stats and self.client_index == 0:
-            self._log_stats_task = asyncio.get_running_loop().create_task(self._log_stats())
-
-    async def _log_stats(self) -> None:
-        """One line per engine every interval in which something happened."""
-        last = [(0, 0, SchedulerStats()) for _ in self.stat_loggers]
-        while True:
-            await asyncio.sleep(LOG_STATS_INTERVAL_S)
-            for engine, stat_logger in enumerate(self.stat_loggers):
-                now = (stat_logger.prompt_tokens, stat_logger.generation_tokens, self.stats[engine])
-                if now == last[engine]:
-                    continue
-                prompt = (now[0] - last[engine][0]) / LOG_STATS_INTERVAL_S
-                generation = (now[1] - last[engine][1]) / LOG_STATS_INTERVAL_S
-                logger.info("%s", log_line(engine, now[2], prompt, generation))
-                last[engine] = now
 
     @property
     def dead(self) -> bool:
@@ -174,7 +158,13 @@ class AsyncLLM:
             )
         collector = RequestOutputCollector()
         self.collectors[request_id] = collector
-        self.times[request_id] = RequestTimes(time.monotonic(), len(prompt_token_ids))
+        self.request_stats.add(
+            request_id,
+            [r.request_id for r in requests],
+            time.monotonic(),
+            len(prompt_token_ids),
+            params.max_tokens,
+        )
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         if self.config.frontend.enable_log_requests:
             logger.info(
@@ -203,14 +193,14 @@ class AsyncLLM:
                     return
         finally:
             self.collectors.pop(request_id, None)
-            self.times.pop(request_id, None)
+            self.request_stats.forget(request_id)
             if not finished:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         child_ids = self.output_processor.abort(request_id)
         self.collectors.pop(request_id, None)
-        self.times.pop(request_id, None)
+        self.request_stats.forget(request_id)
         if child_ids:
             await self.client.abort_requests(child_ids)
 
@@ -236,13 +226,13 @@ class AsyncLLM:
         self.last_output_time = now
         stat_logger = self.stat_loggers[outputs.engine_index]
         if outputs.scheduler_stats is not None:
-            self.stats[outputs.engine_index] = outputs.scheduler_stats
             stat_logger.record_scheduler_stats(outputs.scheduler_stats)
         results, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        engine_ts = outputs.timestamp or time.time()
+        stat_logger.record_iteration(
+            self.request_stats.iteration(outputs.outputs, to_abort, now, engine_ts)
+        )
         for out in results:
-            times = self.times.get(out.request_id)
-            if times is not None:
-                stat_logger.record_output(times, out, now)
             collector = self.collectors.get(out.request_id)
             if collector is not None:
                 collector.put(out)
@@ -256,9 +246,6 @@ class AsyncLLM:
             collector.fail(error)
 
     def shutdown(self) -> None:
-        if self._log_stats_task is not None:  # asyncio.run cancels it too, when the loop ends
-            with contextlib.suppress(RuntimeError):  # the loop is closed already
-                self._log_stats_task.cancel()
         self.client.shutdown()
 
 

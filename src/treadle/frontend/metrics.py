@@ -1,19 +1,23 @@
-"""Prometheus metrics of the front end, with vLLM's names under the `treadle:` prefix.
+"""Prometheus metrics of the front end: vLLM v1's names, types, buckets and labels
+(`vllm/v1/metrics/loggers.py`, `PrometheusStatLogger`) under the `treadle:` prefix, plus
+treadle's own engine-restart counters.
 
 With several API servers (`--api-server-count`), each writes its values to
 `PROMETHEUS_MULTIPROC_DIR` (set by the supervisor) and `/metrics` in any of them reports the
-sum over all (gauges: the most recent value). Request timings (TTFT, inter-token latency,
-end-to-end) are measured here, where outputs arrive; scheduler gauges and counters come from the `SchedulerStats` the engine core sends
-with its outputs (counters there are cumulative, so they are added here as differences).
+sum over all (gauges: the most recent value). Each API server counts its own requests (token
+counters and the per-request histograms, from `request_stats.IterationStats`), so their sum is
+the server's. Scheduler gauges and the engine-wide counters (preemptions, prefix cache) come
+from the `SchedulerStats` the engine core sends with its outputs; they are cumulative there,
+so they are added here as differences, by API server 0 alone (every API server receives them).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
+    REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -22,112 +26,210 @@ from prometheus_client import (
     multiprocess,
 )
 
-from treadle.outputs import RequestOutput
-from treadle.wire.engine import SchedulerStats
+from treadle.config import CacheConfig
+from treadle.frontend.request_stats import IterationStats
+from treadle.wire.engine import FinishReason, SchedulerStats
 
-_LABELS = ["model_name", "engine"]
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+PREFIX = "treadle:"
+LABELS = ["model_name", "engine"]
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+N_BUCKETS = [1, 2, 5, 10, 20]
+# vLLM's `cache_config_info` labels that treadle has (`num_gpu_blocks`: the KV blocks, on any
+# device), and the engine.
+CACHE_INFO_LABELS = [
+    "block_size",
+    "enable_prefix_caching",
+    "kv_cache_memory_bytes",
+    "num_gpu_blocks",
+    "engine",
+]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def _definitions(max_model_len: int) -> dict[str, Any]:
+    tokens = build_1_2_5_buckets(max_model_len)
+
+    def gauge(name: str, doc: str, labels: list[str] = LABELS) -> Gauge:
+        return Gauge(PREFIX + name, doc, labels, multiprocess_mode="mostrecent")
+
+    def counter(name: str, doc: str, labels: list[str] = LABELS) -> Counter:
+        return Counter(PREFIX + name, doc, labels)
+
+    def histogram(name: str, doc: str, buckets: list[Any]) -> Histogram:
+        return Histogram(PREFIX + name, doc, LABELS, buckets=buckets)
+
+    return dict(
+        running=gauge("num_requests_running", "Number of requests in model execution batches."),
+        waiting=gauge("num_requests_waiting", "Number of requests waiting to be processed."),
+        kv_usage=gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+        cache_info=gauge(
+            "cache_config_info", "Information of the LLMEngine CacheConfig", CACHE_INFO_LABELS
+        ),
+        prefix_queries=counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        ),
+        prefix_hits=counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        ),
+        preemptions=counter("num_preemptions", "Cumulative number of preemption from the engine."),
+        prompt_tokens=counter("prompt_tokens", "Number of prefill tokens processed."),
+        generation_tokens=counter("generation_tokens", "Number of generation tokens processed."),
+        success=counter(
+            "request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+        ),
+        prompt_tokens_request=histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", tokens
+        ),
+        generation_tokens_request=histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", tokens
+        ),
+        iteration_tokens=histogram(
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        ),
+        max_num_generation_tokens=histogram(
+            "request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        ),
+        n_request=histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
+        max_tokens_request=histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        ),
+        ttft=histogram(
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        ),
+        itl=histogram(
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        ),
+        tpot_request=histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        ),
+        e2e=histogram(
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        ),
+        queue_time=histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ),
+        inference_time=histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ),
+        prefill_time=histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ),
+        decode_time=histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ),
+        # treadle's own: engine cores restarted after a death (issue 14).
+        restarts=counter("engine_restarts", "Engine core restarts after a death or a stall"),
+        resumed=counter("requests_resumed", "Requests resumed on a restarted engine core"),
+        poisoned=counter(
+            "requests_failed_poison",
+            "Requests failed because the engine core died twice while running them",
+        ),
+    )
+
+
 _metrics: dict[str, Any] = {}
+_made_for: list[int] = []  # the max_model_len of the token-count buckets
 
 
-def _registry() -> dict[str, Any]:
-    """The metric objects, made once per process (prometheus_client registers them globally)."""
-    if not _metrics:
-        p = "treadle:"
-        _metrics.update(
-            running=Gauge(
-                p + "num_requests_running",
-                "Requests in the running batch",
-                _LABELS,
-                multiprocess_mode="mostrecent",
-            ),
-            waiting=Gauge(
-                p + "num_requests_waiting",
-                "Requests waiting to be scheduled",
-                _LABELS,
-                multiprocess_mode="mostrecent",
-            ),
-            kv_usage=Gauge(
-                p + "kv_cache_usage_perc",
-                "Fraction of KV blocks in use (0-1)",
-                _LABELS,
-                multiprocess_mode="mostrecent",
-            ),
-            prompt_tokens=Counter(p + "prompt_tokens", "Prefilled prompt tokens", _LABELS),
-            generation_tokens=Counter(p + "generation_tokens", "Generated tokens", _LABELS),
-            success=Counter(
-                p + "request_success", "Finished requests", [*_LABELS, "finished_reason"]
-            ),
-            preemptions=Counter(p + "num_preemptions", "Preempted requests", _LABELS),
-            prefix_queries=Counter(
-                p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", _LABELS
-            ),
-            prefix_hits=Counter(
-                p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", _LABELS
-            ),
-            ttft=Histogram(
-                p + "time_to_first_token_seconds",
-                "Time to first token",
-                _LABELS,
-                buckets=_LATENCY_BUCKETS,
-            ),
-            itl=Histogram(
-                p + "inter_token_latency_seconds",
-                "Time between tokens",
-                _LABELS,
-                buckets=_LATENCY_BUCKETS,
-            ),
-            restarts=Counter(
-                p + "engine_restarts", "Engine core restarts after a death or a stall", _LABELS
-            ),
-            resumed=Counter(
-                p + "requests_resumed", "Requests resumed on a restarted engine core", _LABELS
-            ),
-            poisoned=Counter(
-                p + "requests_failed_poison",
-                "Requests failed because the engine core died twice while running them",
-                _LABELS,
-            ),
-            e2e=Histogram(
-                p + "e2e_request_latency_seconds",
-                "Request latency",
-                _LABELS,
-                buckets=_LATENCY_BUCKETS,
-            ),
-        )
+def _registry(max_model_len: int) -> dict[str, Any]:
+    """The metric objects of this process (prometheus_client registers them globally): made
+    once, or again (as vLLM does) for a model of another length."""
+    if _made_for != [max_model_len]:
+        for metric in _metrics.values():
+            REGISTRY.unregister(metric)
+        _metrics.clear()
+        _metrics.update(_definitions(max_model_len))
+        _made_for[:] = [max_model_len]
     return _metrics
-
-
-@dataclass
-class RequestTimes:
-    arrival: float
-    num_prompt_tokens: int
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0
 
 
 class StatLogger:
     """One engine's metrics as this front end sees them. `count_engine_totals=False` skips
-    the engine's cumulative counters (preemptions, prefix cache): with several API servers
-    they reach every one of them, and only one may add them up."""
+    the engine's cumulative counters (preemptions, prefix cache) and restarts: with several
+    API servers they reach every one of them, and only one may add them up."""
 
-    def __init__(self, model_name: str, engine: int = 0, count_engine_totals: bool = True) -> None:
-        self.m = _registry()
-        self.labels = {"model_name": model_name, "engine": str(engine)}
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        engine: int = 0,
+        count_engine_totals: bool = True,
+    ) -> None:
+        m = _registry(max_model_len)
+        self.engine = str(engine)
         self.count_engine_totals = count_engine_totals
+        labels = {"model_name": model_name, "engine": self.engine}
+        self.m = {
+            key: metric.labels(**labels)
+            for key, metric in m.items()
+            if key not in ("success", "cache_info")
+        }
+        # Every finish reason is there from the start, at 0 (as vLLM's).
+        self.success = {
+            str(r): m["success"].labels(**labels, finished_reason=str(r)) for r in FinishReason
+        }
+        self.cache_info = m["cache_info"]
         self._last = SchedulerStats()
-        # Plain totals for the periodic log line (`log_line`).
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
 
-    def _get(self, name: str, **extra: str) -> Any:
-        return self.m[name].labels(**self.labels, **extra)
+    def record_cache_config(self, cache: CacheConfig, num_blocks: int) -> None:
+        """vLLM's `cache_config_info`: a gauge at 1 whose labels are the config."""
+        self.cache_info.labels(
+            block_size=str(cache.block_size),
+            enable_prefix_caching=str(cache.enable_prefix_caching),
+            kv_cache_memory_bytes=str(cache.kv_cache_memory),
+            num_gpu_blocks=str(num_blocks),
+            engine=self.engine,
+        ).set(1)
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self._get("running").set(stats.num_running_reqs)
-        self._get("waiting").set(stats.num_waiting_reqs)
-        self._get("kv_usage").set(stats.kv_cache_usage)
+        self.m["running"].set(stats.num_running_reqs)
+        self.m["waiting"].set(stats.num_waiting_reqs)
+        self.m["kv_usage"].set(stats.kv_cache_usage)
         if not self.count_engine_totals:
             return
         for name, attr in (
@@ -137,7 +239,7 @@ class StatLogger:
         ):
             delta = getattr(stats, attr) - getattr(self._last, attr)
             if delta > 0:
-                self._get(name).inc(delta)
+                self.m[name].inc(delta)
         self._last = stats
 
     def record_event(self, kind: str, count: int) -> None:
@@ -145,40 +247,40 @@ class StatLogger:
         if kind == "restarted" and not self.count_engine_totals:
             return  # every API server sees a restart; only one counts it
         name = {"restarted": "restarts", "resumed": "resumed", "poisoned": "poisoned"}[kind]
-        self._get(name).inc(count)
+        self.m[name].inc(count)
 
-    def record_output(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
-        tokens = sum(len(c.token_ids) for c in out.outputs)
-        new = tokens - times.num_tokens
-        if new > 0:
-            if times.first_token is None:
-                times.first_token = now
-                self._get("ttft").observe(now - times.arrival)
-                self._get("prompt_tokens").inc(times.num_prompt_tokens)
-                self.prompt_tokens += times.num_prompt_tokens
-            elif times.last_token is not None:
-                self._get("itl").observe((now - times.last_token) / new)
-            times.last_token = now
-            times.num_tokens = tokens
-            self._get("generation_tokens").inc(new)
-            self.generation_tokens += new
-        if out.finished:
-            self._get("e2e").observe(now - times.arrival)
-            for c in out.outputs:
-                self._get("success", finished_reason=c.finish_reason or "abort").inc()
-
-
-def log_line(engine: int, stats: SchedulerStats, prompt_tps: float, generation_tps: float) -> str:
-    """vLLM's periodic line (`--disable-log-stats` turns it off)."""
-    queries = stats.prefix_cache_queries
-    hit_rate = 100.0 * stats.prefix_cache_hits / queries if queries else 0.0
-    return (
-        f"Engine {engine:03d}: Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
-        f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
-        f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
-        f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, "
-        f"Prefix cache hit rate: {hit_rate:.1f}%"
-    )
+    def record_iteration(self, it: IterationStats) -> None:
+        m = self.m
+        if it.num_tokens == 0 and not it.finished_requests:
+            return
+        if it.num_prompt_tokens:
+            m["prompt_tokens"].inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            m["generation_tokens"].inc(it.num_generation_tokens)
+        if it.num_tokens:
+            m["iteration_tokens"].observe(it.num_tokens)
+        for value in it.time_to_first_tokens:
+            m["ttft"].observe(value)
+        for value in it.inter_token_latencies:
+            m["itl"].observe(value)
+        for n in it.n_params:
+            m["n_request"].observe(n)
+        for tokens in it.max_num_generation_tokens:
+            m["max_num_generation_tokens"].observe(tokens)
+        for done in it.finished_requests:
+            self.success[done.finish_reason].inc()
+            m["e2e"].observe(done.e2e_latency)
+            m["prompt_tokens_request"].observe(done.num_prompt_tokens)
+            m["generation_tokens_request"].observe(done.num_generation_tokens)
+            if done.max_tokens_param:
+                m["max_tokens_request"].observe(done.max_tokens_param)
+            if done.queued_time is None:
+                continue  # ended before its first token: its phases are unknown
+            m["queue_time"].observe(done.queued_time)
+            m["prefill_time"].observe(done.prefill_time)
+            m["decode_time"].observe(done.decode_time)
+            m["inference_time"].observe(done.inference_time)
+            m["tpot_request"].observe(done.mean_time_per_output_token)
 
 
 def render_metrics() -> bytes:

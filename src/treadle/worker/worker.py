@@ -190,6 +190,11 @@ class Worker:
         assert self.runner is not None
         self.runner.initialize_cache(num_blocks)
 
+    def kv_bytes_per_block(self) -> int:
+        """This rank's bytes of one KV block (for the engine core's start-up log)."""
+        assert self.runner is not None
+        return self.runner.kv_bytes_per_block()
+
     def check_health(self, payload: object = None) -> bool:
         """A no-op round trip; the control-path benchmark sends payloads through it."""
         return True

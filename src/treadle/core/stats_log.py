@@ -1,0 +1,89 @@
+"""The engine core's log lines about its own work (it sees every request, whichever API server
+sent it): the KV cache at start-up, and vLLM's periodic stats line, every
+`LOG_STATS_INTERVAL_S` while the engine has work and once just after (`--disable-log-stats`
+turns it off)."""
+
+from __future__ import annotations
+
+import time
+
+from treadle.core.scheduler import Scheduler
+
+LOG_STATS_INTERVAL_S = 5.0  # vLLM's logging interval
+
+
+def kv_cache_lines(
+    num_blocks: int, block_size: int, bytes_per_block: int, max_model_len: int
+) -> list[str]:
+    """vLLM's start-up lines about the KV cache: its size, and how many requests of
+    max_model_len tokens fit in it at once."""
+    tokens = num_blocks * block_size
+    gib = num_blocks * bytes_per_block / (1 << 30)
+    blocks_per_request = -(-max_model_len // block_size)
+    return [
+        f"KV cache size: {tokens:,} tokens ({gib:.2f} GiB, {num_blocks:,} blocks of "
+        f"{block_size} tokens)",
+        f"Maximum concurrency for {max_model_len:,} tokens per request: "
+        f"{num_blocks / blocks_per_request:.2f}x",
+    ]
+
+
+class PeriodicStats:
+    """`tick()` runs at every step of the engine (and every idle poll of its process). At the
+    end of each interval in which the engine had work it returns vLLM's line for that
+    interval: prompt and generation throughput (prompts count when their first token comes),
+    running and waiting requests, preemptions (when there were some), KV cache usage and the
+    prefix cache hit rate (since start-up). An idle interval has no line."""
+
+    def __init__(
+        self, engine_index: int, interval: float = LOG_STATS_INTERVAL_S, now: float | None = None
+    ) -> None:
+        self.engine_index = engine_index
+        self.interval = interval
+        self._start = time.monotonic() if now is None else now
+        self._base = (0, 0, 0)  # the scheduler's totals when the interval started
+        self._busy = False  # the engine had work in this interval
+
+    def tick(self, scheduler: Scheduler, busy: bool, now: float) -> str | None:
+        if busy and not self._busy:
+            self._busy = True
+            if now - self._start >= self.interval:  # an idle interval that is over
+                self._restart(scheduler, now)
+        elapsed = now - self._start
+        if elapsed < self.interval:
+            return None
+        line = self._line(scheduler, elapsed) if self._busy else None
+        self._restart(scheduler, now)
+        self._busy = busy
+        return line
+
+    @staticmethod
+    def _totals(scheduler: Scheduler) -> tuple[int, int, int]:
+        return (
+            scheduler.prompt_tokens_total,
+            scheduler.generation_tokens_total,
+            scheduler.num_preemptions,
+        )
+
+    def _restart(self, scheduler: Scheduler, now: float) -> None:
+        self._start = now
+        self._base = self._totals(scheduler)
+
+    def _line(self, scheduler: Scheduler, elapsed: float) -> str:
+        prompt, generation, preempted = (
+            t - b for t, b in zip(self._totals(scheduler), self._base, strict=True)
+        )
+        stats = scheduler.make_stats()
+        queries = stats.prefix_cache_queries
+        hit_rate = 100.0 * stats.prefix_cache_hits / queries if queries else 0.0
+        parts = [
+            f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s",
+            f"Avg generation throughput: {generation / elapsed:.1f} tokens/s",
+            f"Running: {stats.num_running_reqs} reqs",
+            f"Waiting: {stats.num_waiting_reqs} reqs",
+        ]
+        if preempted:
+            parts.append(f"Preemptions: {preempted}")
+        parts.append(f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%")
+        parts.append(f"Prefix cache hit rate: {hit_rate:.1f}%")
+        return f"Engine {self.engine_index:03d}: " + ", ".join(parts)

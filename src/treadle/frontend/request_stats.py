@@ -1,0 +1,182 @@
+"""What the front end learns about each request from the engine outputs, for the metrics
+(vLLM's `RequestStateStats`, `IterationStats` and `FinishedRequestStats`).
+
+One `RequestStats` per engine request (a request with `n > 1` has n of them and one
+`ParentStats`). Each batch of outputs from an engine becomes one `IterationStats`: the tokens
+it brought, the first-token and inter-token latencies, and the requests that finished in it.
+
+Two clocks, as in vLLM: front-end `time.monotonic()` for arrival, TTFT and end-to-end latency;
+the engine's own clock for the phases of a request inside it. The engine measures the queue
+time (waiting until first scheduled) and the prefill time (first scheduled to first token) and
+sends them with the first token (`EngineCoreOutput.queue_time`, `prefill_time`); the decode
+time runs from the engine timestamp of the outputs that carried the first token to that of
+the last one (`EngineCoreOutputs.timestamp`), so preemptions fall inside the phase in which
+they happened. Inference time = prefill + decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle.wire.engine import EngineCoreOutput, FinishReason
+
+
+@dataclass
+class ParentStats:
+    """A request with `n > 1`: `n` and the longest output are observed once all its
+    samples have finished."""
+
+    n: int
+    unfinished: int
+    max_num_generation_tokens: int = 0
+
+
+@dataclass
+class RequestStats:
+    arrival: float  # front-end monotonic clock
+    num_prompt_tokens: int
+    max_tokens: int | None
+    parent: ParentStats | None = None
+    num_generation_tokens: int = 0
+    queue_time: float = 0.0
+    prefill_time: float = 0.0
+    first_token_ts: float = 0.0  # engine clock
+    last_token_ts: float = 0.0
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens_param: int | None
+    # The phases (engine clock); None when the request ended before its first token.
+    queued_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+    mean_time_per_output_token: float | None = None
+
+
+def finished_request_stats(stats: RequestStats, reason: str, now: float) -> FinishedRequestStats:
+    """The whole-request figures of a request that ended at `now` (front-end clock)."""
+    done = FinishedRequestStats(
+        finish_reason=reason,
+        e2e_latency=now - stats.arrival,
+        num_prompt_tokens=stats.num_prompt_tokens,
+        num_generation_tokens=stats.num_generation_tokens,
+        max_tokens_param=stats.max_tokens,
+    )
+    if stats.num_generation_tokens == 0:
+        return done
+    decode = max(0.0, stats.last_token_ts - stats.first_token_ts)
+    done.queued_time = stats.queue_time
+    done.prefill_time = stats.prefill_time
+    done.decode_time = decode
+    done.inference_time = stats.prefill_time + decode
+    # The first token is the prefill's, not the decode's.
+    done.mean_time_per_output_token = (
+        decode / (stats.num_generation_tokens - 1) if stats.num_generation_tokens > 1 else 0.0
+    )
+    return done
+
+
+@dataclass
+class IterationStats:
+    """The observations from one batch of outputs of one engine."""
+
+    now: float  # front-end monotonic clock when the batch arrived
+    engine_ts: float  # the engine's timestamp of the batch
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """vLLM's tokens of an iteration: the prompts that got their first token, and every
+        generated token."""
+        return self.num_prompt_tokens + self.num_generation_tokens
+
+    def update_from_output(self, stats: RequestStats, out: EngineCoreOutput) -> None:
+        new = len(out.new_token_ids)
+        if new == 0:
+            return
+        if stats.num_generation_tokens == 0:  # the first token: the prompt is done
+            self.num_prompt_tokens += stats.num_prompt_tokens
+            self.time_to_first_tokens.append(self.now - stats.arrival)
+            stats.queue_time, stats.prefill_time = out.queue_time, out.prefill_time
+            stats.first_token_ts = self.engine_ts
+        else:
+            self.inter_token_latencies.append(max(0.0, self.engine_ts - stats.last_token_ts))
+        stats.last_token_ts = self.engine_ts
+        stats.num_generation_tokens += new
+        self.num_generation_tokens += new
+
+    def update_from_finished(self, stats: RequestStats, reason: str) -> None:
+        self.finished_requests.append(finished_request_stats(stats, reason, self.now))
+        parent = stats.parent
+        if parent is None:
+            self.n_params.append(1)
+            self.max_num_generation_tokens.append(stats.num_generation_tokens)
+            return
+        parent.unfinished -= 1
+        parent.max_num_generation_tokens = max(
+            parent.max_num_generation_tokens, stats.num_generation_tokens
+        )
+        if parent.unfinished == 0:
+            self.n_params.append(parent.n)
+            self.max_num_generation_tokens.append(parent.max_num_generation_tokens)
+
+
+class RequestStatsTable:
+    """The `RequestStats` of this front end's requests, by engine request id."""
+
+    def __init__(self) -> None:
+        self._by_child: dict[str, RequestStats] = {}
+        self._children: dict[str, list[str]] = {}
+
+    def add(
+        self,
+        request_id: str,
+        child_ids: list[str],
+        arrival: float,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+    ) -> None:
+        n = len(child_ids)
+        parent = ParentStats(n, n) if n > 1 else None
+        for child_id in child_ids:
+            self._by_child[child_id] = RequestStats(arrival, num_prompt_tokens, max_tokens, parent)
+        self._children[request_id] = child_ids
+
+    def forget(self, request_id: str) -> None:
+        """The request is over for its caller (finished, aborted or failed)."""
+        for child_id in self._children.pop(request_id, ()):
+            self._by_child.pop(child_id, None)
+
+    def iteration(
+        self,
+        outputs: list[EngineCoreOutput],
+        stopped: list[str],
+        now: float,
+        engine_ts: float,
+    ) -> IterationStats:
+        """The stats of one batch of engine outputs; `stopped`: the engine requests that
+        the front end ended (a stop string) while processing them."""
+        it = IterationStats(now, engine_ts)
+        ended = set(stopped)
+        for out in outputs:
+            stats = self._by_child.get(out.request_id)
+            if stats is None:
+                continue  # not this front end's, aborted, or already finished
+            it.update_from_output(stats, out)
+            if out.finish_reason is not None or out.request_id in ended:
+                reason = out.finish_reason if out.finish_reason is not None else FinishReason.STOP
+                it.update_from_finished(stats, str(reason))
+                del self._by_child[out.request_id]
+        return it
