@@ -213,7 +213,8 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         """Liveness (vLLM's /health): every engine that is up answers a call; one being
-        restarted counts as alive, as does a server that lost a remote engine and serves on. Raises `EngineDeadError` or `TimeoutError` otherwise."""
+        restarted counts as alive, as does a server that lost a remote engine and serves on.
+        Raises `EngineDeadError` or `TimeoutError` otherwise."""
         up = [e for e, s in enumerate(self.client.engine_states) if s in ("up", "resuming")]
         await asyncio.gather(*(self.client.call_utility("get_stats", engine=e) for e in up))
 
