@@ -121,7 +121,5 @@ def test_a_restarted_coordinator_binds_the_same_addresses_and_catches_up_on_the_
     harness.c = DPCoordinator(num_engines=2, engine_host=None, addresses=addresses)
     assert harness.c.addresses == addresses
     assert harness.front_message(timeout=5.0) is not None  # the front end reconnected
-    harness.wave_messages()
-    harness.send(1, start_wave=7)  # the engines are in wave 7; the coordinator knew 0
-    assert harness.c.wave == 7 and harness.c.wave_running
-    assert harness.wave_messages() == [StartDPWave(wave=7, exclude=1)]
+    harness.send(1, start_wave=7)  # the engines are in wave 7; the new one knew 0
+    assert harness.c.wave == 7 and harness.c.wave_running  # (an engine's PUSH reconnected)

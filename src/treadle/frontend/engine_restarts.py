@@ -150,10 +150,11 @@ class EngineRestarts:
             self._waiting -= 1
 
     def readiness(self) -> str | None:
-        """None when every engine is up, resumed what it had, and makes progress; else why
-        not (for /health/ready: a lost engine keeps it 503, the others still serve)."""
+        """None when every engine is up and makes progress; else why not (for /health/ready:
+        a lost engine keeps it 503, the others still serve). An engine that resumes its
+        requests is up: it takes new ones, and makes progress (else it is stalled)."""
         for rank, state in enumerate(self.states):
-            if state != "up":
+            if state not in ("up", "resuming"):
                 return f"engine core {rank} is {state}"
             if self.stalled[rank]:
                 idle = time.monotonic() - self.last_progress[rank]
