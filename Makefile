@@ -56,6 +56,7 @@ bench: install bench-peers
 	$(BIN)/python benchmarks/tp_bench.py
 	$(BIN)/python benchmarks/dp_bench.py
 	$(BIN)/python benchmarks/restart_bench.py
+	$(BIN)/python benchmarks/restart_bench.py --serve-args "-tp 3 --dtype float32" --victim Worker_TP1 --streams 16 --rounds 2
 
 # llama.cpp's llama-server, the peer of benchmarks/peer_bench.py, built from the source vendored
 # in the llama-cpp-python sdist into $(PEERS)/ (native, and AVX2-only): not part of `make test`.

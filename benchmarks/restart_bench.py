@@ -1,7 +1,8 @@
 """Restart time of a dead engine core, served (issue 14): `treadle serve` (default model), a
-number of greedy streams in flight, kill -9 of the engine core, and the time from the kill to
-the first token of a resumed stream (and to the last stream's first resumed token), several
-rounds in one run. Beside it, the server's own start: launch to a healthy /health.
+number of greedy streams in flight, kill -9 of the engine core (or `--victim Worker_TP1` with
+`--serve-args "-tp 3"`), and the time from the kill to the first token of a resumed stream, to
+the last stream's first resumed token, and to /health/ready 200 again; several rounds in one
+run. Beside it, the server's own start: launch to a healthy /health (the load time).
 """
 
 from __future__ import annotations
@@ -26,14 +27,29 @@ import psutil  # noqa: E402
 from serve_bench import Server  # noqa: E402
 
 
-def engine_pid(server: Server) -> int:
+def victim_pid(server: Server, title: str) -> int:
     for child in psutil.Process(server.proc.pid).children(recursive=True):
         try:
-            if child.cmdline()[0].strip() == "treadle::EngineCore_DP0":
+            if child.cmdline()[0].strip() == f"treadle::{title}":
                 return child.pid
         except (psutil.NoSuchProcess, IndexError):
             continue
-    raise LookupError("no engine core")
+    raise LookupError(f"no {title} process")
+
+
+def ready(url: str) -> bool:
+    return httpx.get(url + "/health/ready", timeout=10).status_code == 200
+
+
+def ready_again(url: str, killed: float) -> float:
+    """Seconds from the kill to /health/ready 200, once it has been 503."""
+    while ready(url):
+        if time.perf_counter() - killed > 10:
+            raise RuntimeError("/health/ready never said 503 after the kill")
+        time.sleep(0.02)
+    while not ready(url):
+        time.sleep(0.05)
+    return time.perf_counter() - killed
 
 
 def stream(url: str, prompt: str, max_tokens: int, times: list[float]) -> None:
@@ -49,7 +65,7 @@ def stream(url: str, prompt: str, max_tokens: int, times: list[float]) -> None:
                 times.append(time.perf_counter())
 
 
-def one_round(url: str, engine: int, streams: int, max_tokens: int) -> dict[str, float]:
+def one_round(url: str, victim: int, streams: int, max_tokens: int) -> dict[str, float]:
     times: list[list[float]] = [[] for _ in range(streams)]
     threads = [
         threading.Thread(target=stream, args=(url, f"Tell me story {i}.", max_tokens, times[i]))
@@ -60,11 +76,16 @@ def one_round(url: str, engine: int, streams: int, max_tokens: int) -> dict[str,
     while min(len(t) for t in times) < 8:
         time.sleep(0.01)
     killed = time.perf_counter()
-    os.kill(engine, signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
+    ready_s = ready_again(url, killed)
     for t in threads:
         t.join()
     firsts = [next(x for x in t if x > killed) for t in times]
-    return {"first_resumed_token_s": min(firsts) - killed, "all_resumed_s": max(firsts) - killed}
+    return {
+        "first_resumed_token_s": min(firsts) - killed,
+        "all_resumed_s": max(firsts) - killed,
+        "ready_again_s": ready_s,
+    }
 
 
 def main() -> int:
@@ -73,19 +94,25 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--result-file", default=None, help="write every figure here as JSON")
+    parser.add_argument("--serve-args", default="", help='more `treadle serve` flags, e.g. "-tp 3"')
+    parser.add_argument("--victim", default="EngineCore_DP0", help="the process title to kill")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     results: dict[str, Any] = {"rounds": []}
     with tempfile.TemporaryDirectory(prefix="treadle-restart-bench-") as tmp:
-        server = Server(Path(tmp) / "server.log", ["--max-engine-restarts", str(args.rounds)])
+        flags = ["--max-engine-restarts", str(args.rounds), *args.serve_args.split()]
+        server = Server(Path(tmp) / "server.log", flags)
         try:
             results["healthy_s"] = server.wait_healthy()
             for r in range(args.rounds):
-                figures = one_round(server.url, engine_pid(server), args.streams, args.max_tokens)
+                victim = victim_pid(server, args.victim)
+                figures = one_round(server.url, victim, args.streams, args.max_tokens)
                 results["rounds"].append(figures)
                 print(
-                    f"round {r + 1}: kill -9 -> first resumed token {figures['first_resumed_token_s']:.2f} s,"
-                    f" every stream resumed {figures['all_resumed_s']:.2f} s",
+                    f"round {r + 1}: kill -9 {args.victim} -> first resumed token "
+                    f"{figures['first_resumed_token_s']:.2f} s, every stream resumed "
+                    f"{figures['all_resumed_s']:.2f} s, /health/ready 200 "
+                    f"{figures['ready_again_s']:.2f} s",
                     flush=True,
                 )
         except BaseException:
@@ -95,10 +122,12 @@ def main() -> int:
             server.stop()
     first = statistics.median(r["first_resumed_token_s"] for r in results["rounds"])
     every = statistics.median(r["all_resumed_s"] for r in results["rounds"])
+    ready_s = statistics.median(r["ready_again_s"] for r in results["rounds"])
     print(
-        f"restart ({args.streams} streams in flight, median of {args.rounds}): kill -9 -> first "
-        f"resumed token {first:.2f} s, every stream resumed {every:.2f} s; start to healthy "
-        f"{results['healthy_s']:.2f} s",
+        f"restart ({args.serve_args or 'default'}, {args.streams} streams in flight, kill -9 "
+        f"{args.victim}, median of {args.rounds}): first resumed token {first:.2f} s, every "
+        f"stream resumed {every:.2f} s, /health/ready 200 again {ready_s:.2f} s; start to "
+        f"healthy (the load time) {results['healthy_s']:.2f} s",
         flush=True,
     )
     if args.result_file:
