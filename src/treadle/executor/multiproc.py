@@ -200,9 +200,12 @@ class MultiprocExecutor:
         if self.monitor is not None:
             self.monitor.stop()
         self.broadcast.shutdown()
+        # A worker died: its peers may hang in a collective that never completes, where no
+        # signal handler runs; nothing of theirs is worth waiting for.
+        failed = self.failure is not None and not self.stopped
         for worker in self.workers:
             if worker.process.is_alive():
-                worker.process.terminate()
+                (worker.process.kill if failed else worker.process.terminate)()
         shutdown_processes(self.workers, timeout=5.0)
         for queue in self.reply_queues:
             queue.close()
