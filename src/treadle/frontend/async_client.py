@@ -17,7 +17,6 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
-import psutil
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -109,7 +108,8 @@ class AsyncMPClient(MPClient):
             self.spawn(self._read_coordinator(), "DP coordinator reader")
         self.spawn(self.restarts.watch_stalls(), "engine stall watch")
         if self.follows_restarts:
-            self.spawn(self._watch_engine_processes(), "engine process watch")
+            watch = self.restarts.watch_processes(self.engine_pids, self.local_ranks)
+            self.spawn(watch, "engine process watch")
         assert self.output_socket is not None
         for sock, name in ((self.input_socket, "request"), (self.output_socket, "output")):
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -200,26 +200,6 @@ class AsyncMPClient(MPClient):
                 await self.restarts.back(rank, "(restarted by the supervisor)")
                 continue
             self._on_stray_request_message(frames)
-
-    async def _watch_engine_processes(self) -> None:
-        """(An API server of the supervisor, on the engines' host.) An engine core whose
-        process is gone is `restarting` at once: /health/ready says so and new requests wait,
-        until the supervisor's new engine says hello."""
-        processes: dict[int, psutil.Process | None] = {}
-        while True:
-            await asyncio.sleep(0.25)
-            if self.ended:
-                return
-            for rank in self.local_ranks:  # (the supervisor's, on this host)
-                pid = self.engine_pids[rank]
-                if not pid or self.restarts.states[rank] == "restarting":
-                    continue
-                if pid not in processes:
-                    processes[pid] = _process(pid)
-                if not _running(processes[pid]):
-                    self.restarts.down(
-                        rank, f"EngineCore_DP{rank} (pid {pid}) is gone; its supervisor restarts it"
-                    )
 
     async def _read_coordinator(self) -> None:
         assert self.coordinator_socket is not None
@@ -407,7 +387,7 @@ class AsyncMPClient(MPClient):
         if child.exitcode != 0 and self.can_restart and launcher is not None and loop is not None:
             cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
             if child is launcher.coordinator:
-                loop.call_soon_threadsafe(self._coordinator_died, cause)
+                loop.call_soon_threadsafe(self.restarts.coordinator_died, cause)
                 return
             for i, engine in enumerate(launcher.engines):
                 if engine is child:
@@ -441,33 +421,9 @@ class AsyncMPClient(MPClient):
         with contextlib.suppress(ProcessLookupError):
             child.process.kill()
 
-    def _coordinator_died(self, cause: str) -> None:
-        """The DP coordinator holds no request: a new one binds the same addresses, and the
-        engines and front ends reconnect to it (their zmq sockets retry). Until then requests
-        are routed on this client's own counts."""
-        if self.ended:
-            return
-        refusal = self.restarts.budget.spend(cause)
-        if refusal is not None:
-            self.fail(refusal)
-            return
-        budget = self.restarts.budget.describe()
-        logger.warning("%s. Restarting it (%s)", cause[:1].upper() + cause[1:], budget)
-        self.spawn(self._restart_coordinator(cause), "restart of the DP coordinator")
-
-    async def _restart_coordinator(self, cause: str) -> None:
+    async def respawn_coordinator(self) -> None:
         assert self.launcher is not None and self.monitor is not None
-        since = asyncio.get_running_loop().time()
-        try:
-            child = await asyncio.to_thread(self.launcher.restart_coordinator)
-        except Exception as e:
-            self.fail(f"{cause}, and restarting it failed: {type(e).__name__}: {e}")
-            return
-        self.monitor.add(child)
-        logger.warning(
-            "DPCoordinator is back %.1f s after it died",
-            asyncio.get_running_loop().time() - since,
-        )
+        self.monitor.add(await asyncio.to_thread(self.launcher.restart_coordinator))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         for task in self._tasks:
@@ -486,25 +442,6 @@ def _hello(payload: Any) -> Handshake | None:
         return msgspec.msgpack.decode(payload.bytes, type=Handshake)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-
-
-def _process(pid: int) -> psutil.Process | None:
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
-
-
-def _running(process: psutil.Process | None) -> bool:
-    """Whether the process runs (not gone, not a zombie, not a new one on a reused pid)."""
-    try:
-        return (
-            process is not None
-            and process.is_running()
-            and (process.status() != psutil.STATUS_ZOMBIE)
-        )
-    except psutil.Error:
-        return False
 
 
 def _stop_this_process(reason: str) -> None:

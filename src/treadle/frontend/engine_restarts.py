@@ -24,6 +24,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+import psutil
+
 from treadle.config import RestartConfig
 from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.inflight import InFlight
@@ -91,6 +93,9 @@ class RestartHost(Protocol):
 
     async def respawn(self, rank: int) -> None:
         """Start a new engine process of `rank` and wait for its first message."""
+
+    async def respawn_coordinator(self) -> None:
+        """Start a new DP coordinator on the dead one's addresses."""
 
     def kill(self, rank: int) -> None:
         """Kill this host's engine process of `rank` (a stalled one)."""
@@ -292,6 +297,49 @@ class EngineRestarts:
         if self.states[rank] == "resuming":
             self.states[rank] = "up"
 
+    def coordinator_died(self, cause: str) -> None:
+        """The DP coordinator holds no request: a new one binds the same addresses, and the
+        engines and front ends reconnect to it (their zmq sockets retry). Until then requests
+        are routed on the client's own counts."""
+        if self.host.ended:
+            return
+        refusal = self.budget.spend(cause)
+        if refusal is not None:
+            self.host.fail(refusal)
+            return
+        logger.warning(
+            "%s. Restarting it (%s)", cause[:1].upper() + cause[1:], self.budget.describe()
+        )
+        self.host.spawn(self._restart_coordinator(cause), "restart of the DP coordinator")
+
+    async def _restart_coordinator(self, cause: str) -> None:
+        since = time.monotonic()
+        try:
+            await self.host.respawn_coordinator()
+        except Exception as e:
+            self.host.fail(f"{cause}, and restarting it failed: {type(e).__name__}: {e}")
+            return
+        logger.warning("DPCoordinator is back %.1f s after it died", time.monotonic() - since)
+
+    async def watch_processes(self, pids: list[int], ranks: range) -> None:
+        """(An API server of the supervisor, on the engines' host.) An engine core whose
+        process (`pids[rank]`, kept current by the client) is gone is `restarting` at once:
+        /health/ready says so and new requests wait, until the supervisor's new engine says
+        hello."""
+        processes: dict[int, psutil.Process | None] = {}
+        while not self.host.ended:
+            await asyncio.sleep(0.25)
+            for rank in ranks:
+                pid = pids[rank]
+                if not pid or self.states[rank] == "restarting":
+                    continue
+                if pid not in processes:
+                    processes[pid] = _process(pid)
+                if not _running(processes[pid]):
+                    self.down(
+                        rank, f"EngineCore_DP{rank} (pid {pid}) is gone; its supervisor restarts it"
+                    )
+
     # -- stalls ---------------------------------------------------------------------------
 
     async def watch_stalls(self) -> None:
@@ -329,3 +377,22 @@ class EngineRestarts:
                     )
                     logger.error("%s: killing it", self._kill_cause[rank])
                     self.host.kill(rank)
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def _running(process: psutil.Process | None) -> bool:
+    """Whether the process runs (not gone, not a zombie, not a new one on a reused pid)."""
+    try:
+        return (
+            process is not None
+            and process.is_running()
+            and process.status() != psutil.STATUS_ZOMBIE
+        )
+    except psutil.Error:
+        return False
