@@ -13,6 +13,7 @@ from typing import Any
 
 from treadle import envs
 from treadle.config import EngineConfig, resolve_model
+from treadle.core.engine_report import StepMeter, engine_report
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
 from treadle.core.structured_output import StructuredOutputManager
@@ -34,6 +35,7 @@ from treadle.wire.engine import (
     FinishReason,
     SchedulerStats,
 )
+from treadle.wire.topology import EngineChannels, EngineReport
 from treadle.wire.worker import SchedulerOutput
 from treadle.worker.worker import resolve_max_model_len
 
@@ -66,6 +68,9 @@ class EngineCore:
         # Set by the engine core process: aborts that arrive during a forward pass are applied
         # before its tokens are added, so an aborted request gets no more outputs.
         self.aborts_queue: queue.Queue[list[str]] | None = None
+        # For `get_topology`: step rates, and the endpoints the engine core process set.
+        self.meter = StepMeter()
+        self.channels: EngineChannels | None = None
         logger.info(
             "Engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
             time.monotonic() - start,
@@ -178,6 +183,7 @@ class EngineCore:
                 sched.grammar_request_ids = [r.request_id for r in grammar_rows]
                 sched.grammar_bitmask = self.structured.bitmask([r.grammar for r in grammar_rows])
             result = self.executor.execute_model(sched)
+            self.meter.on_step(sched.total_num_scheduled_tokens, len(result.sampled))
             self._apply_eager_aborts()
             for client, outs in self.scheduler.update_from_output(sched, result).items():
                 per_client.setdefault(client, []).extend(outs)
@@ -212,6 +218,10 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def get_topology(self) -> EngineReport:
+        """This engine's part of `GET /topology` (`core/engine_report.py`)."""
+        return engine_report(self, self.channels)
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """Run `method` on every worker (a utility call, as vLLM's `collective_rpc`)."""

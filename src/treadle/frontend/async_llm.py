@@ -20,6 +20,7 @@ from treadle.config import EngineConfig
 from treadle.frontend.async_client import AsyncMPClient
 from treadle.frontend.core_client import AttachTo, EngineDeadError
 from treadle.frontend.input_processor import InputProcessor
+from treadle.frontend.live_stats import LatencyWindow
 from treadle.frontend.metrics import RequestTimes, StatLogger, log_line
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
 from treadle.logger import init_logger
@@ -117,6 +118,7 @@ class AsyncLLM:
             kind, count
         )
         self._log_stats_task: asyncio.Task[None] | None = None
+        self.latencies = LatencyWindow(self.client.num_engines)  # for the dashboard
 
     def start(self) -> None:
         """Start reading engine outputs (and logging stats every 10 s unless
@@ -241,6 +243,7 @@ class AsyncLLM:
         for out in results:
             times = self.times.get(out.request_id)
             if times is not None:
+                self.latencies.observe(outputs.engine_index, times, out, now)
                 stat_logger.record_output(times, out, now)
             collector = self.collectors.get(out.request_id)
             if collector is not None:
