@@ -27,10 +27,13 @@ import msgspec
 
 from treadle.ipc.proc_info import host_name, parent_title, parse_title, process_info, treadle_tree
 from treadle.ipc.zmq_utils import get_bound_address
+from treadle.logger import init_logger
 from treadle.wire.topology import EngineReport, ProcessInfo, QueueInfo
 
 if TYPE_CHECKING:
     from treadle.frontend.async_llm import AsyncLLM
+
+logger = init_logger(__name__)
 
 REPORT_TIMEOUT_S = 3.0
 """An engine answers between two steps; one that takes longer is reported without details."""
@@ -78,7 +81,8 @@ async def engine_reports(llm: AsyncLLM, states: Sequence[str]) -> list[EngineRep
                 llm.client.call_utility("get_topology", engine=rank), REPORT_TIMEOUT_S
             )
             return msgspec.convert(raw, EngineReport)
-        except Exception:  # dead, restarting, busy or an older engine: reported as such
+        except Exception as e:  # dead, restarting or busy: reported as such
+            logger.debug("No topology report from engine core %d: %r", rank, e)
             return None
 
     return list(await asyncio.gather(*(one(r) for r in range(len(states)))))
