@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest bench bench-peers lm-eval-check serve clean
+.PHONY: install chromium test lint typecheck pytest bench bench-peers lm-eval-check serve clean
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -36,7 +36,16 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
+# Headless Chromium, which the dashboard's browser test drives (tests/entrypoints/
+# test_dashboard.py): Debian's package, installed once (as root, or through sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+chromium:
+	@command -v chromium >/dev/null || { \
+		echo "== installing chromium with apt-get (for the dashboard's browser test)"; \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+pytest: install chromium
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck pytest

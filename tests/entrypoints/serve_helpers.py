@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -124,3 +125,64 @@ def assert_no_leftovers(server: RemoteServer, pids: list[int]) -> None:
     while list(server.rpc_dir.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert list(server.rpc_dir.iterdir()) == [], f"ipc socket files left:\n{server.output()}"
+
+
+# title prefix -> (role, the rank the title ends with)
+TITLE_RANKS = {
+    "APIServer_": ("APIServer", "api_server"),
+    "EngineCore_DP": ("EngineCore", "dp_rank"),
+    "Worker_TP": ("Worker", "tp_rank"),
+}
+
+
+def check_topology(server: RemoteServer, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """`GET /topology` lists exactly the titled processes of the server's tree (by title and
+    pid), each with the role and rank its title says and state "ready"; every channel joins
+    two of them, and each ipc endpoint is a socket file that its binding end holds open.
+    Returns the document."""
+    resp = httpx.get(server.url + "/topology", headers=headers, timeout=30)
+    assert resp.status_code == 200, resp.text
+    topo: dict[str, Any] = resp.json()
+    titled = {}
+    for p in server.family():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cmd = p.cmdline()
+            if cmd and cmd[0].startswith("treadle::"):
+                titled[(cmd[0].strip().removeprefix("treadle::"), p.pid)] = p
+    procs = {p["id"]: p for p in topo["processes"]}
+    assert {(p["title"], p["pid"]) for p in procs.values()} == set(titled)
+    for p in procs.values():
+        assert p["state"] == "ready", p
+        prefix = next((t for t in TITLE_RANKS if p["title"].startswith(t)), None)
+        if prefix is None:
+            assert p["role"] == p["title"]
+        else:
+            role, rank = TITLE_RANKS[prefix]
+            assert p["role"] == role
+            assert p[rank] == int(p["title"].removeprefix(prefix))
+        if p["role"] == "Worker":
+            parent = procs[f"{p['host']}:{p['ppid']}"]
+            assert (parent["role"], parent["dp_rank"]) == ("EngineCore", p["dp_rank"])
+    bound: dict[int, set[str]] = {}  # pid -> the unix socket paths it holds
+    for c in topo["channels"]:
+        ends = [c["from"], *c["to"]]
+        assert all(end in procs for end in ends), c
+        binder = c["from"] if c.get("bound_by", "from") == "from" else c["to"][0]
+        for key in ("address", "overflow_address", "notify_address"):
+            address = c.get(key, "")
+            if address.startswith("ipc://"):
+                pid = procs[binder]["pid"]
+                if pid not in bound:
+                    unix = psutil.Process(pid).net_connections(kind="unix")
+                    bound[pid] = {s.laddr for s in unix}
+                assert address.removeprefix("ipc://") in bound[pid], (c, key)
+        if c["transport"] == "shm":
+            assert os.path.exists(f"/dev/shm/{c['address']}"), c
+    return topo
+
+
+def channel_counts(topo: dict[str, Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for c in topo["channels"]:
+        counts[c["kind"]] = counts.get(c["kind"], 0) + 1
+    return counts

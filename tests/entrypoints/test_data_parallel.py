@@ -19,7 +19,14 @@ import httpx
 import openai
 import psutil
 import pytest
-from serve_helpers import TREADLE, RemoteServer, assert_no_leftovers, treadle_titles
+from serve_helpers import (
+    TREADLE,
+    RemoteServer,
+    assert_no_leftovers,
+    channel_counts,
+    check_topology,
+    treadle_titles,
+)
 
 from treadle import LLM, SamplingParams
 
@@ -71,6 +78,25 @@ def test_dp2_runs_six_titled_processes(dp2: RemoteServer) -> None:
         "treadle::EngineCore_DP0",
         "treadle::EngineCore_DP1",
     ]
+
+
+def test_topology_of_dp2_lists_every_process_and_channel(dp2: RemoteServer) -> None:
+    topo = check_topology(dp2)
+    assert len(topo["processes"]) == 6
+    assert channel_counts(topo) == {
+        "dp_load": 1,  # coordinator -> both API servers
+        "requests": 4,  # each API server -> each engine
+        "outputs": 4,
+        "dp_stats": 2,
+        "dp_wave": 2,
+    }
+    api = {p["id"]: p["api_server"] for p in topo["processes"] if p["role"] == "APIServer"}
+    engines = {p["id"]: p["dp_rank"] for p in topo["processes"] if p["role"] == "EngineCore"}
+    pairs = {
+        (api[c["from"]], engines[c["to"][0]]) for c in topo["channels"] if c["kind"] == "requests"
+    }
+    assert pairs == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert [e["state"] for e in topo["engines"]] == ["ready", "ready"]
 
 
 def test_a_request_to_the_idle_set_starts_a_wave_that_completes(dp2: RemoteServer) -> None:
@@ -183,6 +209,18 @@ def test_tp2_dp4_runs_18_processes(server_factory, tiny_llama: Path) -> None:  #
         ]
     )
     assert [complete(srv, "hi", rank=r) for r in range(4)] == [complete(srv, "hi", rank=0)] * 4
+    topo = check_topology(srv)
+    assert channel_counts(topo) == {
+        "dp_load": 1,
+        "requests": 16,
+        "outputs": 16,
+        "dp_stats": 4,
+        "dp_wave": 4,
+        "shm_broadcast": 4,
+        "worker_results": 8,
+        "tp_collectives": 4,
+    }
+    assert [e["tp_size"] for e in topo["engines"]] == [2] * 4
 
 
 def _free_port() -> int:
@@ -221,6 +259,21 @@ def test_a_headless_second_host_serves_its_ranks(
         texts = [complete(front, p, rank=1) for p in PROMPTS]
         assert texts == [complete(front, p, rank=0) for p in PROMPTS]
         assert engine_successes(front).get("1", 0.0) - before == len(PROMPTS)
+
+        # /topology shows the second "host" through its engine: the headless CLI and DP1.
+        topo = httpx.get(front.url + "/topology", timeout=30).json()
+        titled = {(p["title"], p["pid"]) for p in topo["processes"]}
+        assert {("Headless", headless.pid), ("EngineCore_DP1", engines[0].pid)} <= titled
+        assert {t for t, _ in titled} == {
+            "APIServer_0",
+            "DPCoordinator",
+            "EngineCore_DP0",
+            "EngineCore_DP1",
+            "Headless",
+        }
+        tcp = [c["address"] for c in topo["channels"] if c["kind"] in ("requests", "outputs")]
+        assert len(tcp) == 4 and all(a.startswith("tcp://127.0.0.1:") for a in tcp)
+        assert topo["engines"][1]["pid"] == engines[0].pid
 
         # The front end disappears: the headless engine and its host process exit within 5 s.
         front.proc.kill()

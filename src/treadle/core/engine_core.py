@@ -13,6 +13,7 @@ from typing import Any
 
 from treadle import envs
 from treadle.config import EngineConfig, resolve_model
+from treadle.core.engine_report import StepMeter, engine_report
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
 from treadle.core.stats_log import PeriodicStats, kv_cache_lines
@@ -35,6 +36,7 @@ from treadle.wire.engine import (
     FinishReason,
     SchedulerStats,
 )
+from treadle.wire.topology import EngineChannels, EngineReport
 from treadle.wire.worker import SchedulerOutput
 from treadle.worker.worker import resolve_max_model_len
 
@@ -74,6 +76,9 @@ class EngineCore:
         size, concurrency = kv_cache_lines(
             self.num_blocks, config.cache.block_size, bytes_per_block, self.max_model_len
         )
+        # For `get_topology`: step rates, and the endpoints the engine core process set.
+        self.meter = StepMeter()
+        self.channels: EngineChannels | None = None
         logger.info(
             "Engine ready in %.1f s: %s, max_model_len %d",
             time.monotonic() - start,
@@ -188,6 +193,7 @@ class EngineCore:
                 sched.grammar_request_ids = [r.request_id for r in grammar_rows]
                 sched.grammar_bitmask = self.structured.bitmask([r.grammar for r in grammar_rows])
             result = self.executor.execute_model(sched)
+            self.meter.on_step(sched.total_num_scheduled_tokens, len(result.sampled))
             self._apply_eager_aborts()
             for client, outs in self.scheduler.update_from_output(sched, result).items():
                 per_client.setdefault(client, []).extend(outs)
@@ -229,6 +235,10 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def get_topology(self) -> EngineReport:
+        """This engine's part of `GET /topology` (`core/engine_report.py`)."""
+        return engine_report(self, self.channels)
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """Run `method` on every worker (a utility call, as vLLM's `collective_rpc`)."""

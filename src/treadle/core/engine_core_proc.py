@@ -73,6 +73,7 @@ from treadle.wire.engine import (
     StartDPWave,
     UtilityOutput,
 )
+from treadle.wire.topology import EngineChannels
 
 __all__ = [
     "ENGINE_CORE_DEAD",
@@ -212,6 +213,12 @@ class EngineCoreProc:
         finally:
             hs.close()
         self.output_addresses = addresses.outputs
+        self.engine.channels = EngineChannels(
+            inputs=addresses.inputs,
+            outputs=addresses.outputs,
+            coordinator_input=addresses.coordinator_input,
+            coordinator_output=addresses.coordinator_output,
+        )
         self.reader = InputReader(
             self.ctx,
             self.identity,

@@ -20,6 +20,7 @@ from treadle.frontend.async_client import AsyncMPClient
 from treadle.frontend.core_client import AttachTo, EngineDeadError, RequestKilledEngineError
 from treadle.frontend.engine_restarts import POISON_REASON
 from treadle.frontend.input_processor import InputProcessor
+from treadle.frontend.live_stats import LatencyWindow
 from treadle.frontend.metrics import StatLogger
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
 from treadle.frontend.request_stats import RequestStatsTable
@@ -118,6 +119,7 @@ class AsyncLLM:
         self.client.on_event = lambda kind, engine, count: self.stat_loggers[engine].record_event(
             kind, count
         )
+        self.latencies = LatencyWindow(self.client.num_engines)  # for the dashboard
 
     def start(self) -> None:
         """Start reading engine outputs; call inside the running event loop. (The periodic
@@ -230,9 +232,9 @@ class AsyncLLM:
             stat_logger.record_scheduler_stats(outputs.scheduler_stats)
         results, to_abort = self.output_processor.process_outputs(outputs.outputs)
         engine_ts = outputs.timestamp or time.time()
-        stat_logger.record_iteration(
-            self.request_stats.iteration(outputs.outputs, to_abort, now, engine_ts)
-        )
+        iteration = self.request_stats.iteration(outputs.outputs, to_abort, now, engine_ts)
+        stat_logger.record_iteration(iteration)
+        self.latencies.observe(outputs.engine_index, iteration)
         for out in results:
             collector = self.collectors.get(out.request_id)
             if collector is not None:

@@ -28,6 +28,7 @@ import treadle
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.body_limit import BodySizeLimit
 from treadle.entrypoints.openai.cli_args import FrontendArgs
+from treadle.entrypoints.openai.dashboard import KEYED_PATHS, add_dashboard_routes
 from treadle.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -154,12 +155,17 @@ def build_app(
 
     if api_key:
         expected = f"Bearer {api_key}".encode()
+        root = server.root_path.rstrip("/")
 
         @app.middleware("http")
         async def check_key(request: Request, call_next: Any) -> Response:
             given = request.headers.get("Authorization", "").encode()
+            path = request.scope["path"]
+            if root and (path == root or path.startswith(root + "/")):  # as routing does
+                path = path[len(root) :]
+            keyed = path.startswith(("/v1", *KEYED_PATHS))
             # Constant time: how long a wrong key takes must not tell how much of it was right.
-            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+            if keyed and not hmac.compare_digest(given, expected):
                 return JSONResponse(
                     error_body(
                         "Unauthorized: missing or wrong API key", 401, "AuthenticationError"
@@ -200,6 +206,8 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    add_dashboard_routes(app, engine)
 
     def card() -> ModelCard:
         return ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)

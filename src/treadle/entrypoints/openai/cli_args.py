@@ -36,7 +36,7 @@ class FrontendArgs:
     port: int = arg(8000, group="frontend")
     """Port to listen on (0: the OS picks one, and the log says which)."""
     api_key: str | None = arg(None, group="frontend")
-    """Require this key as `Authorization: Bearer KEY` on /v1 (default: $TREADLE_API_KEY)."""
+    """Require this key as `Authorization: Bearer KEY` on /v1, /topology and /dashboard/events (default: $TREADLE_API_KEY)."""
     uvicorn_log_level: str = arg("info", group="frontend", choices=UVICORN_LOG_LEVELS)
     """Log level of uvicorn (its access log included)."""
     disable_uvicorn_access_log: bool = arg(False, group="frontend")
