@@ -39,7 +39,7 @@ from treadle.ipc.shm_broadcast import (
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.worker_proc import run_worker
+from treadle.worker.worker_proc import STOP_WORKER, run_worker
 
 logger = init_logger(__name__)
 
@@ -199,13 +199,20 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()
-        self.broadcast.shutdown()
         # A worker died: its peers may hang in a collective that never completes, where no
-        # signal handler runs; nothing of theirs is worth waiting for.
+        # signal handler runs; nothing of theirs is worth waiting for. Otherwise every worker
+        # is told to stop in the broadcast queue, and exits 0 (a SIGTERM while serving would
+        # ask this process to stop: see `run_worker`); one that does not in 5 s is
+        # terminated, then killed.
         failed = self.failure is not None and not self.stopped
-        for worker in self.workers:
-            if worker.process.is_alive():
-                (worker.process.kill if failed else worker.process.terminate)()
+        if failed:
+            for worker in self.workers:
+                if worker.process.is_alive():
+                    worker.process.kill()
+        else:
+            with contextlib.suppress(Exception):  # (a worker that left keeps its chunk)
+                self.broadcast.enqueue(STOP_WORKER, timeout=1.0)
+        self.broadcast.shutdown()
         shutdown_processes(self.workers, timeout=5.0)
         for queue in self.reply_queues:
             queue.close()

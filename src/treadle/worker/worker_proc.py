@@ -33,6 +33,12 @@ from treadle.worker.worker import Worker
 logger = init_logger(__name__)
 
 
+# Broadcast by the executor's clean shutdown: each worker leaves its loop and exits 0. Every
+# other message is (method, args, kwargs, output_rank): a call of `Worker.method` whose reply
+# comes from `output_rank` (None: every rank).
+STOP_WORKER: tuple[None, tuple[()], None, None] = (None, (), None, None)
+
+
 def run_worker(
     ready: ReadyPipe,
     config: EngineConfig,
@@ -97,6 +103,8 @@ def _busy_loop(worker: Worker, rank: int, requests: MessageQueue, replies: Messa
         try:
             method, args, kwargs, output_rank = requests.dequeue()
         except MessageQueueShutdown:
+            return
+        if method is None:  # STOP_WORKER
             return
         try:
             result: Any = getattr(worker, method)(*args, **(kwargs or {}))
