@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -229,20 +230,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_headless_second_host_serves_its_ranks(
+@contextlib.contextmanager
+def front_and_headless(
     server_factory, tiny_llama: Path, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+) -> Iterator[tuple[RemoteServer, subprocess.Popen[bytes]]]:  # type: ignore[no-untyped-def]
+    """-dp 2 over two "hosts" on loopback: a front end with engine 0, a --headless CLI with
+    engine 1 (stopped at the end if it still runs)."""
     port = str(_free_port())
     common = ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1", "-dpp", port]
     front = server_factory([str(tiny_llama), *common, "--api-server-count", "1"], wait=False)
-    log = open(tmp_path / "headless.log", "w")  # noqa: SIM115 - closed below
-    headless = subprocess.Popen(
-        [TREADLE, "serve", str(tiny_llama), *common, "-dpr", "1", "--headless"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir)),
-    )
-    try:
+    with open(tmp_path / "headless.log", "w") as log:
+        headless = subprocess.Popen(
+            [TREADLE, "serve", str(tiny_llama), *common, "-dpr", "1", "--headless"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir)),
+        )
+        try:
+            yield front, headless
+        finally:
+            if headless.poll() is None:
+                headless.kill()
+                headless.wait(10)
+
+
+def test_a_headless_second_host_serves_its_ranks(
+    server_factory, tiny_llama: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    with front_and_headless(server_factory, tiny_llama, tmp_path) as (front, headless):
         front.wait_healthy()
         assert treadle_titles(front) == [
             "treadle::APIServer_0",
@@ -282,11 +297,6 @@ def test_a_headless_second_host_serves_its_ranks(
         psutil.wait_procs(engines, timeout=max(0.1, 5 - (time.monotonic() - gone)))
         assert time.monotonic() - gone < 5.5
         assert not any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE for e in engines)
-    finally:
-        if headless.poll() is None:
-            headless.kill()
-            headless.wait(10)
-        log.close()
 
 
 def _stream(server: RemoteServer, prompt: str, max_tokens: int, counts: list[int], i: int) -> str:
@@ -310,17 +320,7 @@ def test_a_lost_headless_engine_hands_its_requests_to_the_other(
 ) -> None:  # type: ignore[no-untyped-def]
     """Nobody on the front end's host can start a remote engine again: when it is gone, its
     streams resume on the engine that is left, which serves on (/health/ready says 503)."""
-    port = str(_free_port())
-    common = ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1", "-dpp", port]
-    front = server_factory([str(tiny_llama), *common, "--api-server-count", "1"], wait=False)
-    log = open(tmp_path / "headless.log", "w")  # noqa: SIM115 - closed below
-    headless = subprocess.Popen(
-        [TREADLE, "serve", str(tiny_llama), *common, "-dpr", "1", "--headless"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir)),
-    )
-    try:
+    with front_and_headless(server_factory, tiny_llama, tmp_path) as (front, headless):
         front.wait_healthy()
         references = [complete(front, p, rank=0, max_tokens=400) for p in PROMPTS]
         before = engine_successes(front).get("0", 0.0)
@@ -356,8 +356,3 @@ def test_a_lost_headless_engine_hands_its_requests_to_the_other(
             timeout=30,
         )
         assert resp.status_code == 503 and "lost" in resp.json()["error"]["message"]
-    finally:
-        if headless.poll() is None:
-            headless.kill()
-            headless.wait(10)
-        log.close()

@@ -12,7 +12,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -272,14 +272,11 @@ def test_a_dead_tp_worker_restarts_its_engine_and_the_stream_goes_on(
     assert metric(srv, "engine_restarts_total") == 1
 
 
-@pytest.mark.parametrize("api_servers", ["1", "2"])  # 2: the supervisor restarts it
-def test_one_dead_engine_of_two_does_not_pause_the_other_nor_a_dead_coordinator(
-    server_factory, tiny_model_factory, api_servers: str
-) -> None:  # type: ignore[no-untyped-def]
-    srv = server_factory(
-        [str(tiny_model_factory("llama")), "-dp", "2", "--api-server-count", api_servers]
-    )
-    reference = stream_completion(srv.url, "hello there", 400, rank=0)
+def streams_across_a_kill(
+    srv: RemoteServer, victim: int, reference: str, after_kill: Callable[[], bool] = lambda: True
+) -> list[list[float]]:
+    """A stream on each of engines 0 and 1; kill -9 of `victim` once both are under way, then
+    `after_kill()` must hold; both texts must be `reference`. Returns each stream's gaps."""
     gaps: list[list[float]] = [[], []]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [
@@ -289,10 +286,23 @@ def test_one_dead_engine_of_two_does_not_pause_the_other_nor_a_dead_coordinator(
         while min(len(g) for g in gaps) < 20:
             assert not any(f.done() for f in futures), [f.result() for f in futures]
             time.sleep(0.01)
-        os.kill(srv.pid_of("treadle::EngineCore_DP1"), signal.SIGKILL)
-        # Every API server sees it at once (not when the new engine says hello, seconds on).
-        assert not_ready_within(srv, 1.0)
+        os.kill(victim, signal.SIGKILL)
+        assert after_kill()
         assert [f.result(120) for f in futures] == [reference, reference]
+    return gaps
+
+
+@pytest.mark.parametrize("api_servers", ["1", "2"])  # 2: the supervisor restarts it
+def test_one_dead_engine_of_two_does_not_pause_the_other_nor_a_dead_coordinator(
+    server_factory, tiny_model_factory, api_servers: str
+) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory(
+        [str(tiny_model_factory("llama")), "-dp", "2", "--api-server-count", api_servers]
+    )
+    reference = stream_completion(srv.url, "hello there", 400, rank=0)
+    victim = srv.pid_of("treadle::EngineCore_DP1")
+    # Every API server sees the death at once (not when the new engine says hello, seconds on).
+    gaps = streams_across_a_kill(srv, victim, reference, lambda: not_ready_within(srv, 1.0))
     pause = max(gaps[1])  # engine 1's stream waited for its restart ...
     assert pause > 1.0
     assert max(gaps[0]) < pause / 2  # ... engine 0's did not
@@ -301,17 +311,7 @@ def test_one_dead_engine_of_two_does_not_pause_the_other_nor_a_dead_coordinator(
 
     # The DP coordinator holds no request: a new one takes its addresses, no stream pauses.
     coordinator = srv.pid_of("treadle::DPCoordinator")
-    gaps = [[], []]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(stream_completion, srv.url, "hello there", 400, rank, gaps[rank])
-            for rank in (0, 1)
-        ]
-        while min(len(g) for g in gaps) < 20:
-            assert not any(f.done() for f in futures), [f.result() for f in futures]
-            time.sleep(0.01)
-        os.kill(coordinator, signal.SIGKILL)
-        assert [f.result(120) for f in futures] == [reference, reference]
+    gaps = streams_across_a_kill(srv, coordinator, reference)
     assert max(max(g) for g in gaps) < pause / 2
     deadline = time.monotonic() + 30
     while "DPCoordinator is back" not in srv.output():
