@@ -64,7 +64,13 @@ def engine_states(llm: AsyncLLM) -> list[str]:
         return ["dead"] * client.num_engines
     restarts = client.restarts
     return [
-        "restarting" if s != "up" else "stalled" if restarts.stalled[r] else "ready"
+        "lost"
+        if s == "lost"
+        else "restarting"
+        if s == "restarting"
+        else "stalled"
+        if restarts.stalled[r]
+        else "ready"  # (up, or resuming: it takes requests and makes progress)
         for r, s in enumerate(restarts.states)
     ]
 
@@ -74,7 +80,7 @@ async def engine_reports(llm: AsyncLLM, states: Sequence[str]) -> list[EngineRep
     within REPORT_TIMEOUT_S)."""
 
     async def one(rank: int) -> EngineReport | None:
-        if states[rank] in ("restarting", "dead"):
+        if states[rank] in ("restarting", "dead", "lost"):
             return None
         try:
             raw = await asyncio.wait_for(
