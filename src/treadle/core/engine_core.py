@@ -42,6 +42,9 @@ from treadle.worker.worker import resolve_max_model_len
 
 logger = init_logger(__name__)
 
+# How old a `get_topology` answer may be (the dashboard asks every second, per viewer).
+TOPOLOGY_CACHE_S = 0.5
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
@@ -79,6 +82,7 @@ class EngineCore:
         # For `get_topology`: step rates, and the endpoints the engine core process set.
         self.meter = StepMeter()
         self.channels: EngineChannels | None = None
+        self._topology: tuple[float, EngineReport] | None = None
         logger.info(
             "Engine ready in %.1f s: %s, max_model_len %d",
             time.monotonic() - start,
@@ -237,8 +241,13 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def get_topology(self) -> EngineReport:
-        """This engine's part of `GET /topology` (`core/engine_report.py`)."""
-        return engine_report(self, self.channels)
+        """This engine's part of `GET /topology` (`core/engine_report.py`). Answered from a
+        report at most TOPOLOGY_CACHE_S old: it runs between steps, however many dashboards
+        ask."""
+        now = time.monotonic()
+        if self._topology is None or now - self._topology[0] > TOPOLOGY_CACHE_S:
+            self._topology = (now, engine_report(self, self.channels))
+        return self._topology[1]
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """Run `method` on every worker (a utility call, as vLLM's `collective_rpc`)."""

@@ -9,8 +9,6 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from treadle.executor.multiproc import MultiprocExecutor
 from treadle.ipc.proc_info import host_name, parent_title, process_info
 from treadle.ipc.shm_broadcast import Handle
@@ -96,7 +94,7 @@ def engine_report(engine: EngineCore, channels: EngineChannels | None) -> Engine
             processes.append(info or _dead(name, worker.pid))
         report.broadcast = queue_info(executor.broadcast.export_handle())
         report.worker_replies = [q for h in executor.reply_handles if (q := queue_info(h))]
-        report.collective_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        report.collective_backend = executor.collective_backend
     parent, parent_name = parent_title()
     if parent_name == "Headless":  # the CLI of an engines-only host: no API server sees it
         processes.extend(p for p in [process_info(parent, parent_name)] if p is not None)

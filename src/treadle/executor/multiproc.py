@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from treadle import envs
 from treadle.config import EngineConfig
 from treadle.ipc.process import (
@@ -87,6 +89,8 @@ def check_parallel_layout(arch: ModelArch, tp: int) -> None:
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, arch: ModelArch, max_model_len: int) -> None:
         self.world_size = config.parallel.world_size
+        # What the workers' collectives run on (`run_worker` picks the same), for /topology.
+        self.collective_backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.max_model_len = max_model_len
         self.arch = arch
         self.failure: str | None = None

@@ -95,7 +95,6 @@ class AsyncMPClient(MPClient):
             max_waiting=4 * config.scheduler.max_num_seqs,
         )
         super().__init__(config, shutdown_timeout, client_index, attach)
-        self.restarts.can_restart = self.can_restart
 
     def start(self) -> None:
         """Start reading outputs; call from inside the running event loop."""
@@ -137,6 +136,15 @@ class AsyncMPClient(MPClient):
 
         self._restore_signals = chain_signal_handlers((signal.SIGTERM, signal.SIGINT), pass_on)
 
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a callback the process monitor scheduled; one that raises ends the client (an
+        engine must not stay `restarting` with nobody restarting it)."""
+        try:
+            fn(*args)
+        except Exception as e:
+            logger.exception("Handling a child's death failed")
+            self.fail(f"handling a child's death failed: {type(e).__name__}: {e}")
+
     def spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
         assert self.loop is not None
         self._tasks.append(self.loop.create_task(self._guard(coro, what)))
@@ -171,6 +179,8 @@ class AsyncMPClient(MPClient):
                 self._end("an engine core was stopped", stopped=True)
                 continue  # other engines may still finish their requests
             assert isinstance(item, EngineCoreOutputs)
+            if self.engine_states[item.engine_index] == "lost":
+                continue  # (it went silent, yet runs: its requests run elsewhere now)
             if item.utility_output is not None:
                 self._utility_engine.pop(item.utility_output.call_id, None)
                 settle_utility(self._utility, item.utility_output)
@@ -224,8 +234,8 @@ class AsyncMPClient(MPClient):
                 if silent and (len(silent) == len(answering) or not self.follows_remote):
                     self.fail(f"engine core(s) {silent} disconnected and do not answer")
                     return
-                for rank in silent:  # the others serve on
-                    await self.restarts.lost(rank, f"EngineCore_DP{rank} does not answer")
+                if silent:  # the others serve on
+                    await self.restarts.lost(silent)
             logger.warning(
                 "A peer of the %s socket disconnected (it closed, or sent a message larger "
                 "than TREADLE_ZMQ_MAX_MSG_BYTES=%d)",
@@ -285,6 +295,7 @@ class AsyncMPClient(MPClient):
                 fut.set_exception(EngineDeadError(reason))
         self._utility.clear()
         self._utility_engine.clear()
+        self.restarts.wake_all()  # requests waiting for a restart fail now
         if stopped:
             logger.info("%s; stopping", reason[:1].upper() + reason[1:])
             self.on_stopped(reason)
@@ -300,12 +311,7 @@ class AsyncMPClient(MPClient):
         4 x max_num_seqs requests wait; more get `EngineDeadError`, a 503)."""
         self._check_alive()
         rank = self.router.route(request, data_parallel_rank)
-        if self.engine_states[rank] == "lost":
-            self.router.owners([request.request_id])
-            raise EngineDeadError(
-                f"engine core {rank} is lost (it disconnected and does not answer)"
-            )
-        if not self.restarts.is_up(rank):
+        while not self.restarts.is_up(rank):  # (it may die again before this one wakes)
             try:
                 await self.restarts.wait_up(rank)
             except OverflowError as e:
@@ -314,7 +320,10 @@ class AsyncMPClient(MPClient):
             except asyncio.CancelledError:  # its client left while it waited
                 self.router.owners([request.request_id])
                 raise
-            self._check_alive()
+        if self.dead_reason is not None or self.engine_states[rank] == "lost":
+            self.router.owners([request.request_id])
+            why = self.dead_reason or f"engine core {rank} is lost (disconnected, no answer)"
+            raise EngineDeadError(why)
         self.restarts.on_send(rank)
         self.inflight.add(request, rank)
         await self.send_add(rank, request)
@@ -323,6 +332,11 @@ class AsyncMPClient(MPClient):
         assert self._async_input is not None
         frames = self._frames(self.identities[rank], EngineCoreRequestType.ADD, request)
         await self._async_input.send_multipart(frames, copy=False)
+
+    async def send_abort(self, rank: int, request_ids: list[str]) -> None:
+        if request_ids and self._async_input is not None:
+            frames = self._frames(self.identities[rank], EngineCoreRequestType.ABORT, request_ids)
+            await self._async_input.send_multipart(frames)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         self.inflight.remove(request_ids)
@@ -387,12 +401,12 @@ class AsyncMPClient(MPClient):
         if child.exitcode != 0 and self.can_restart and launcher is not None and loop is not None:
             cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
             if child is launcher.coordinator:
-                loop.call_soon_threadsafe(self.restarts.coordinator_died, cause)
+                loop.call_soon_threadsafe(self._guarded, self.restarts.coordinator_died, cause)
                 return
             for i, engine in enumerate(launcher.engines):
                 if engine is child:
                     rank = launcher.start_rank + i
-                    loop.call_soon_threadsafe(self.restarts.died, rank, cause)
+                    loop.call_soon_threadsafe(self._guarded, self.restarts.died, rank, cause)
                     return
         super()._on_child_death(child)
 
@@ -415,11 +429,21 @@ class AsyncMPClient(MPClient):
         finally:
             self._awaiting_hello.pop(identity, None)
 
+    def can_kill(self, rank: int) -> bool:
+        """Our own engine, or (API server 0 of a supervisor) one of the supervisor's on this
+        host, which the supervisor then restarts."""
+        if rank not in self.local_ranks:
+            return False
+        if self.can_restart:
+            return True
+        return self.follows_restarts and self.client_index == 0 and self.engine_pids[rank] > 0
+
     def kill(self, rank: int) -> None:
-        assert self.launcher is not None
-        child = self.launcher.engines[rank - self.launcher.start_rank]
         with contextlib.suppress(ProcessLookupError):
-            child.process.kill()
+            if self.launcher is not None:
+                self.launcher.engines[rank - self.launcher.start_rank].process.kill()
+            else:
+                os.kill(self.engine_pids[rank], signal.SIGKILL)
 
     async def respawn_coordinator(self) -> None:
         assert self.launcher is not None and self.monitor is not None

@@ -97,8 +97,13 @@ class RestartHost(Protocol):
     async def respawn_coordinator(self) -> None:
         """Start a new DP coordinator on the dead one's addresses."""
 
+    def can_kill(self, rank: int) -> bool:
+        """Whether `kill(rank)` applies: the engine runs on this host, and is restarted."""
+
     def kill(self, rank: int) -> None:
         """Kill this host's engine process of `rank` (a stalled one)."""
+
+    async def send_abort(self, rank: int, request_ids: list[str]) -> None: ...
 
     async def send_add(self, rank: int, request: EngineCoreRequest) -> None: ...
 
@@ -111,9 +116,9 @@ class RestartHost(Protocol):
 
 
 class EngineRestarts:
-    """The restart state of each engine of one client. `can_restart`: this client starts
-    engines again itself (it launched them); otherwise (the supervisor restarts them) it
-    only resumes its requests when a new engine says hello (`back`)."""
+    """The restart state of each engine of one client: the client restarts its own engines
+    (`died`), or resumes its requests when the supervisor's new engine says hello (`down`,
+    then `back`)."""
 
     def __init__(
         self, host: RestartHost, num_engines: int, config: RestartConfig, max_waiting: int
@@ -121,7 +126,6 @@ class EngineRestarts:
         self.host = host
         self.config = config
         self.budget = RestartBudget(config.max_engine_restarts)
-        self.can_restart = False  # set by the client once it knows who launched the engines
         self.states = ["up"] * num_engines  # up | restarting | resuming
         self.stalled = [False] * num_engines
         self.last_progress = [time.monotonic()] * num_engines
@@ -140,6 +144,11 @@ class EngineRestarts:
 
     def is_up(self, rank: int) -> bool:
         return self._up[rank].is_set()
+
+    def wake_all(self) -> None:
+        """The client ended: whoever waits for an engine wakes (and fails)."""
+        for event in self._up:
+            event.set()
 
     async def wait_up(self, rank: int) -> None:
         """Wait for a restarting engine; `OverflowError` when too many wait already."""
@@ -219,22 +228,31 @@ class EngineRestarts:
         self._staged[rank].clear()
         self._staged[rank].extend(self._take_requests(rank, cause))
 
-    async def lost(self, rank: int, cause: str) -> None:
-        """An engine nobody here can start again (on another host, `--headless`) is gone for
-        good: its requests resume on the other engines, which get every new request; one
-        sent to it alone (`X-data-parallel-rank`) fails."""
-        self.states[rank] = "lost"
-        self._up[rank].set()  # (whoever waits for it fails in the client)
+    async def lost(self, ranks: list[int]) -> None:
+        """Engines nobody here can start again (on another host, `--headless`) are gone for
+        good: they get no new request (one sent to them alone, `X-data-parallel-rank`, fails),
+        what they still send is dropped, and their requests resume on the engines left, one
+        at a time on each as after a restart (each is a suspect: it may be what ended that
+        host)."""
         host = self.host
-        for rid in self._take_requests(rank, f"{cause}; it is lost"):
-            request = host.inflight.resumed(rid)
-            if request is None:
-                continue
-            host.router.owners([rid])
-            target = host.router.route(request, None)
-            host.inflight.move(rid, target)
-            await host.send_add(target, request)
-            host.on_event("resumed", target, 1)
+        moved: dict[int, list[str]] = {}
+        for rank in ranks:  # every one of them out of the routing before any request moves
+            self.states[rank] = "lost"
+            host.router.gone.add(rank)
+            self._up[rank].set()  # (whoever waits for it fails in the client)
+            moved[rank] = self._take_requests(
+                rank, f"EngineCore_DP{rank} does not answer; it is lost"
+            )
+        for rank, rids in moved.items():
+            await host.send_abort(rank, rids)  # in case it still runs them after all
+            for rid in rids:
+                host.router.owners([rid])
+                target = host.router.route(host.inflight.requests[rid].request, None)
+                host.inflight.move(rid, target)
+                self._staged[target].append(rid)
+        for target, state in enumerate(self.states):
+            if state == "up" and self._staged[target] and self._probation[target] is None:
+                await self._release_next(target)  # (a restarting one releases them when back)
 
     def _take_requests(self, rank: int, cause: str) -> list[str]:
         """The engine's requests to resume; fails those in flight at a death before it."""
@@ -371,7 +389,12 @@ class EngineRestarts:
                         idle,
                     )
                 kill = cfg.engine_stall_kill_timeout
-                if kill > 0 and idle > kill and self.can_restart and rank not in self._kill_cause:
+                if (
+                    kill > 0
+                    and idle > kill
+                    and self.host.can_kill(rank)
+                    and rank not in self._kill_cause
+                ):
                     self._kill_cause[rank] = (
                         f"EngineCore_DP{rank} finished no step for {idle:.0f} s"
                     )

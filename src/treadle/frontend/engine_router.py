@@ -26,6 +26,7 @@ class EngineRouter:
         self.current_wave = 0
         self._tie_break = itertools.cycle(range(num_engines))
         self.down: set[int] = set()  # restarting: chosen only when every engine is
+        self.gone: set[int] = set()  # lost for good (in `down` too): never chosen
 
     def route(self, request: EngineCoreRequest, rank: int | None) -> int:
         """Pick the engine for a new request (stamping the current wave) and remember it.
@@ -39,7 +40,11 @@ class EngineRouter:
         if rank is None:
             counts, in_flight = self.lb_counts, self.in_flight
             first = next(self._tie_break)
-            up = [e for e in range(n) if e not in self.down] or range(n)
+            up = (
+                [e for e in range(n) if e not in self.down]
+                or [e for e in range(n) if e not in self.gone]
+                or range(n)
+            )
             rank = min(
                 up,
                 key=lambda e: (4 * counts[e][0] + counts[e][1], in_flight[e], (e - first) % n),

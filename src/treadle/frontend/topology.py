@@ -94,15 +94,23 @@ async def engine_reports(llm: AsyncLLM, states: Sequence[str]) -> list[EngineRep
     return list(await asyncio.gather(*(one(r) for r in range(len(states)))))
 
 
-def front_end(llm: AsyncLLM) -> FrontEnd:
+def local_processes(client_index: int) -> list[ProcessInfo]:
+    """This host's front-end processes (psutil: a scan of the host's processes, so callers
+    in the event loop run it in a thread)."""
     me = os.getpid()
     parent, parent_name = parent_title()
     root = parent if parent_name == "APIServerSupervisor" else me
     local = treadle_tree(root)
     if not any(p.pid == me for p in local):  # not titled (the library in a test): still here
-        info = process_info(me, f"APIServer_{llm.client_index}")
+        info = process_info(me, f"APIServer_{client_index}")
         if info is not None:
             local.insert(0, info)
+    return local
+
+
+async def front_end(llm: AsyncLLM) -> FrontEnd:
+    me = os.getpid()
+    local = await asyncio.to_thread(local_processes, llm.client_index)
     sock = llm.client.coordinator_socket
     return FrontEnd(
         pid=me,
@@ -115,7 +123,7 @@ def front_end(llm: AsyncLLM) -> FrontEnd:
 
 
 async def collect(llm: AsyncLLM) -> dict[str, Any]:
-    fe = front_end(llm)
+    fe = await front_end(llm)
     reports = await engine_reports(llm, fe.engine_states)
     return build_topology(fe, reports)
 

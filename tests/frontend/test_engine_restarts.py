@@ -1,0 +1,125 @@
+"""`EngineRestarts`: the per-engine restart states, driven as the API server's client drives
+them (a real `InFlight` and `EngineRouter`; this host records what would go on the sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from treadle.config import RestartConfig
+from treadle.frontend.engine_restarts import EngineRestarts, RestartBudget
+from treadle.frontend.engine_router import EngineRouter
+from treadle.frontend.inflight import InFlight
+from treadle.sampling_params import SamplingParams
+from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+
+class Host:
+    def __init__(self, num_engines: int) -> None:
+        self.inflight = InFlight()
+        self.router = EngineRouter(num_engines)
+        self.sent: list[tuple[int, str]] = []  # (engine, request id) of each ADD
+        self.aborted: list[tuple[int, list[str]]] = []
+        self.failed: list[str] = []  # request ids failed by the dead-letter rule
+        self.ended = False
+
+    def fail(self, reason: str) -> None:
+        self.ended = True
+
+    def spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        coro.close()
+
+    async def respawn(self, rank: int) -> None: ...
+
+    async def respawn_coordinator(self) -> None: ...
+
+    def can_kill(self, rank: int) -> bool:
+        return False
+
+    def kill(self, rank: int) -> None: ...
+
+    async def send_abort(self, rank: int, request_ids: list[str]) -> None:
+        self.aborted.append((rank, request_ids))
+
+    async def send_add(self, rank: int, request: EngineCoreRequest) -> None:
+        self.sent.append((rank, request.request_id))
+
+    def fail_calls(self, rank: int, cause: str) -> None: ...
+
+    def on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self.failed += [o.request_id for o in outputs.outputs]
+
+    def on_event(self, kind: str, engine: int, count: int) -> None: ...
+
+    def add(self, rid: str, rank: int) -> None:
+        request = EngineCoreRequest(rid, [1, 2, 3], SamplingParams(max_tokens=8), eos_token_id=2)
+        self.router.route(request, rank)
+        self.inflight.add(request, rank)
+
+
+def progress(restarts: EngineRestarts, host: Host, engine: int, rid: str) -> None:
+    """A token of `rid` from `engine`, as the client's output reader hands it on."""
+    item = EngineCoreOutputs(engine_index=engine, outputs=[EngineCoreOutput(rid, [5])])
+    asyncio.run(restarts.on_outputs(item, host.inflight.on_outputs(item)))
+
+
+def test_two_engines_lost_at_once_hand_their_requests_to_the_one_left_one_at_a_time() -> None:
+    host = Host(3)
+    restarts = EngineRestarts(host, 3, RestartConfig(), max_waiting=8)
+    for rid, rank in (("a", 1), ("b", 2), ("c", 0)):
+        host.add(rid, rank)
+    asyncio.run(restarts.lost([1, 2]))
+    # Neither moves onto the other lost engine; one suspect at a time on engine 0.
+    assert restarts.states == ["up", "lost", "lost"]
+    assert host.sent == [(0, "a")] and host.failed == []
+    assert host.aborted == [(1, ["a"]), (2, ["b"])]
+    progress(restarts, host, 0, "a")
+    assert host.sent == [(0, "a"), (0, "b")] and host.failed == []
+    assert {host.inflight.requests[r].engine for r in "abc"} == {0}
+    assert host.inflight.count(0) == 3 and host.inflight.count(1) == 0
+    # New requests never go to a lost engine, not even when every other one is restarting.
+    restarts.down(0, "engine 0 died")
+    request = EngineCoreRequest("d", [1], SamplingParams(max_tokens=8), eos_token_id=2)
+    assert host.router.route(request, None) == 0
+    assert restarts.readiness() == "engine core 0 is restarting"
+
+
+def test_waiters_for_a_restarting_engine_wake_when_the_client_ends() -> None:
+    host = Host(1)
+    restarts = EngineRestarts(host, 1, RestartConfig(), max_waiting=8)
+
+    async def scenario() -> bool:
+        restarts.down(0, "engine 0 died")
+        waiter = asyncio.ensure_future(restarts.wait_up(0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        restarts.wake_all()
+        await asyncio.wait_for(waiter, 1.0)
+        return restarts.is_up(0)
+
+    assert asyncio.run(scenario())
+
+
+def test_the_budget_refuses_past_its_limit_and_says_which_flag() -> None:
+    budget = RestartBudget(2)
+    assert budget.spend("first") is None and budget.spend("second") is None
+    refusal = budget.spend("third")
+    assert refusal is not None and "--max-engine-restarts" in refusal and "third" in refusal
+    assert budget.describe() == "restart 2 of at most 2 in 10 minutes"
+
+
+@pytest.mark.parametrize("stalled", [False, True])
+def test_a_resuming_engine_is_ready_unless_stalled(stalled: bool) -> None:
+    host = Host(1)
+    restarts = EngineRestarts(host, 1, RestartConfig(), max_waiting=8)
+    host.add("a", 0)
+    host.add("b", 0)
+    restarts.down(0, "engine 0 died")
+    assert restarts.readiness() == "engine core 0 is restarting"
+    asyncio.run(restarts.back(0, "now"))
+    assert restarts.states[0] == "resuming" and host.sent == [(0, "a")]
+    restarts.stalled[0] = stalled
+    assert (restarts.readiness() is None) is not stalled
