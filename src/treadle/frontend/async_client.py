@@ -219,10 +219,12 @@ class AsyncMPClient(MPClient):
 
     async def _watch_peers(self, monitor: zmq.Socket[Any], name: str) -> None:
         """Log each peer that leaves the socket `name` (libzmq drops a peer that sends more
-        than TREADLE_ZMQ_MAX_MSG_BYTES this way). When the engines are not our children, a
-        peer leaving the request socket may be an engine whose process or host is gone: every
-        engine must then answer a call within ENGINE_PING_TIMEOUT_S or it is dead (a bare
-        disconnect would let any local process that connects and leaves kill the server)."""
+        than TREADLE_ZMQ_MAX_MSG_BYTES this way). When engines run on another host (or nobody
+        restarts them), a peer leaving the request socket may be an engine whose process or
+        host is gone: each such engine must then answer a call within ENGINE_PING_TIMEOUT_S
+        (a bare disconnect would let any local process that connects and leaves kill the
+        server). A silent one is lost, and the others serve on, when restarts are on and some
+        are left; otherwise the client ends."""
         sock = zmq.asyncio.Socket.from_socket(monitor)
         while True:
             event = parse_monitor_message(await sock.recv_multipart())
@@ -230,8 +232,8 @@ class AsyncMPClient(MPClient):
                 continue
             if name == "request" and self._watch_disconnects:
                 silent = await self._silent_engines()
-                answering = [e for e, state in enumerate(self.engine_states) if state != "lost"]
-                if silent and (len(silent) == len(answering) or not self.follows_remote):
+                left = sum(state != "lost" for state in self.engine_states) - len(silent)
+                if silent and (left == 0 or not self.follows_remote):
                     self.fail(f"engine core(s) {silent} disconnected and do not answer")
                     return
                 if silent:  # the others serve on
