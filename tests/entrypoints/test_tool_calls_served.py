@@ -251,7 +251,7 @@ def _streamed(client: openai.OpenAI, **fields: Any) -> tuple[str, dict[int, list
     return content, arguments, [r for r in reasons if r]
 
 
-@pytest.mark.parametrize("max_tokens", [4, 12])
+@pytest.mark.parametrize("max_tokens", [3, 7])
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
