@@ -17,6 +17,7 @@ from treadle.validation import (
     check_max_tokens,
     check_prompt,
     check_request,
+    parse_int,
 )
 from treadle.wire.engine import EngineCoreRequest, add_request_identity
 
@@ -135,3 +136,30 @@ def test_an_undecodable_add_still_names_its_request() -> None:
     assert add_request_identity(default_client) == ("r2", 0)
     assert add_request_identity(b"\xc1") is None
     assert add_request_identity(msgspec.msgpack.encode([1, 2])) is None
+
+
+# -- integers written in strings (headers, logit_bias keys) ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["²", "٣", "1e3", " 1", "1 ", "+1", "1_0", "-0", "-1", "", "0x1", "1\n", "１", "9" * 5000],
+)
+def test_parse_int_takes_ascii_digits_only(text: str) -> None:
+    """`isdigit()` takes "²" (then `int()` raises: a 500 once), `int()` takes "٣", " 1", "+1",
+    "1_0" and "１": each is a 400 naming the field, as is a number past the bounds."""
+    with pytest.raises(InvalidRequest) as e:
+        parse_int(text, "X-data-parallel-rank", 0, 3)
+    assert e.value.param == "X-data-parallel-rank" and len(e.value.message) < 200
+
+
+def test_parse_int_bounds_and_sign() -> None:
+    assert parse_int("0", "p", 0, 3) == 0 and parse_int("3", "p", 0, 3) == 3
+    assert parse_int("007", "p", 0, 10) == 7
+    assert parse_int("-5", "p") == -5 and parse_int("-0", "p") == 0  # a sign where one may be
+    assert parse_int(str(2**63 - 1), "p") == 2**63 - 1
+    for text in ("4", "99999999999999999999", str(2**63)):
+        with pytest.raises(InvalidRequest, match=r"must be an integer in \[0, 3\]"):
+            parse_int(text, "p", 0, 3)
+    with pytest.raises(InvalidRequest):
+        parse_int(str(2**63), "p")

@@ -11,6 +11,7 @@ import ast
 import importlib.util
 import inspect
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from treadle import envs
@@ -62,12 +63,28 @@ def resolve_model(model: str | None) -> ModelSource:
     )
 
 
+def served_names(
+    model: str | None, given: str | Sequence[str] | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the names the API lists, the others it accepts) for the model argument as given and
+    `--served-model-name`: vLLM's (every given name, else the model as given), then the short
+    name treadle answered to before (the model's file or directory name) and the path as
+    given, so that a client that sends any of them reaches the model."""
+    names = (given,) if isinstance(given, str) else tuple(given or ())
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"--served-model-name takes non-empty names, got {list(names)!r}")
+    short = os.path.basename(os.path.normpath(model)) if model else DEFAULT_MODEL_NAME
+    listed = tuple(dict.fromkeys(names or (model or DEFAULT_MODEL_NAME,)))
+    others = tuple(n for n in dict.fromkeys((short, model or short)) if n not in listed)
+    return listed, others
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None
     """Local Hugging Face model directory or .gguf file; default: SmolLM2-135M-Instruct (Q4_1 GGUF)."""
-    served_model_name: str | None = None
-    """Name the API reports and accepts; default: the model's name."""
+    served_model_name: tuple[str, ...] = ()
+    """Names the API answers to and lists at /v1/models (one or more, as vLLM's); responses report the first. Default: the model as given (its path), or SmolLM2-135M-Instruct; the model's short name (its file or directory name) and its path as given are accepted too."""
     dtype: str = "auto"
     """Weights and activations: auto, float32 (float), bfloat16 or float16 (half); auto is float32 on CPU, bfloat16 on CUDA."""
     max_model_len: int | None = None
@@ -78,6 +95,8 @@ class ModelConfig:
     """Most logprobs a request may ask for per token (`logprobs`, chat `top_logprobs`), as vLLM's."""
     tokenizer: str | None = None
     """Local tokenizer directory (or .gguf file) to use instead of the model's own; never downloaded."""
+    also_served_as: tuple[str, ...] = ()
+    """Other names the API accepts but does not list (see `served_names`)."""
     generation_config: str = "auto"
     """Default sampling parameters of requests that set none: `auto` reads the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) where there is one, `vllm` ignores it (vLLM's defaults), or a directory that holds a generation_config.json."""
 

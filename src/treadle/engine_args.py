@@ -28,6 +28,7 @@ from treadle.config import (
     SchedulerConfig,
     field_docs,
     resolve_model,
+    served_names,
 )
 
 # Argument groups of `--help`, in vLLM's order.
@@ -61,10 +62,12 @@ def arg(
     choices: Iterable[str] | None = None,
     help: str | None = None,
     positional: str | None = None,
+    nargs: str | None = None,
 ) -> Any:
     """A dataclass field that is also a command-line option. `flags`: its option strings
-    (default `--field-name`); `area`: the config class whose docstring of the same field is
-    the help; `positional`: also accepted as this positional argument (`serve MODEL`)."""
+        (default `--field-name`); `area`: the config class whose docstring of the same field is
+        the help; `positional`: also accepted as this positional argument (`serve MODEL`); `nargs`:
+    argparse's, for a tuple field that takes several values after one flag."""
     meta = {
         "flags": flags,
         "group": group,
@@ -73,6 +76,7 @@ def arg(
         "choices": tuple(choices) if choices else None,
         "help": help,
         "positional": positional,
+        "nargs": nargs,
     }
     return field(default=default, metadata=meta)
 
@@ -116,6 +120,8 @@ def add_cli_args(
             kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif typing.get_origin(kind) is tuple:
             kwargs["type"] = meta["type"] or str
+            if meta["nargs"]:
+                kwargs["nargs"] = meta["nargs"]
         else:
             kwargs["type"] = meta["type"] or kind
             if meta["choices"]:
@@ -150,7 +156,9 @@ class EngineArgs:
     it into the per-area configs."""
 
     model: str | None = arg(None, group="model", area=ModelConfig, positional="model_tag")
-    served_model_name: str | None = arg(None, group="model", area=ModelConfig)
+    served_model_name: tuple[str, ...] | str | None = arg(
+        None, group="model", area=ModelConfig, nargs="+"
+    )
     tokenizer: str | None = arg(None, group="model", area=ModelConfig)
     dtype: str = arg(ModelConfig.dtype, group="model", area=ModelConfig)
     max_model_len: int | None = arg(None, group="model", area=ModelConfig)
@@ -246,10 +254,12 @@ class EngineArgs:
                 f"--generation-config {gen!r}: give auto, vllm or a directory that holds a "
                 "generation_config.json"
             )
+        served, also = served_names(self.model, self.served_model_name)
         config = EngineConfig(
             model=ModelConfig(
                 model=source.path,
-                served_model_name=self.served_model_name,
+                served_model_name=served,
+                also_served_as=also,
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 seed=self.seed,

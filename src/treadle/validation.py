@@ -15,6 +15,7 @@ answers 400 with OpenAI's `param` and the engine core answers that request alone
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,26 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+
+
+_UNSIGNED = re.compile(r"[0-9]+")
+_SIGNED = re.compile(r"-?[0-9]+")
+
+
+def parse_int(text: str, param: str, low: int = INT64_MIN, high: int = INT64_MAX) -> int:
+    """The integer that `text` writes in ASCII digits, with a leading `-` only where `low` is
+    negative, and nothing else: the one way a header or a string field becomes an int.
+    (`str.isdigit()` takes "²", which `int()` refuses; `int()` takes "٣", " 1", "+1" and
+    "1_0".) Raises `InvalidRequest` naming `param`, out of [low, high] too; never another
+    error."""
+    span = f"in [{_n(low)}, {_n(high)}]"
+    if not (_SIGNED if low < 0 else _UNSIGNED).fullmatch(text):
+        raise InvalidRequest(param, f"must be an integer {span} in ASCII digits, got {text!r}")
+    # int() of thousands of digits is slow, then refused: more digits than int64 has are out.
+    value = int(text) if len(text) <= 20 else None
+    if value is None or not low <= value <= high:
+        raise InvalidRequest(param, f"must be an integer {span}, got {text[:40]!r}")
+    return value
 
 
 def is_int64(value: Any) -> bool:

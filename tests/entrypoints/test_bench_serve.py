@@ -9,11 +9,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 TREADLE = str(Path(sys.executable).parent / "treadle")
 
 
 def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    server = server_factory([str(tiny_model_factory("llama")), "--max-model-len", "256"])
+    model = str(tiny_model_factory("llama"))
+    server = server_factory(["--model", model, "--max-model-len", "256"])
+    host, port = server.url.removeprefix("http://").split(":")
+
+    # Issue 28: vLLM's pair of command lines, the model's path on both sides (it was a 404
+    # for every request: the server answered only to the path's last part).
+    result_dir = tmp_path / "results"
+    proc = subprocess.run(
+        [TREADLE, "bench", "serve", "--backend", "vllm", "--model", model]
+        + ["--host", host, "--port", port, "--dataset-name", "random", "--num-prompts", "4"]
+        + ["--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"]
+        + ["--save-result", "--result-dir", str(result_dir), "--result-filename", "path.json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((result_dir / "path.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["model_id"] == model
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [card["id"] for card in models["data"]] == [model]  # vLLM serves it as given
+
     result_file = tmp_path / "result.json"
     proc = subprocess.run(
         [
@@ -50,8 +74,6 @@ def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Pa
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
 
     # vLLM's command line, word for word.
-    host, port = server.url.removeprefix("http://").split(":")
-    result_dir = tmp_path / "results"
     vllm_line = [
         *("--backend", "vllm", "--host", host, "--port", port, "--dataset-name", "random"),
         *("--random-input-len", "64", "--random-output-len", "16", "--num-prompts", "8"),
@@ -63,7 +85,7 @@ def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Pa
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "P50 E2EL (ms):" in proc.stdout
-    (saved,) = result_dir.iterdir()
+    (saved,) = result_dir.glob("vllm-*.json")
     assert saved.name.startswith("vllm-infqps-") and saved.suffix == ".json"
     result = json.loads(saved.read_text())
     assert result["backend"] == "vllm" and result["model_id"] == result["model"]

@@ -475,3 +475,188 @@ def test_models_routes(server: RemoteServer, client: openai.OpenAI) -> None:
         client.models.retrieve("another-model")
     missing = httpx.get(server.url + "/v1/models/org/another-model")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+
+
+# -- issue 28: integers in headers, stream shapes, prompt_logprobs, return_token_ids -------------
+
+
+def _raw_post(server: RemoteServer, path: str, body: dict[str, Any], header: bytes) -> Any:
+    """POST with an `X-data-parallel-rank` header sent byte for byte (httpx refuses some)."""
+    import http.client
+
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        data = json.dumps({"model": MODEL, **body}).encode()
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(data)))
+        conn.putheader("X-data-parallel-rank", header)
+        conn.endheaders(data)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["²", "٣", "1e3", " 1", "-0", "99999999999999999999", "1", "+0", "0 0"],
+)
+def test_rank_header_that_is_no_rank_is_a_400_never_a_500(server: RemoteServer, value: str) -> None:
+    status, body = _raw_post(
+        server, CMPL, {"prompt": PROMPT, "max_tokens": 1}, value.encode("utf-8")
+    )
+    assert status == 400, body
+    assert body["error"]["type"] == "BadRequestError"
+    assert body["error"]["param"] == "X-data-parallel-rank"
+
+
+def test_rank_header_in_latin_1_and_a_real_rank(server: RemoteServer) -> None:
+    # "²" as one latin-1 byte, which is how the server decodes a header (str.isdigit() is true)
+    status, body = _raw_post(
+        server, CMPL, {"prompt": PROMPT, "max_tokens": 1}, "²".encode("latin-1")
+    )
+    assert status == 400, body
+    status, body = _raw_post(server, CMPL, {"prompt": PROMPT, "max_tokens": 1}, b"0")
+    assert status == 200 and body["choices"][0]["text"] is not None
+
+
+@pytest.mark.parametrize("key", ["٣", "²", "1e3", " 1", "-0"])
+def test_logit_bias_keys_are_ascii_token_ids(server: RemoteServer, key: str) -> None:
+    error = _error(server, CMPL, {"model": MODEL, "prompt": PROMPT, "logit_bias": {key: 5}})
+    assert error["param"] == "logit_bias"
+
+
+def test_n_completion_stream_sends_one_chunk_per_token_per_choice(server: RemoteServer) -> None:
+    """vLLM's test_parallel_streaming: n=3, max_tokens=k gives exactly k chunks per choice
+    (issue 28: choices 1 and 2 began with an extra empty chunk)."""
+    body = {"prompt": PROMPT, "max_tokens": 7, "n": 3, "stream": True, "ignore_eos": True}
+    events = _events(server, CMPL, {**body, "seed": 3})
+    chunks: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for event in events:
+        (choice,) = event["choices"]
+        chunks[choice["index"]].append(choice["text"])
+    assert {i: len(texts) for i, texts in chunks.items()} == {0: 7, 1: 7, 2: 7}
+
+
+def test_n_chat_stream_opens_with_a_role_chunk_per_choice(server: RemoteServer) -> None:
+    """As vLLM: the first n chunks carry the role of choices 0..n-1, then one chunk per token
+    per choice, the usage of a role chunk has no completion tokens and rises by one per
+    token chunk."""
+    body = {
+        "messages": CHAT,
+        "max_tokens": 6,
+        "n": 3,
+        "stream": True,
+        "ignore_eos": True,
+        "seed": 4,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    *events, last = _events(server, CHATS, body)
+    for k, event in enumerate(events[:3]):
+        (choice,) = event["choices"]
+        assert choice == {
+            "index": k,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        assert event["usage"]["completion_tokens"] == 0
+    used = {0: 0, 1: 0, 2: 0}
+    for event in events[3:]:
+        (choice,) = event["choices"]
+        assert "role" not in choice["delta"]
+        used[choice["index"]] += 1
+        assert event["usage"]["completion_tokens"] == used[choice["index"]]
+    assert used == {0: 6, 1: 6, 2: 6}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 18
+
+
+@pytest.mark.parametrize("path", [CMPL, CHATS])
+def test_continuous_usage_rises_with_every_chunk(client: openai.OpenAI, path: str) -> None:
+    """vLLM's test_chat_completion_stream_options / test_completion_stream_options."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if path == CHATS:
+        stream: Any = client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,  # type: ignore[arg-type]
+            max_completion_tokens=10,
+            extra_body={"min_tokens": 10},
+            temperature=0.0,
+            stream=True,
+            stream_options=options,  # type: ignore[arg-type]
+        )
+    else:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=10,
+            extra_body={"min_tokens": 10},
+            temperature=0.0,
+            stream=True,
+            stream_options=options,  # type: ignore[arg-type]
+        )
+    last = 0
+    for chunk in stream:
+        usage = chunk.usage
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        if path == CMPL:
+            assert usage.completion_tokens > 0
+        assert last == 0 or usage.completion_tokens > last or not chunk.choices
+        last = usage.completion_tokens
+    assert last == 10
+
+
+def test_prompt_logprobs_is_null_when_not_asked_for(client: openai.OpenAI) -> None:
+    """vLLM's test_single_completion and test_prompt_logprobs_chat read the attribute."""
+    completion = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+    assert completion.choices[0].prompt_logprobs is None  # type: ignore[attr-defined]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    assert chat.prompt_logprobs is None  # type: ignore[attr-defined]
+    asked = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 1},
+    )
+    assert len(asked.prompt_logprobs) > 3  # type: ignore[attr-defined]
+
+
+def test_return_token_ids_in_responses(server: RemoteServer) -> None:
+    """vLLM's `return_token_ids`: the prompt's ids and each choice's output ids."""
+    ids = _ids(server, PROMPT)
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "n": 2, "seed": 1}
+    out = _post(server, CMPL, {**body, "return_token_ids": True})
+    for choice in out["choices"]:
+        assert choice["prompt_token_ids"] == ids
+        assert len(choice["token_ids"]) == 5
+    plain = _post(server, CMPL, body)["choices"][0]
+    assert plain["prompt_token_ids"] is None and plain["token_ids"] is None  # as vLLM's
+
+    chat = _post(server, CHATS, {"messages": CHAT, "max_tokens": 4, "return_token_ids": True})
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"] == 4
+    plain = _post(server, CHATS, {"messages": CHAT, "max_tokens": 1})
+    assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+
+
+@pytest.mark.parametrize("path", [CMPL, CHATS])
+def test_return_token_ids_in_streams(server: RemoteServer, path: str) -> None:
+    """Placed as vLLM places them: completions put the prompt's ids in each choice's first
+    chunk, chat at the top of each role chunk; every token chunk has its new ids."""
+    body: dict[str, Any] = {"max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    body.update({"prompt": PROMPT} if path == CMPL else {"messages": CHAT})
+    whole = _post(server, path, body)
+    events = _events(server, path, {**body, "stream": True})
+    if path == CMPL:
+        first = events[0]["choices"][0]
+        assert first["prompt_token_ids"] == whole["choices"][0]["prompt_token_ids"]
+        assert all(e["choices"][0]["prompt_token_ids"] is None for e in events[1:])
+    else:
+        assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+        events = events[1:]
+        assert all("prompt_token_ids" not in e for e in events)
+    streamed = [t for e in events for t in e["choices"][0]["token_ids"]]
+    assert streamed == whole["choices"][0]["token_ids"]
+    assert all(e["choices"][0]["token_ids"] for e in events)  # one chunk per token

@@ -546,15 +546,50 @@ def test_required_output_becomes_calls() -> None:
     ]
 
 
-def test_required_streams_each_call_as_its_element_closes() -> None:
-    first_end = REQUIRED_TEXT.index("}}") + 2
+def test_required_streams_arguments_as_they_are_generated() -> None:
+    """As the named choice (and vLLM's "required"): the header once the name is whole and the
+    parameters have begun, then the parameters' text as it comes, not the call at its end."""
     stream = RequiredStream()
-    assert stream.feed(REQUIRED_TEXT[: first_end - 1]) == []
-    deltas = stream.feed(REQUIRED_TEXT[first_end - 1 : first_end])
-    assert [d["tool_calls"][0]["function"] for d in deltas] == [
-        {"name": "get_weather", "arguments": ""},
-        {"arguments": '{"city": "Paris"}'},
+    assert stream.feed('[{"name": "get_weather", "parameters": ') == []
+    header, brace = stream.feed("{")
+    assert header["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert brace == {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}
+    assert stream.feed('"city": "Pa') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"city": "Pa'}}]}
     ]
+    assert stream.feed('ris"}') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ris"}'}}]}
+    ]
+    assert stream.feed("}, ") == []
+    assert stream.feed("]") == [] and stream.finish() == []
+
+
+def test_required_parameters_before_the_name_make_a_call_when_the_element_closes() -> None:
+    text = '[{"parameters": {"city": "Oslo"}, "name": "get_weather"}]'
+    assert calls(RequiredStream().parse(text)) == [("get_weather", {"city": "Oslo"})]
+    assert calls(RequiredStream().parse('[{"name": "ping"}]')) == [("ping", {})]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "names"),
+    [
+        ('[{"name": "get_wea', '[{"name": "get_wea', []),
+        ("[", "[", []),
+        ('[{"name": "ping", "parameters": {}}, {"name": "ech', '{"name": "ech', ["ping"]),
+        ('[{"name": "ping", "parameters": {}},', None, ["ping"]),
+        ('[{"name": "get_weather", "parameters": {"city": "Pa', None, ["get_weather"]),
+    ],
+)
+def test_required_cut_short_keeps_what_was_generated(
+    text: str, content: str | None, names: list[str]
+) -> None:
+    """max_tokens cut the array: a call begun keeps the arguments generated so far; text that
+    became no call is the content (issue 28: it was dropped, leaving the client nothing)."""
+    parsed = RequiredStream().parse(text)
+    assert parsed.content == content
+    assert [call["function"]["name"] for call in parsed.tool_calls] == names
+    if names == ["get_weather"]:
+        assert parsed.tool_calls[0]["function"]["arguments"] == '{"city": "Pa'
 
 
 @pytest.mark.parametrize(
@@ -562,7 +597,8 @@ def test_required_streams_each_call_as_its_element_closes() -> None:
     [
         REQUIRED_TEXT,
         "\n" + REQUIRED_TEXT + "\n trailing",
-        REQUIRED_TEXT[: REQUIRED_TEXT.index('{"name": "ping"') + 12],  # cut: the last is dropped
+        REQUIRED_TEXT[: REQUIRED_TEXT.index('{"name": "ping"') + 12],  # cut: the last is content
+        REQUIRED_TEXT[: REQUIRED_TEXT.index('"Paris"') + 3],  # cut inside the arguments
         '[{"name": "ping", "parameters": {}}, 3, {"name": "x", "parameters": []}, {"nam": 1}]',
         'not an array [{"name": "ping", "parameters": {}}]',
         "[]",

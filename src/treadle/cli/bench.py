@@ -72,6 +72,12 @@ def add_bench_parser(sub: Any) -> None:
         "--backend openai-chat, which vLLM makes you write)",
     )
     server.add_argument("--model", default=None, help="model name (default: the server's first)")
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name requests send as `model`, as vLLM's (default --model); --model is then "
+        "only the result's model_id",
+    )
     server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
 
     data = p.add_argument_group("dataset")
@@ -348,7 +354,7 @@ def bench_serve(args: argparse.Namespace) -> int:
     results, duration = asyncio.run(
         run_benchmark(
             base_url,
-            model,
+            args.served_model_name or model,
             [s.prompt for s in samples],
             [s.expected_output_len for s in samples],
             endpoint=args.endpoint,

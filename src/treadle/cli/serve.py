@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from treadle.config import DEFAULT_MODEL_NAME, EngineConfig, field_docs
+from treadle.config import EngineConfig, field_docs
 from treadle.engine_args import (
     EngineArgs,
     add_cli_args,
@@ -63,7 +63,7 @@ def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None
 
 
 def prepare(args: argparse.Namespace, warn: bool = False) -> tuple[EngineConfig, FrontendArgs, str]:
-    """The checked engine config, server options and served model name, before any process
+    """The checked engine config, server options and the name responses report, before any process
     starts; raises `ValueError` (or `FileNotFoundError`) with one line saying what to change.
     `warn`: print a warning line per vLLM flag that has no effect here."""
     from treadle.config import resolve_model
@@ -91,12 +91,7 @@ def prepare(args: argparse.Namespace, warn: bool = False) -> tuple[EngineConfig,
     if engine_args.tensor_parallel_size > 1:
         check_parallel_layout(model_arch(source), engine_args.tensor_parallel_size)
     check_config(config)  # dtype, max_model_len, KV budget: before any process starts
-    name = engine_args.served_model_name or (
-        DEFAULT_MODEL_NAME
-        if engine_args.model is None
-        else os.path.basename(os.path.normpath(engine_args.model))
-    )
-    return config, server, name
+    return config, server, config.model.served_model_name[0]
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -58,7 +58,7 @@ def build_app(
     server: FrontendArgs | None = None,
     announce: str | None = None,
 ) -> FastAPI:
-    """The HTTP app. `model_path` is only logged: clients see `model_name`, never a path."""
+    """The HTTP app. `model_path` (resolved) is only logged; clients see the served names."""
     server = server or FrontendArgs()
     api_key = server.api_key
     serving = OpenAIServing(engine, model_name)
@@ -95,7 +95,11 @@ def build_app(
             limits = engine.input_processor.limits
             schema = generate_openapi()
             fill_limits(
-                schema, model_name, limits.vocab_size, limits.max_model_len, limits.max_logprobs
+                schema,
+                serving.model_names,
+                limits.vocab_size,
+                limits.max_model_len,
+                limits.max_logprobs,
             )
         return app.openapi_schema or {}
 
@@ -209,17 +213,13 @@ def build_app(
 
     add_dashboard_routes(app, engine)
 
-    def card() -> ModelCard:
-        return ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)
-
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=serving.model_cards())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        serving.check_model(model_id)
-        return card()
+        return serving.model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:

@@ -6,7 +6,6 @@ names the fields ignored."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,7 @@ from treadle.entrypoints.openai.protocol import (
 )
 from treadle.logger import init_logger
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
-from treadle.validation import InvalidRequest
+from treadle.validation import InvalidRequest, parse_int
 
 logger = init_logger(__name__)
 
@@ -153,12 +152,7 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's `logit_bias` (token ids as JSON object keys, so strings) with int keys."""
     if bias is None:
         return None
-    out = {}
-    for key, value in bias.items():
-        if not re.fullmatch(r"-?\d{1,20}", key):
-            raise InvalidRequest("logit_bias", f"keys must be token ids, got {key!r}")
-        out[int(key)] = value
-    return out
+    return {parse_int(key, "logit_bias", 0): value for key, value in bias.items()}
 
 
 def sampling_params(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,18 +42,19 @@ TokenIds = Annotated[list[TokenId], _shown(minItems=1)]
 
 
 def fill_limits(
-    schema: Any, model: str, vocab_size: int, max_model_len: int, max_logprobs: int
+    schema: Any, models: Sequence[str], vocab_size: int, max_model_len: int, max_logprobs: int
 ) -> None:
-    """Replace each `x-limit` marker of an OpenAPI schema by this server's bound, in place."""
+    """Replace each `x-limit` marker of an OpenAPI schema by this server's bound, in place
+    (`models`: every name the model answers to)."""
     if isinstance(schema, list):
         for item in schema:
-            fill_limits(item, model, vocab_size, max_model_len, max_logprobs)
+            fill_limits(item, models, vocab_size, max_model_len, max_logprobs)
         return
     if not isinstance(schema, dict):
         return
     limit = schema.pop("x-limit", None)
     if limit == "model":
-        schema["enum"] = [model]
+        schema["enum"] = list(models)
     elif limit is not None:
         schema["maximum"] = {
             "vocab_size": vocab_size - 1,
@@ -60,7 +62,7 @@ def fill_limits(
             "max_logprobs": min(max_logprobs, vocab_size),
         }[limit]
     for value in schema.values():
-        fill_limits(value, model, vocab_size, max_model_len, max_logprobs)
+        fill_limits(value, models, vocab_size, max_model_len, max_logprobs)
 
 
 class OpenAIModel(BaseModel):
@@ -199,6 +201,8 @@ class _SamplingFields(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:{id}"
+    # vLLM's: the prompt's and each choice's token ids in the response (and its stream)
+    return_token_ids: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -287,7 +291,8 @@ class ModelPermission(OpenAIModel):
 
 
 class ModelCard(OpenAIModel):
-    """A served model as vLLM describes it; `root` is the served name, never a file path."""
+    """A served model as vLLM describes it; `root` is the first served name, never a path
+    that the client did not give."""
 
     id: str
     object: Literal["model"] = "model"

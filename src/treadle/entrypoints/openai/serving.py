@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +16,7 @@ from treadle.entrypoints.openai.params import AnyRequest, check_fields, sampling
 from treadle.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ModelCard,
     UsageInfo,
     now,
     random_id,
@@ -36,7 +37,13 @@ from treadle.sampling_params import (
     StructuredOutputsParams,
     generation_defaults,
 )
-from treadle.validation import InvalidRequest, check_batch, check_max_tokens, is_int64
+from treadle.validation import (
+    InvalidRequest,
+    check_batch,
+    check_max_tokens,
+    is_int64,
+    parse_int,
+)
 
 logger = init_logger(__name__)
 
@@ -85,14 +92,29 @@ def _logprob_work(outputs: Any) -> int:
     )
 
 
+def _token_ids(req: AnyRequest, prompt_ids: list[int], ids: list[int]) -> dict[str, Any]:
+    """A completion choice's `prompt_token_ids` and `token_ids` (vLLM's `return_token_ids`;
+    null when not asked for, as vLLM's)."""
+    if not req.return_token_ids:
+        return {"prompt_token_ids": None, "token_ids": None}
+    return {"prompt_token_ids": list(prompt_ids), "token_ids": list(ids)}
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str):
+        """`model_name`: the name responses report (the first served name); the API also
+        answers to the model config's other names (`treadle.config.served_names`)."""
         self.engine = engine
         self.model_name = model_name
+        model = engine.config.model
+        self.listed_names = tuple(dict.fromkeys((model_name, *model.served_model_name)))
+        """The names /v1/models lists, as vLLM's (every served name)."""
+        self.model_names = (*self.listed_names, *model.also_served_as)
+        """Every name a request's `model` may be."""
         self.tokenizer = engine.tokenizer
         self.token_text = engine.output_processor.token_texts
         self.inputs = PromptInputs(engine.input_processor, engine.config.frontend)
@@ -105,8 +127,21 @@ class OpenAIServing:
             )
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    def model_cards(self) -> list[ModelCard]:
+        """/v1/models: a card per served name, as vLLM's; `root` is the first served name (the
+        path as given unless --served-model-name says otherwise: never a resolved path)."""
+        return [self._card(name) for name in self.listed_names]
+
+    def model_card(self, model: str) -> ModelCard:
+        """/v1/models/{model}: its card, for any name the model answers to; 404 otherwise."""
+        self.check_model(model)
+        return self._card(model)
+
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, root=self.model_name, max_model_len=self.engine.max_model_len)
 
     def _check_request(self, req: AnyRequest) -> Truncation | None:
         """Checks that need no prompt; returns the truncation asked for."""
@@ -176,13 +211,7 @@ class OpenAIServing:
         value = raw.headers.get("X-data-parallel-rank")
         if value is None:
             return None
-        engines = self.engine.client.num_engines
-        if not value.strip().isdigit() or int(value) >= engines:
-            raise APIError(
-                f"X-data-parallel-rank must be an engine rank in [0, {engines}), not {value!r}",
-                param="X-data-parallel-rank",
-            )
-        return int(value)
+        return parse_int(value, "X-data-parallel-rank", 0, self.engine.client.num_engines - 1)
 
     async def _run(
         self,
@@ -290,20 +319,21 @@ class OpenAIServing:
             for comp in out.outputs:
                 text, ids, entries = self._echoed(req, prompts[i], out, comp)
                 completion_tokens += len(comp.token_ids)
-                choice = {
-                    "index": i * req.n + comp.index,
-                    "text": text,
-                    "logprobs": None
-                    if req.logprobs is None
-                    else writer.completion(ids, entries, req.logprobs, 0),
-                    "finish_reason": comp.finish_reason,
-                    "stop_reason": comp.stop_reason,
-                }
-                if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(
-                        prompts[i][1], out.prompt_logprobs
-                    )
-                choices.append(choice)
+                choices.append(
+                    {
+                        "index": i * req.n + comp.index,
+                        "text": text,
+                        "logprobs": None
+                        if req.logprobs is None
+                        else writer.completion(ids, entries, req.logprobs, 0),
+                        "finish_reason": comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
+                        "prompt_logprobs": None
+                        if req.prompt_logprobs is None
+                        else prompt_logprobs_json(prompts[i][1], out.prompt_logprobs),
+                        **_token_ids(req, prompts[i][1], comp.token_ids),
+                    }
+                )
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {
             "id": rid,
@@ -342,8 +372,8 @@ class OpenAIServing:
                 text = comp.text[start[0] :]
                 ids = comp.token_ids[start[1] :]
                 entries = list(comp.logprobs or ())[start[1] :]
-            if not text and not comp.finished and not first:
-                return [], False
+            if not text and not ids and not comp.finished:
+                return [], False  # as vLLM: a chunk per output that brings tokens, or the end
             offset = written.get(index, 0)
             written[index] = offset + len(text)
             choice = {
@@ -355,6 +385,9 @@ class OpenAIServing:
                 "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason,
             }
+            if req.return_token_ids:  # vLLM's: the prompt's ids in each choice's first chunk
+                choice["prompt_token_ids"] = prompts[i][1] if first else None
+                choice["token_ids"] = comp.token_ids[start[1] :]
             return [choice], True
 
         head = {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name}
@@ -402,7 +435,7 @@ class OpenAIServing:
         stream = self._run([(text, ids)], params, rid, req.priority, rank)
         if req.stream:
             return StreamingResponse(
-                self._stream_chat(req, plan, len(ids), stream, rid),
+                self._stream_chat(req, plan, ids, stream, rid),
                 media_type="text/event-stream",
             )
         return await self._until_done(raw, self._full_chat(req, plan, ids, stream, rid))
@@ -454,25 +487,27 @@ class OpenAIServing:
                     else writer.chat(comp.token_ids, comp.logprobs, req.top_logprobs or 0),
                     "finish_reason": finish_reason(comp.finish_reason, calls),
                     "stop_reason": comp.stop_reason,
+                    "token_ids": list(comp.token_ids) if req.return_token_ids else None,
                 }
             )
-        body = {
+        return {
             "id": rid,
             "object": "chat.completion",
             "created": now(),
             "model": self.model_name,
             "choices": choices,
             "usage": _usage(len(prompt_ids), completion_tokens),
+            "prompt_logprobs": None
+            if req.prompt_logprobs is None
+            else prompt_logprobs_json(prompt_ids, final.prompt_logprobs),
+            "prompt_token_ids": prompt_ids if req.return_token_ids else None,
         }
-        if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(prompt_ids, final.prompt_logprobs)
-        return body
 
     def _stream_chat(
         self,
         req: ChatCompletionRequest,
         plan: ToolPlan,
-        prompt_len: int,
+        prompt_ids: list[int],
         stream: AsyncIterator[tuple[int, RequestOutput]],
         rid: str,
     ) -> AsyncIterator[str]:
@@ -482,7 +517,7 @@ class OpenAIServing:
         def deltas(index: int, text: str, finished: bool) -> tuple[list[Delta], int]:
             """The choice's deltas for its new text, and the tool calls it has made so far."""
             if plan.mode == "none":
-                return ([{"content": text}] if text else []), 0
+                return [{"content": text}], 0
             parser = parsers.setdefault(index, plan.stream())
             out = parser.feed(text) if text else []
             if finished:
@@ -500,43 +535,47 @@ class OpenAIServing:
             start: tuple[int, int],
             first: bool,
         ) -> tuple[list[dict[str, Any]], bool]:
-            out: list[dict[str, Any]] = []
-            if first:  # the role comes first, on its own
-                role = {"role": "assistant", "content": ""}
-                out.append({"index": index, "delta": role, "logprobs": None, "finish_reason": None})
-            text = comp.text[start[0] :]
-            if not text and not comp.finished:
-                return out, False
+            text, ids = comp.text[start[0] :], comp.token_ids[start[1] :]
+            if not text and not ids and not comp.finished:
+                return [], False  # as vLLM: a chunk per output that brings tokens, or the end
             pieces, calls = deltas(index, text, comp.finished)
             logprobs = (
                 None
                 if comp.logprobs is None
-                else writer.chat(
-                    comp.token_ids[start[1] :], comp.logprobs[start[1] :], req.top_logprobs or 0
-                )
+                else writer.chat(ids, comp.logprobs[start[1] :], req.top_logprobs or 0)
             )
-            if not pieces and (comp.finished or logprobs is not None):
-                pieces = [{}]  # the finish_reason, or logprobs of text a parser holds back
+            if not pieces and (comp.finished or logprobs is not None or req.return_token_ids):
+                pieces = [{}]  # the finish_reason, or what came with text a parser holds back
+            out: list[dict[str, Any]] = []
             for n, piece in enumerate(pieces):  # each delta its own chunk; the last ends it
                 last = n == len(pieces) - 1
-                out.append(
-                    {
-                        "index": index,
-                        "delta": piece,
-                        "logprobs": logprobs if last else None,
-                        "finish_reason": finish_reason(comp.finish_reason, calls) if last else None,
-                        "stop_reason": comp.stop_reason if last else None,
-                    }
-                )
+                choice = {
+                    "index": index,
+                    "delta": piece,
+                    "logprobs": logprobs if last else None,
+                    "finish_reason": finish_reason(comp.finish_reason, calls) if last else None,
+                    "stop_reason": comp.stop_reason if last else None,
+                }
+                if req.return_token_ids:
+                    choice["token_ids"] = ids if last else []
+                out.append(choice)
             return out, True
 
+        # vLLM's first chunks: one per choice, with the role (and the prompt's token ids).
+        ids_field = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+        role = {"role": "assistant", "content": ""}
+        opening = [
+            {"choices": [{"index": k, "delta": role, "logprobs": None, "finish_reason": None}]}
+            | ids_field
+            for k in range(req.n)
+        ]
         head = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": now(),
             "model": self.model_name,
         }
-        return self._sse_stream(req, head, [prompt_len], stream, choices)
+        return self._sse_stream(req, head, [len(prompt_ids)], stream, choices, opening)
 
     async def _sse_stream(
         self,
@@ -545,12 +584,15 @@ class OpenAIServing:
         prompt_lens: list[int],
         stream: AsyncIterator[tuple[int, RequestOutput]],
         choices: ChoiceChunks,
+        opening: Sequence[dict[str, Any]] = (),
     ) -> AsyncIterator[str]:
-        """Server-sent events for both streaming endpoints. For each output of each choice
-        (index = prompt * n + sample) until that choice has finished, `choices(prompt, index,
-        request output, choice output, (text, tokens) already sent, first)` gives the choice
-        chunks to send and whether they carry the output so far; a choice's last chunk (with
-        its finish_reason) is sent once. Then the usage chunk if asked for (and usage so far in every chunk with
+        """Server-sent events for both streaming endpoints. `opening`: events (without the
+        head) sent once the first output has come, before it (chat's role chunks; no tokens
+        yet in their usage). For each output of each choice (index = prompt * n + sample)
+        until that choice has finished, `choices(prompt, index, request output, choice output,
+        (text, tokens) already sent, first)` gives the choice chunks to send and whether they
+        carry the output so far; a choice's last chunk (with its finish_reason) is sent once.
+        Then the usage chunk if asked for (and usage so far in every chunk with
         `continuous_usage_stats`); an error as an error event; always `[DONE]` last."""
         sent: dict[int, tuple[int, int]] = {}  # index -> (characters, tokens) sent
         seen: set[int] = set()
@@ -560,6 +602,10 @@ class OpenAIServing:
         continuous = include_usage and options is not None and options.continuous_usage_stats
         try:
             async for i, out in stream:
+                for event in opening:
+                    usage = {"usage": _usage(prompt_lens[0], 0)} if continuous else {}
+                    yield _sse({**head, **event, **usage})
+                opening = ()
                 for comp in out.outputs:
                     index = i * req.n + comp.index
                     if index in done:

@@ -44,9 +44,12 @@ Choices where vLLM leaves room (or where we differ):
 - named: the output *is* the arguments; `arguments` is the text as generated, stripped of
   surrounding whitespace (so streamed fragments can be sent as they come). Always one call,
   with arguments "" when nothing was generated. The header is the first streamed delta.
-- required: the output is the JSON array of `plan.structured_outputs`; each complete element
-  becomes a call as its closing brace arrives (arguments re-serialized as above); an element
-  cut off by the end of the output, or not of the right shape, is dropped. `content` is None.
+- required: the output is the JSON array of `plan.structured_outputs`; an element becomes a
+  call once its name is whole and its parameters have begun, and the parameters' text is
+  streamed as generated (as named; vLLM streams it so too), so `arguments` is that text as
+  generated. An element not of the right shape is dropped. `content` is None, except when
+  the output is cut short (`max_tokens`): the text that became no call yet is the content,
+  and a call already begun keeps the arguments generated so far (finish_reason "length").
 - Streamed and final results agree by construction: `parse` is `feed(text) + finish()`.
 """
 
@@ -323,58 +326,123 @@ class NamedStream(ToolCallStream):
 
 class RequiredStream(ToolCallStream):
     """`tool_choice: "required"`: a JSON array of `{"name": ..., "parameters": {...}}`, read
-    by a small scanner (strings, escapes, depth) so each element is a call once closed."""
+    by a small scanner (strings, escapes, depth). An element becomes a call as soon as its
+    name is whole and its parameters object has begun (header first, as vLLM streams it);
+    the parameters' text then follows as arguments while it is generated. An element that
+    closes without having become one is checked whole (parameters before the name, or
+    none). Text that became no call by the end of an output cut short (the array still
+    open) is the message's `content`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._depth = 0
+        self._depth = 0  # 1: in the array; 2: in an element; more: in a value inside it
         self._in_string = self._escaped = self._done = False
-        self._element: list[str] = []
+        self._pending: list[str] = []  # text since the last call that belongs to no call
+        self._new_element("")
+
+    def _new_element(self, first: str) -> None:
+        self._element = [first] if first else []
+        self._want_key = True  # the element's next string is a key
+        self._key: Any = None  # the element's last key
+        self._string_at = 0  # where the element-level string being read starts
+        self._is_key = False
+        self._name: Any = None
+        self._args: list[int] = []  # [start] or [start, end] of the parameters' text
+        self._call: int | None = None
+        self._args_sent = 0
 
     def feed(self, text: str) -> list[Delta]:
         out: list[Delta] = []
         for ch in text:
             if self._done:
                 break
-            if self._in_string:
-                self._element.append(ch)
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif self._depth == 0:
+            if self._depth == 0:
+                self._pending.append(ch)
                 self._depth = 1 if ch == "[" else 0
                 self._done = not ch.isspace() and ch != "["
-            elif self._depth == 1 and ch in ",]":
-                self._end_element(out)
-                self._done = ch == "]"
-            else:
+                continue
+            if self._call is None:
+                self._pending.append(ch)
+            if self._depth >= 2:
                 self._element.append(ch)
-                if ch == '"':
-                    self._in_string = True
-                elif ch in "{[":
-                    self._depth += 1
-                elif ch in "}]":
-                    self._depth -= 1
-                    if self._depth == 1:
-                        self._end_element(out)
+            self._scan(ch, out)
+            if self._call is None and self._name is not None and self._args:
+                self._pending = []
+                self._call = self._begin_call(out, self._name)
+        self._send_arguments(out)
         return out
 
-    def finish(self) -> list[Delta]:
-        self._element, self._done = [], True
-        return []
+    def _scan(self, ch: str, out: list[Delta]) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == '"':
+                self._in_string = False
+                if self._depth == 2:
+                    self._string_read()
+        elif ch == '"':
+            self._in_string = True
+            if self._depth == 2:
+                self._string_at, self._is_key = len(self._element) - 1, self._want_key
+                self._want_key = False
+        elif ch in "{[":
+            self._depth += 1
+            if self._depth == 2:
+                self._new_element(ch)
+            elif self._depth == 3 and self._key == "parameters" and ch == "{" and not self._args:
+                self._args = [len(self._element) - 1]
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 2 and self._key == "parameters" and len(self._args) == 1:
+                self._args.append(len(self._element))
+            elif self._depth == 1:
+                self._end_element(out)
+            elif self._depth == 0:
+                self._done = True
+        elif self._depth == 2 and ch == ",":
+            self._want_key = True
+
+    def _string_read(self) -> None:
+        value = _loads("".join(self._element[self._string_at :]))
+        if self._is_key:
+            self._key = value
+        elif self._key == "name" and isinstance(value, str):
+            self._name = value
+
+    def _send_arguments(self, out: list[Delta]) -> None:
+        if self._call is not None and self._args:
+            end = self._args[1] if len(self._args) == 2 else len(self._element)
+            self._arguments(
+                out, self._call, "".join(self._element[self._args[0] + self._args_sent : end])
+            )
+            self._args_sent = end - self._args[0]
 
     def _end_element(self, out: list[Delta]) -> None:
-        value = _loads("".join(self._element)) if self._element else None
-        self._element = []
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return
-        parameters = value.get("parameters", {})
-        arguments = _dumps(parameters) if isinstance(parameters, dict) else None
-        if arguments is not None:
-            self._arguments(out, self._begin_call(out, value["name"]), arguments)
+        if self._call is None:
+            value = _loads("".join(self._element))
+            parameters = value.get("parameters", {}) if isinstance(value, dict) else None
+            if isinstance(parameters, dict) and isinstance(self._name, str):
+                arguments = (
+                    "".join(self._element[self._args[0] : self._args[1]])
+                    if len(self._args) == 2
+                    else _dumps(parameters)
+                )
+                if arguments is not None:
+                    self._arguments(out, self._begin_call(out, self._name), arguments)
+        else:
+            self._send_arguments(out)
+        self._pending = []
+        self._new_element("")
+
+    def finish(self) -> list[Delta]:
+        out: list[Delta] = []
+        left = "".join(self._pending).strip().lstrip(",").strip()
+        if not self._done and left:
+            out.append({"content": left})
+        self._pending, self._done = [], True
+        return out
 
 
 TOOL_PARSERS: dict[str, Callable[[], ToolCallStream]] = {"hermes": HermesStream}
