@@ -336,10 +336,12 @@ def test_an_over_size_body_is_read_to_its_end_before_its_413(
     sock.close()
     assert "connection: close" not in _assert_413(answer)
 
-    # Past the bound (4 times the limit) the 413 comes at once, and the connection closes.
-    sent, answer, sock = _raw_post(server.url, "Content-Length: 40000000\r\n", iter(()))
-    sock.close()
-    assert "connection: close" in _assert_413(answer)
+    # Past the bound (4 times the limit) the 413 comes at once, and the connection closes;
+    # so it does for a client that waits for "100 Continue" before it sends the body.
+    for head in ("Content-Length: 40000000\r\n", f"{declared}Expect: 100-continue\r\n"):
+        sent, answer, sock = _raw_post(server.url, head, iter(()))
+        sock.close()
+        assert "connection: close" in _assert_413(answer)
     again = httpx.post(server.url + CMPL, json=GREEDY, timeout=30)
     assert again.json()["choices"][0]["text"] == greedy_text
 
@@ -365,3 +367,38 @@ def test_httpx_and_the_openai_client_see_the_413_of_a_10_mb_body(
     assert refused.value.status_code == 413
     assert "--max-request-body-bytes" in refused.value.message
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_invocations_routes_by_body_as_vllm(server: RemoteServer, greedy_text: str) -> None:
+    """SageMaker's `POST /invocations` (issue 28): `messages` is a chat completion, `prompt` a
+    completion; anything else is a 400 in OpenAI's shape, as are the routes' own errors. Its
+    health check, `/ping`, is `/health`."""
+    url = server.url + "/invocations"
+    resp = httpx.post(url, json=GREEDY, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["object"] == "text_completion"
+    assert resp.json()["choices"][0]["text"] == greedy_text
+    chat = {"messages": CHAT, "max_tokens": 4, "temperature": 0}
+    via_chat = httpx.post(server.url + CHATS, json=chat, timeout=30).json()
+    resp = httpx.post(url, json=chat, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["object"] == "chat.completion"
+    assert resp.json()["choices"] == via_chat["choices"]
+    with httpx.stream("POST", url, json={**chat, "stream": True}, timeout=30) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+
+    for body in ({}, {"model": "x"}, [GREEDY], "hi"):
+        error = _assert_error(httpx.post(url, json=body, timeout=30), 400, None)
+        assert "Cannot find suitable handler" in error["message"], error
+    error = _assert_error(httpx.post(url, content=b"{nope", timeout=30), 400, None)
+    assert "JSON decode error" in error["message"]
+    _assert_error(httpx.post(url, json={"messages": []}, timeout=30), 400, "messages")
+    _assert_error(httpx.post(url, json={"prompt": "hi", "n": 0}, timeout=30), 400, "n")
+    _assert_error(httpx.post(url, json={"prompt": "hi", "max_tokens": "x"}), 400, "max_tokens")
+    wrong = httpx.post(url, json={**GREEDY, "model": "nope"}, timeout=30)
+    assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.post(server.url + "/ping").status_code == 200

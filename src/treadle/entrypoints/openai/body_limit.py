@@ -68,7 +68,16 @@ class BodySizeLimit:
             return
         declared = declared_length(scope)
         if declared is not None and declared > self.max_bytes:
-            drained = declared <= self.drain_bound and await drain(receive, 0, self.drain_bound)
+            # A client that waits for "100 Continue" before it sends the body (curl does,
+            # over 1 MB) gets the 413 instead, and sends nothing: there is nothing to drain.
+            waits = any(
+                k == b"expect" and v.lower() == b"100-continue" for k, v in scope["headers"]
+            )
+            drained = (
+                not waits
+                and declared <= self.drain_bound
+                and await drain(receive, 0, self.drain_bound)
+            )
             await self._refuse(send, close=not drained)
             return
         received = 0
