@@ -48,7 +48,8 @@ def frozen(server: RemoteServer) -> Iterator[float]:
     try:
         yield time.monotonic()
     finally:
-        os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # (killed past the stall-kill point)
+            os.kill(pid, signal.SIGCONT)
 
 
 def probe_until(
@@ -92,6 +93,18 @@ def wait_ready(server: RemoteServer, timeout: float = 5.0) -> float:
     raise AssertionError("the probes did not recover")
 
 
+def stream(server: RemoteServer, streaming: threading.Event) -> str | None:
+    """Stream 100 tokens (`streaming` is set at the first); returns the finish reason."""
+    body = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    finish = None
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streaming.set()
+                finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+    return finish
+
+
 def test_an_idle_frozen_engine_is_not_ready_from_the_stall_timeout(server: RemoteServer) -> None:
     """No requests, so no steps to miss: the health pings show the engine is frozen."""
     wait_ready(server)
@@ -107,21 +120,9 @@ def test_an_engine_frozen_under_load_is_not_ready_and_its_stream_resumes(
     server: RemoteServer,
 ) -> None:
     wait_ready(server)
-    body = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    streaming = threading.Event()
-
-    def stream() -> str | None:
-        """The stream's finish reason."""
-        finish = None
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    streaming.set()
-                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
-        return finish
-
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(stream)
+        streaming = threading.Event()
+        future = pool.submit(stream, server, streaming)
         assert streaming.wait(30)
         with frozen(server) as since:
             samples = probe_until(server, since, KILL_S + SLACK_S + 0.5)
@@ -130,3 +131,32 @@ def test_an_engine_frozen_under_load_is_not_ready_and_its_stream_resumes(
         check_probes(samples)
         assert future.result(timeout=60) == "length"
     assert wait_ready(server) < 1.0
+
+
+def test_an_engine_the_server_restarts_stays_alive_past_the_kill_point(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    """With restarts on, a stalled engine is killed at the stall-kill point and restarted:
+    liveness stays 200 throughout (an orchestrator must not restart the pod meanwhile), and
+    the stream resumes."""
+    srv = server_factory(
+        [
+            str(tiny_model_factory("llama")),
+            *("--max-model-len", "128", "--engine-stall-timeout", str(STALL_S)),
+            *("--engine-stall-kill-timeout", str(KILL_S)),
+        ]
+    )
+    pid = srv.pid_of("treadle::EngineCore_DP0")
+    with ThreadPoolExecutor(1) as pool:
+        streaming = threading.Event()
+        future = pool.submit(stream, srv, streaming)
+        assert streaming.wait(30)
+        with frozen(srv) as since:
+            samples = probe_until(srv, since, KILL_S + 2.0)
+        assert all(live == 200 for _, live, _, _ in samples), samples
+        took = sorted(s[2] for s in samples)
+        assert took[int(len(took) * 0.9)] < FAST_S, took
+        assert any(ready == 503 for _, _, _, ready in samples)
+        assert future.result(timeout=120) == "length"
+    assert srv.pid_of("treadle::EngineCore_DP0") != pid
+    wait_ready(srv, timeout=60)

@@ -240,10 +240,12 @@ class AsyncLLM:
         if self.client.dead_reason is not None:
             return f"the engine is dead: {self.client.dead_reason}"
         kill = self.config.restart.engine_stall_kill_timeout
-        for rank, silent in enumerate(self.silence()):
-            if kill > 0 and silent > kill:
+        for rank, (step, ping) in enumerate(self._silences()):
+            # A busy engine of ours is killed by the stall watch at this point, and restarted.
+            killed = step > kill and self.client.can_kill(rank)
+            if kill > 0 and max(step, ping) > kill and not killed:
                 return (
-                    f"engine core {rank} has shown no sign of life for {silent:.0f} s "
+                    f"engine core {rank} has shown no sign of life for {max(step, ping):.0f} s "
                     "(--engine-stall-kill-timeout)"
                 )
         return None
