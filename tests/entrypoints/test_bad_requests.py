@@ -5,12 +5,14 @@ or tokenized, and the server keeps giving the same greedy text throughout."""
 from __future__ import annotations
 
 import json
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from serve_helpers import RemoteServer
 
@@ -268,3 +270,135 @@ def test_limits_flags_and_a_trusted_request_chat_template(
         srv.url + "/tokenize", json={"prompt": CHAT[0]["content"], "add_special_tokens": False}
     ).json()
     assert resp.json()["usage"]["prompt_tokens"] == tokens["count"]
+
+
+TEN_MB = 10_000_000
+
+
+def _raw_post(url: str, head: str, chunks: Iterable[bytes]) -> tuple[int, bytes, socket.socket]:
+    """POST over a bare socket: send every chunk (an `OSError` fails the test: the server
+    reset the connection while the body was coming), then read one answer. Returns the bytes
+    sent, the answer and the socket, still open."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST {CMPL} HTTP/1.1\r\nHost: {host}\r\n{head}\r\n".encode())
+    sent = 0
+    for chunk in chunks:
+        sock.sendall(chunk)
+        sent += len(chunk)
+    return sent, _read_answer(sock), sock
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One HTTP answer with a Content-Length (as the 413 has)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def _assert_413(answer: bytes) -> str:
+    """The answer is a 413 in OpenAI's error shape; returns its head."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 "), answer[:300]
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 413
+    assert "--max-request-body-bytes" in error["message"]
+    return head.decode().lower()
+
+
+def test_an_over_size_body_is_read_to_its_end_before_its_413(
+    server: RemoteServer, greedy_text: str
+) -> None:
+    """Issue 28: the server answered a 10 MB body at once and closed the connection while the
+    client still sent: the client got a reset instead of the 413. It now drops the rest of
+    the body (declared or chunked), answers, and the connection serves on."""
+    piece = b"x" * 65536
+    declared = f"Content-Type: application/json\r\nContent-Length: {TEN_MB}\r\n"
+    body = (piece[: min(len(piece), TEN_MB - i)] for i in range(0, TEN_MB, len(piece)))
+    start = time.monotonic()
+    sent, answer, sock = _raw_post(server.url, declared, body)
+    took = time.monotonic() - start
+    with sock:
+        assert sent == TEN_MB
+        assert "connection: close" not in _assert_413(answer)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+    assert took < 5, took
+
+    chunked = (b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(TEN_MB // len(piece)))
+    head = "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    sent, answer, sock = _raw_post(server.url, head, (*chunked, b"0\r\n\r\n"))
+    sock.close()
+    assert "connection: close" not in _assert_413(answer)
+
+    # Past the bound (4 times the limit) the 413 comes at once, and the connection closes;
+    # so it does for a client that waits for "100 Continue" before it sends the body.
+    for head in ("Content-Length: 40000000\r\n", f"{declared}Expect: 100-continue\r\n"):
+        sent, answer, sock = _raw_post(server.url, head, iter(()))
+        sock.close()
+        assert "connection: close" in _assert_413(answer)
+    again = httpx.post(server.url + CMPL, json=GREEDY, timeout=30)
+    assert again.json()["choices"][0]["text"] == greedy_text
+
+
+@pytest.mark.parametrize(
+    "body", [json.dumps({"prompt": "x" * TEN_MB}).encode(), b"\xff\x00 garbage" * (TEN_MB // 10)]
+)
+def test_httpx_and_the_openai_client_see_the_413_of_a_10_mb_body(
+    server: RemoteServer, body: bytes
+) -> None:
+    start = time.monotonic()
+    resp = httpx.post(
+        server.url + CMPL, content=body, headers={"Content-Type": "application/json"}, timeout=30
+    )
+    took = time.monotonic() - start
+    error = _assert_error(resp, 413, None)
+    assert error["type"] == "RequestTooLargeError"
+    assert took < 5, took
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    prompt = "x" * TEN_MB if body.startswith(b"{") else "\xff garbage " * (TEN_MB // 10)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="unused", prompt=prompt, max_tokens=1)
+    assert refused.value.status_code == 413
+    assert "--max-request-body-bytes" in refused.value.message
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_invocations_routes_by_body_as_vllm(server: RemoteServer, greedy_text: str) -> None:
+    """SageMaker's `POST /invocations` (issue 28): `messages` is a chat completion, `prompt` a
+    completion; anything else is a 400 in OpenAI's shape, as are the routes' own errors. Its
+    health check, `/ping`, is `/health`."""
+    url = server.url + "/invocations"
+    resp = httpx.post(url, json=GREEDY, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["object"] == "text_completion"
+    assert resp.json()["choices"][0]["text"] == greedy_text
+    chat = {"messages": CHAT, "max_tokens": 4, "temperature": 0}
+    via_chat = httpx.post(server.url + CHATS, json=chat, timeout=30).json()
+    resp = httpx.post(url, json=chat, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["object"] == "chat.completion"
+    assert resp.json()["choices"] == via_chat["choices"]
+    with httpx.stream("POST", url, json={**chat, "stream": True}, timeout=30) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+
+    for body in ({}, {"model": "x"}, [GREEDY], "hi"):
+        error = _assert_error(httpx.post(url, json=body, timeout=30), 400, None)
+        assert "Cannot find suitable handler" in error["message"], error
+    error = _assert_error(httpx.post(url, content=b"{nope", timeout=30), 400, None)
+    assert "JSON decode error" in error["message"]
+    _assert_error(httpx.post(url, json={"messages": []}, timeout=30), 400, "messages")
+    _assert_error(httpx.post(url, json={"prompt": "hi", "n": 0}, timeout=30), 400, "n")
+    _assert_error(httpx.post(url, json={"prompt": "hi", "max_tokens": "x"}), 400, "max_tokens")
+    wrong = httpx.post(url, json={**GREEDY, "model": "nope"}, timeout=30)
+    assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.post(server.url + "/ping").status_code == 200

@@ -1,7 +1,9 @@
 """Property-based fuzzing of a live `treadle serve` with schemathesis: requests generated from
 the server's own OpenAPI schema (valid ones, and ones that break it), a bounded number per
-operation. No answer may be a 5xx (nor a 5xx error event inside a stream), nothing may crash
-in the server, and it must give the same greedy text afterwards."""
+operation. No answer may be a 5xx (nor a 5xx error event inside a stream), every answer's
+status and content type must be documented (issue 28: 400/404/413 were not, and the probes
+answer without a content type), nothing may crash in the server, and it must give the same
+greedy text afterwards. Routes that never end (`text/event-stream` alone) are not called."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.checks import content_type_conformance, status_code_conformance
 from schemathesis.core.result import Ok
 from serve_helpers import RemoteServer
 
@@ -23,6 +26,7 @@ AFFORDABLE = {"n": 4, "max_tokens": 8, "max_completion_tokens": 8}
 """Valid but costly values are lowered to these, so that the run takes about a minute on two
 cores whatever is generated (128 samples of 63 tokens each can take a minute on their own)."""
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+CHECKS = [status_code_conformance, content_type_conformance]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +64,7 @@ def _fuzz(server: RemoteServer, operation: schemathesis.APIOperation, mode: Gene
         assert response.status_code < 500, f"{where} -> {response.status_code} {response.text}"
         if "text/event-stream" in str(response.headers.get("content-type")):
             assert '"code": 5' not in response.text, f"{where} -> {response.text:.400}"
+        case.validate_response(response, checks=CHECKS)
 
     try:
         check()
@@ -68,12 +73,48 @@ def _fuzz(server: RemoteServer, operation: schemathesis.APIOperation, mode: Gene
     return sent
 
 
-def test_generated_requests_never_get_a_5xx(server: RemoteServer) -> None:
+def test_the_schema_documents_errors_probes_and_streams(server: RemoteServer) -> None:
+    schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (method, path)  # a bad body is a 400 here
+            for code in ("413", "500"):
+                assert responses[code]["content"] == error, (method, path, code)
+    for path in ("/health", "/health/ready", "/ping"):
+        responses = schema["paths"][path]["get"]["responses"]
+        assert "content" not in responses["200"] or not responses["200"]["content"]
+        assert responses["503"]["content"] == error
+        live = httpx.get(server.url + path, timeout=10)
+        assert live.status_code == 200 and "content-type" not in live.headers and not live.content
+    paths = schema["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/invocations"):
+        responses = paths[path]["post"]["responses"]
+        assert {"application/json", "text/event-stream"} <= set(responses["200"]["content"])
+        assert all(responses[code]["content"] == error for code in ("400", "404", "503"))
+    events = paths["/dashboard/events"]["get"]["responses"]["200"]["content"]
+    assert set(events) == {"text/event-stream"}
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    error_info = schema["components"]["schemas"]["ErrorInfo"]
+    assert set(error_info["properties"]) == {"message", "type", "param", "code"}
+
+
+def _only_streams(operation: schemathesis.APIOperation) -> bool:
+    """Whether the operation's 200 is a stream of events and nothing else (it never ends)."""
+    content = operation.definition.raw["responses"]["200"].get("content", {})
+    return set(content) == {"text/event-stream"}
+
+
+def test_generated_requests_get_documented_answers_never_a_5xx(server: RemoteServer) -> None:
     before = httpx.post(server.url + "/v1/completions", json=GREEDY, timeout=30).json()
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [r.ok() for r in schema.get_all_operations() if isinstance(r, Ok)]
     paths = {op.path for op in operations}
-    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= paths
+    assert {"/v1/completions", "/v1/chat/completions", "/invocations", "/tokenize"} <= paths
+    streams = {op.path for op in operations if _only_streams(op)}
+    assert streams == {"/dashboard/events"}
+    operations = [op for op in operations if op.path not in streams]
     sent = 0
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):

@@ -337,9 +337,11 @@ def test_engine_kill_fails_the_stream_and_the_server_exits(
             if len(lines) == 4:
                 os.kill(engine, signal.SIGKILL)
                 killed = time.monotonic()
-                # /health must turn non-200 within a second.
-                status = httpx.get(srv.url + "/health", timeout=1).status_code
-                assert status != 200 and time.monotonic() - killed < 1.5
+                # /health must turn non-200 within a second (it answers from what the
+                # server knows: it may take the process monitor a moment to see the death).
+                while httpx.get(srv.url + "/health", timeout=1).status_code == 200:
+                    assert time.monotonic() - killed < 1.0
+                    time.sleep(0.02)
     events = [json.loads(line[5:]) for line in lines if line.startswith("data: {")]
     assert "error" in events[-1] and events[-1]["error"]["code"] == 503
     assert lines[-1] == "data: [DONE]"

@@ -33,6 +33,10 @@ from treadle.wire.engine import EngineCoreOutputs, FinishReason
 
 logger = init_logger(__name__)
 
+HEALTH_PING_INTERVAL_S = 1.0
+"""How often each engine gets a health ping (at most; a quarter of --engine-stall-timeout
+when that is shorter)."""
+
 
 @dataclass(eq=False)
 class RequestOutputCollector:
@@ -120,11 +124,16 @@ class AsyncLLM:
             kind, count
         )
         self.latencies = LatencyWindow(self.client.num_engines)  # for the dashboard
+        # When each engine's unanswered health ping was sent (None: none is unanswered).
+        self._ping_sent: list[float | None] = [None] * self.client.num_engines
 
     def start(self) -> None:
-        """Start reading engine outputs; call inside the running event loop. (The periodic
-        stats line comes from each engine core, which sees all of its requests.)"""
+        """Start reading engine outputs and pinging the engines; call inside the running event
+        loop. (The periodic stats line comes from each engine core, which sees all of its
+        requests.)"""
         self.client.start()
+        for rank in range(self.client.num_engines):
+            self.client.spawn(self._ping(rank), f"health pings of engine core {rank}")
 
     @property
     def dead(self) -> bool:
@@ -213,16 +222,85 @@ class AsyncLLM:
         ]
         return list(await asyncio.gather(*calls))
 
-    async def check_health(self) -> None:
-        """Liveness (vLLM's /health): every engine that is up answers a call; one being
-        restarted counts as alive, as does a server that lost a remote engine and serves on.
-        Raises `EngineDeadError` or `TimeoutError` otherwise."""
-        up = [e for e, s in enumerate(self.client.engine_states) if s in ("up", "resuming")]
-        await asyncio.gather(*(self.client.call_utility("get_stats", engine=e) for e in up))
+    # -- health: /health (liveness) and /health/ready (readiness) --------------------------
+    #
+    # Both answer at once from what the front end knows; neither waits for an engine. An
+    # engine shows it lives by finishing steps while it has requests (the stall watch of
+    # `engine_restarts.py`) and by answering a health ping (a `get_stats` call, at most one
+    # unanswered per engine, sent every HEALTH_PING_INTERVAL_S): the pings catch an engine
+    # that froze while it had nothing to do, which makes no steps to miss.
+
+    def liveness(self) -> str | None:
+        """None while this server should be left running (/health), else why not: its engines
+        are dead (no restart left), or one has shown no sign of life for longer than
+        --engine-stall-kill-timeout (an engine of this host that the front end restarts is
+        killed at that point and counts as alive while it restarts; one it cannot kill is
+        for the orchestrator to restart). A restarting engine, or a lost remote one with the
+        others serving on, is alive."""
+        if self.client.dead_reason is not None:
+            return f"the engine is dead: {self.client.dead_reason}"
+        kill = self.config.restart.engine_stall_kill_timeout
+        for rank, (step, ping) in enumerate(self._silences()):
+            # A busy engine of ours is killed by the stall watch at this point, and restarted.
+            killed = step > kill and self.client.can_kill(rank)
+            if kill > 0 and max(step, ping) > kill and not killed:
+                return (
+                    f"engine core {rank} has shown no sign of life for {max(step, ping):.0f} s "
+                    "(--engine-stall-kill-timeout)"
+                )
+        return None
 
     def readiness(self) -> str | None:
-        """None when ready to serve at full speed (/health/ready), else why not."""
-        return self.client.readiness()
+        """None when ready to serve at full speed (/health/ready), else why not: an engine is
+        restarting, lost or resuming, or has shown no sign of life for longer than
+        --engine-stall-timeout."""
+        why = self.client.readiness()
+        if why is not None:
+            return why
+        timeout = self.config.restart.engine_stall_timeout
+        for rank, (step, ping) in enumerate(self._silences()):
+            if step > timeout:  # (the stall watch says so too, within a quarter second)
+                return f"engine core {rank} has requests but finished no step for {step:.0f} s"
+            if ping > timeout:
+                return f"engine core {rank} has not answered a health ping for {ping:.0f} s"
+        return None
+
+    def silence(self) -> list[float]:
+        """Seconds each engine has gone without a sign of life: since its last finished step
+        while it has requests, or since the health ping it has not answered, whichever is
+        longer. 0 for an engine that is restarting or lost (its state says so)."""
+        return [max(step, ping) for step, ping in self._silences()]
+
+    def _silences(self) -> list[tuple[float, float]]:
+        """Each engine's (seconds since its last step while it has requests, seconds since
+        the health ping it has not answered)."""
+        now = time.monotonic()
+        restarts = self.client.restarts
+        silences = []
+        for rank, state in enumerate(restarts.states):
+            if state not in ("up", "resuming"):
+                silences.append((0.0, 0.0))
+                continue
+            busy = self.client.inflight.count(rank) > 0
+            step = now - restarts.last_progress[rank] if busy else 0.0
+            sent = self._ping_sent[rank]
+            silences.append((step, 0.0 if sent is None else now - sent))
+        return silences
+
+    async def _ping(self, rank: int) -> None:
+        """Health pings to one engine, one at a time. A call that fails (the engine died, or
+        restarts) is no silence: the engine's state says what happened."""
+        interval = min(HEALTH_PING_INTERVAL_S, self.config.restart.engine_stall_timeout / 4)
+        while not self.client.ended:
+            if self.client.engine_states[rank] in ("up", "resuming"):
+                self._ping_sent[rank] = time.monotonic()
+                try:
+                    await self.client.call_utility("get_stats", engine=rank)
+                except EngineDeadError:
+                    pass
+                finally:
+                    self._ping_sent[rank] = None
+            await asyncio.sleep(interval)
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()

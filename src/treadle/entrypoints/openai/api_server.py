@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import treadle
@@ -29,6 +30,13 @@ from treadle.config import EngineConfig
 from treadle.entrypoints.openai.body_limit import BodySizeLimit
 from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.entrypoints.openai.dashboard import KEYED_PATHS, add_dashboard_routes
+from treadle.entrypoints.openai.openapi_responses import (
+    GENERATED,
+    INVOCATIONS_BODY,
+    NO_CONTENT,
+    describe_errors,
+    errors,
+)
 from treadle.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,8 +56,6 @@ from treadle.validation import InvalidRequest
 
 logger = init_logger(__name__)
 
-HEALTH_TIMEOUT_S = 5.0
-
 
 def build_app(
     engine: AsyncLLM,
@@ -61,6 +67,7 @@ def build_app(
     """The HTTP app. `model_path` (resolved) is only logged; clients see the served names."""
     server = server or FrontendArgs()
     api_key = server.api_key
+    keyed_prefixes = ("/v1", "/invocations", *KEYED_PATHS)
     serving = OpenAIServing(engine, model_name)
     inputs = serving.inputs
 
@@ -82,6 +89,7 @@ def build_app(
         title="treadle",
         version=treadle.__version__,
         lifespan=lifespan,
+        responses=errors(413, 500),  # any request may carry a body; any route may fail
         **docs,
     )
     # As vLLM sets it (the constructor's parameter is deprecated): requests come with or
@@ -101,6 +109,7 @@ def build_app(
                 limits.max_model_len,
                 limits.max_logprobs,
             )
+            describe_errors(schema, keyed_prefixes if api_key else ())
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -167,7 +176,7 @@ def build_app(
             path = request.scope["path"]
             if root and (path == root or path.startswith(root + "/")):  # as routing does
                 path = path[len(root) :]
-            keyed = path.startswith(("/v1", *KEYED_PATHS))
+            keyed = path.startswith(keyed_prefixes)
             # Constant time: how long a wrong key takes must not tell how much of it was right.
             if keyed and not hmac.compare_digest(given, expected):
                 return JSONResponse(
@@ -179,35 +188,44 @@ def build_app(
             response: Response = await call_next(request)
             return response
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: NO_CONTENT, **errors(503)})
     async def health() -> Response:
-        if engine.dead:
-            return JSONResponse(
-                error_body("the engine is dead", 503, "EngineDeadError"), status_code=503
-            )
-        try:
-            await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
-        except (EngineDeadError, TimeoutError, RuntimeError) as e:
-            return JSONResponse(
-                error_body(f"the engine is not answering: {e}", 503, "EngineDeadError"),
-                status_code=503,
-            )
-        return Response(status_code=200)
+        """Liveness: the engines are not dead, and none has gone without a sign of life past
+        --engine-stall-kill-timeout. Answered at once from what this server knows."""
+        why = engine.liveness()
+        if why is None:
+            return Response(status_code=200)
+        return JSONResponse(error_body(why, 503, "EngineDeadError"), status_code=503)
 
-    @app.get("/health/ready")
+    @app.get("/health/ready", response_class=Response, responses={200: NO_CONTENT, **errors(503)})
     async def ready() -> Response:
         """Readiness: every engine core is up, has resumed what it had after a restart, and
-        finishes steps while it has requests (--engine-stall-timeout)."""
+        shows signs of life (finished steps while it has requests, answers to health pings)
+        within --engine-stall-timeout."""
         why = engine.readiness()
         if why is None:
             return Response(status_code=200)
         return JSONResponse(error_body(f"not ready: {why}", 503, "NotReady"), status_code=503)
 
+    @app.api_route(
+        "/ping",
+        methods=["GET", "POST"],
+        response_class=Response,
+        responses={200: NO_CONTENT, **errors(503)},
+    )
+    async def ping() -> Response:
+        """SageMaker's health check (as vLLM serves it): /health."""
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": treadle.__version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}},
+    )
     async def metrics() -> Response:
         return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
@@ -217,19 +235,42 @@ def build_app(
     async def models() -> ModelList:
         return ModelList(data=serving.model_cards())
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=errors(404))
     async def model(model_id: str) -> ModelCard:
         return serving.model_card(model_id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATED)
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATED)
     async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/invocations", responses=GENERATED, openapi_extra=INVOCATIONS_BODY)
+    async def invocations(raw: Request) -> Any:
+        """SageMaker's route, as vLLM serves it: a body with `messages` is a chat completion,
+        one with `prompt` a completion."""
+        try:
+            body = await raw.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(f"JSON decode error: {e}", 400, "BadRequestError") from e
+        kind = next((k for k in ("messages", "prompt") if isinstance(body, dict) and k in body), "")
+        if not kind:
+            raise APIError(
+                "Cannot find suitable handler for request. Expected one of: "
+                "['ChatCompletionRequest', 'CompletionRequest']",
+                400,
+                "BadRequestError",
+            )
+        try:
+            if kind == "messages":
+                return await serving.chat(ChatCompletionRequest.model_validate(body), raw)
+            return await serving.completions(CompletionRequest.model_validate(body), raw)
+        except ValidationError as e:  # as FastAPI's own check of a route's body reports it
+            raise RequestValidationError(e.errors()) from e
+
+    @app.post("/tokenize", responses=errors(400, 404))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(req.model)
         ids = await inputs.tokenize(
@@ -237,7 +278,7 @@ def build_app(
         )
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=errors(400, 404))
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         serving.check_model(req.model)
         return {"prompt": await inputs.detokenize(req.tokens)}

@@ -17,7 +17,7 @@ from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.live_stats import snapshot
@@ -50,11 +50,24 @@ def add_dashboard_routes(app: FastAPI, engine: AsyncLLM) -> None:
         """Every process of the deployment, the channels between them, each engine's load."""
         return await collect(engine)
 
-    @app.get("/dashboard", response_class=HTMLResponse)
+    @app.get(  # (not response_class=HTMLResponse: the schema would say errors are HTML too)
+        "/dashboard",
+        response_class=Response,
+        responses={200: {"description": "The page", "content": {"text/html": {}}}},
+    )
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(page)
 
-    @app.get("/dashboard/events")
+    @app.get(
+        "/dashboard/events",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "One `data:` event a second, for as long as the server runs",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def events() -> StreamingResponse:
         return StreamingResponse(
             event_stream(engine),
