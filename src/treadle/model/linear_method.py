@@ -10,6 +10,12 @@ the copies of its weight it has and the row counts at which each is the fastest 
   bound by reading the weights, and the blocks are a fifth of the bytes of float32.
 
 A layer with both the blocks and the packed copy frees its float32 weight: no call reads it.
+
+oneDNN builds (and caches, up to 1024 per process) one primitive per input shape, ~250 KB each
+of descriptors: a row count per prefill chunk grew a serving engine core by ~1.5 MB a second
+under mixed load (issue 28). So oneDNN only ever sees few row counts (`onednn_rows`): multiples
+of `ROW_BUCKET`, and below that multiples of 8 (padded); a GGUF layer sends the rows past the
+last whole bucket to its blocks instead.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from treadle.model.quantized import QuantizedWeight
 logger = init_logger(__name__)
 
 PACKED_MIN_ROWS = 3  # below this, float32 stays on PyTorch's GEMV (faster at 1-2 rows)
+ROW_BUCKET = 64  # oneDNN runs whole multiples of this many rows, and padded remainders
+SMALL_ROW_STEP = 8  # a remainder (or a batch) below ROW_BUCKET is padded to a multiple of this
 
 # Up to this many float32 rows the GGUF-block kernel is faster than oneDNN's packed float32
 # GEMM (or PyTorch's GEMV at 1-2 rows), per ISA level: measured on the default model's shapes
@@ -66,12 +74,33 @@ class PackedLinear(DenseLinear):
         self.min_rows = 0 if weight.dtype == torch.bfloat16 else PACKED_MIN_ROWS
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] < self.min_rows:
+        rows = x.shape[0]
+        if rows < self.min_rows:
             return super().apply(x, bias)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.packed, bias, "none", [], ""
-        )
+        x = x.contiguous()
+        whole = rows - rows % ROW_BUCKET
+        if whole == rows:
+            return onednn_linear(x, self.packed, bias)
+        if whole == 0:
+            return self._padded(x, bias)
+        out = torch.empty(rows, self.packed.shape[0], dtype=x.dtype, device=x.device)
+        out[:whole] = onednn_linear(x[:whole], self.packed, bias)
+        out[whole:] = self._padded(x[whole:], bias)
         return out
+
+    def _padded(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b for fewer than ROW_BUCKET rows, padded to a multiple of SMALL_ROW_STEP."""
+        rows = x.shape[0]
+        padded = -(-rows // SMALL_ROW_STEP) * SMALL_ROW_STEP
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        return onednn_linear(x, self.packed, bias)[:rows]
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b on oneDNN's prepacked W (x contiguous)."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
 
 
 class GGUFLinear(LinearMethod):
@@ -84,8 +113,21 @@ class GGUFLinear(LinearMethod):
         self.max_rows = max_rows
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        rows = x.shape[0]
+        if rows <= self.max_rows:
+            return self._blocks(x, bias)
+        # Whole buckets beyond (few shapes for oneDNN), the rest on the blocks, which are as
+        # fast up to max_rows (>= ROW_BUCKET where the beyond method is oneDNN's).
+        rest = rows % ROW_BUCKET if self.max_rows >= ROW_BUCKET else 0
+        if rest == 0:
             return self.beyond.apply(x, bias)
+        whole = rows - rest
+        out = torch.empty(rows, self.quant.out_features, dtype=x.dtype, device=x.device)
+        out[:whole] = self.beyond.apply(x[:whole], bias)
+        out[whole:] = self._blocks(x[whole:], bias)
+        return out
+
+    def _blocks(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q = self.quant
         out = self.kernels.gguf_linear(x, q.tiles, q.kind, q.out_features)
         return out if bias is None else out.add_(bias)
