@@ -212,9 +212,9 @@ class RestartConfig:
     max_engine_restarts: int = 3
     """Engine core restarts allowed in any 10 minutes (a death restarts the engine core and resumes its requests where their clients are; one more death ends the server); 0: an engine core death ends the server, as in vLLM."""
     engine_stall_timeout: float = 30.0
-    """Seconds an engine core with requests may go without finishing a step before /health/ready says it is not ready (and the log says so)."""
+    """Seconds an engine core may go without a sign of life (a finished step while it has requests; an answer to the front end's health ping, sent every second) before /health/ready says it is not ready (and the log says so)."""
     engine_stall_kill_timeout: float = 300.0
-    """Seconds without a finished step, with requests, after which a stalled engine core is killed and restarted like a dead one; 0: never."""
+    """Seconds without a finished step, with requests, after which a stalled engine core is killed and restarted like a dead one; past it /health answers 503 for an engine core that shows no sign of life and that nobody here restarts; 0: never."""
 
     def check(self) -> None:
         """Raises ValueError for a setting that cannot work."""

@@ -94,7 +94,7 @@ def cpu_threads() -> int | None:
     value = os.environ.get("TREADLE_CPU_THREADS", "").strip()
     if not value:
         return None
-    if not value.isdigit() or int(value) < 1:
+    if not (value.isascii() and value.isdigit() and len(value) <= 6) or int(value) < 1:
         raise ValueError(f"TREADLE_CPU_THREADS={value!r}: give a number of threads, 1 or more")
     return int(value)
 

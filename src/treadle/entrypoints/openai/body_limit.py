@@ -16,6 +16,8 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from treadle.validation import InvalidRequest, parse_int
+
 DRAIN_FACTOR = 4
 """An over-size body is read (and dropped) up to this many times the limit."""
 
@@ -28,10 +30,14 @@ class BodyTooLarge(HTTPException):
 
 
 def declared_length(scope: Scope) -> int | None:
-    """The request's `Content-Length` when it is a number (ASCII digits only), else None."""
+    """The request's `Content-Length` when it is a number (`parse_int`: ASCII digits), else
+    None."""
     for name, value in scope["headers"]:
         if name == b"content-length":
-            return int(value) if value.isascii() and value.isdigit() else None
+            try:
+                return parse_int(value.decode("latin-1"), "Content-Length", 0)
+            except InvalidRequest:
+                return None
     return None
 
 
