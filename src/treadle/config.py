@@ -67,14 +67,16 @@ def served_names(
     model: str | None, given: str | Sequence[str] | None
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the names the API lists, the others it accepts) for the model argument as given and
-    `--served-model-name`: vLLM's (every given name, else the model as given), then the short
-    name treadle answered to before (the model's file or directory name) and the path as
-    given, so that a client that sends any of them reaches the model."""
+    `--served-model-name`: every given name (vLLM's), else the model's short name (its file or
+    directory name); the short name and the path as given are accepted too, so that a client
+    that sends the path (as vLLM's scripts do: vLLM serves a model under its path) reaches the
+    model. The path is never listed or reported: clients do not learn the server's file
+    system."""
     names = (given,) if isinstance(given, str) else tuple(given or ())
     if not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"--served-model-name takes non-empty names, got {list(names)!r}")
     short = os.path.basename(os.path.normpath(model)) if model else DEFAULT_MODEL_NAME
-    listed = tuple(dict.fromkeys(names or (model or DEFAULT_MODEL_NAME,)))
+    listed = tuple(dict.fromkeys(names or (short,)))
     others = tuple(n for n in dict.fromkeys((short, model or short)) if n not in listed)
     return listed, others
 
@@ -84,7 +86,7 @@ class ModelConfig:
     model: str | None = None
     """Local Hugging Face model directory or .gguf file; default: SmolLM2-135M-Instruct (Q4_1 GGUF)."""
     served_model_name: tuple[str, ...] = ()
-    """Names the API answers to and lists at /v1/models (one or more, as vLLM's); responses report the first. Default: the model as given (its path), or SmolLM2-135M-Instruct; the model's short name (its file or directory name) and its path as given are accepted too."""
+    """Names the API answers to and lists at /v1/models (one or more, as vLLM's); responses report the first. Default: the model's short name (its file or directory name; SmolLM2-135M-Instruct for the default model); the short name and the model's path as given are accepted too, never listed."""
     dtype: str = "auto"
     """Weights and activations: auto, float32 (float), bfloat16 or float16 (half); auto is float32 on CPU, bfloat16 on CUDA."""
     max_model_len: int | None = None

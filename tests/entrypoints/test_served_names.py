@@ -28,8 +28,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_served_names_follow_vllm_then_treadle_s_short_name() -> None:
-    assert served_names("/models/x/", None) == (("/models/x/",), ("x",))
-    assert served_names("models/x.gguf", []) == (("models/x.gguf",), ("x.gguf",))
+    assert served_names("/models/x/", None) == (("x",), ("/models/x/",))
+    assert served_names("models/x.gguf", []) == (("x.gguf",), ("models/x.gguf",))
     assert served_names(None, None) == ((DEFAULT_MODEL_NAME,), ())
     assert served_names("/m/x", ["a", "b", "a"]) == (("a", "b"), ("x", "/m/x"))
     assert served_names("/m/x", "x") == (("x",), ("/m/x",))  # LLM(served_model_name="x")
@@ -39,8 +39,9 @@ def test_served_names_follow_vllm_then_treadle_s_short_name() -> None:
 
 def test_served_model_name_takes_several_names(default_model_path: str) -> None:
     config, _, name = prepare(parse("--model", default_model_path))
-    assert name == default_model_path and config.model.served_model_name == (name,)
-    assert os.path.basename(default_model_path) in config.model.also_served_as
+    assert name == os.path.basename(default_model_path)
+    assert config.model.served_model_name == (name,)
+    assert default_model_path in config.model.also_served_as
     config, _, name = prepare(parse(default_model_path, "--served-model-name", "a", "b"))
     assert name == "a" and config.model.served_model_name == ("a", "b")
     config = EngineArgs(served_model_name="solo").create_engine_config()
