@@ -23,13 +23,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import treadle
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.body_limit import BodySizeLimit
 from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.entrypoints.openai.dashboard import KEYED_PATHS, add_dashboard_routes
+from treadle.entrypoints.openai.errors import HANDLED, APIError, error_body, error_for
 from treadle.entrypoints.openai.openapi_responses import (
     GENERATED,
     INVOCATIONS_BODY,
@@ -46,13 +46,12 @@ from treadle.entrypoints.openai.protocol import (
     TokenizeRequest,
     fill_limits,
 )
-from treadle.entrypoints.openai.serving import APIError, OpenAIServing, error_body
+from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.frontend.async_llm import AsyncLLM
-from treadle.frontend.core_client import AttachTo, EngineDeadError, RequestKilledEngineError
+from treadle.frontend.core_client import AttachTo
 from treadle.frontend.metrics import render_metrics
 from treadle.ipc.process import ReadyPipe
 from treadle.logger import init_logger
-from treadle.validation import InvalidRequest
 
 logger = init_logger(__name__)
 
@@ -123,48 +122,12 @@ def build_app(
             allow_headers=list(server.allowed_headers),
         )
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.status, e.kind, e.param), status_code=e.status)
+    async def openai_error(_: Request, e: Exception) -> JSONResponse:
+        status, body = error_for(e)  # the same map the streams' error events use
+        return JSONResponse(body, status_code=status)
 
-    @app.exception_handler(InvalidRequest)
-    async def invalid_request(_: Request, e: InvalidRequest) -> JSONResponse:
-        return JSONResponse(error_body(e.message, 400, "BadRequestError", e.param), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        # A bug, not the client's fault: still answer in OpenAI's shape (uvicorn logs it).
-        return JSONResponse(
-            error_body(f"internal error: {type(e).__name__}", 500, "InternalServerError"),
-            status_code=500,
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{first.get('msg', 'invalid request')}" + (f" (at {where})" if where else "")
-        return JSONResponse(
-            error_body(message, 400, "BadRequestError", where or None), status_code=400
-        )
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return JSONResponse(
-            error_body(f"The engine is dead: {e}", 503, "EngineDeadError"), status_code=503
-        )
-
-    @app.exception_handler(RequestKilledEngineError)
-    async def killed_engine(_: Request, e: RequestKilledEngineError) -> JSONResponse:
-        return JSONResponse(error_body(str(e), 500, "InternalServerError"), status_code=500)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "NotFoundError", 413: "RequestTooLargeError"}.get(e.status_code, "HTTPError")
-        return JSONResponse(
-            error_body(str(e.detail), e.status_code, kind), status_code=e.status_code
-        )
+    for handled in HANDLED:
+        app.add_exception_handler(handled, openai_error)
 
     if api_key:
         expected = f"Bearer {api_key}".encode()

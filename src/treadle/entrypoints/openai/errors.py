@@ -8,16 +8,16 @@ HTTP status as `code`:
 |-----------------------------------|--------|-----------------------|--------------------------|
 | `APIError`                        | its own| its own               | its own                  |
 | `InvalidRequest`                  | 400    | BadRequestError       | `message` (`param` set)  |
-| `ValueError` (else)               | 400    | BadRequestError       | the error's text         |
 | `RequestValidationError` (FastAPI)| 400    | BadRequestError       | the first error, where   |
 | `HTTPException` (Starlette)       | its own| NotFoundError, ...    | its detail               |
 | `EngineDeadError`                 | 503    | EngineDeadError       | "The engine is dead: …"  |
 | `RequestKilledEngineError`        | 500    | InternalServerError   | the error's text         |
 | anything else (a bug)             | 500    | InternalServerError   | "internal error: <type>" |
 
-A plain `ValueError` is the client's: `AsyncLLM.generate` raises it for a request it cannot
-run (a data-parallel rank that does not exist). A bug's message names only its type; the
-traceback goes to the log (`is_bug` says which errors those are).
+A client's fault is an `InvalidRequest` (or an `APIError`); any other `ValueError` is a bug
+(a 500, as "X-data-parallel-rank: ²" was before `parse_int`), not something to blame on the
+client. A bug's message names only its type; the traceback goes to the log (`is_bug` says
+which errors those are).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class APIError(Exception):
 
 HANDLED: tuple[type[Exception], ...] = (
     APIError,
-    ValueError,
+    InvalidRequest,
     RequestValidationError,
     HTTPException,
     EngineDeadError,
@@ -71,8 +71,6 @@ def as_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, InvalidRequest):
         return APIError(e.message, 400, "BadRequestError", e.param)
-    if isinstance(e, ValueError):
-        return APIError(str(e), 400, "BadRequestError")
     if isinstance(e, RequestValidationError):
         errors = e.errors()
         first = errors[0] if errors else {}

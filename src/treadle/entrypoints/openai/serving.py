@@ -7,14 +7,11 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from treadle.entrypoints.openai.errors import APIError, error_body
 from treadle.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard
 from treadle.entrypoints.openai.serving_base import ServingBase
 from treadle.entrypoints.openai.serving_chat import ChatServing
 from treadle.entrypoints.openai.serving_completions import CompletionServing
 from treadle.frontend.async_llm import AsyncLLM
-
-__all__ = ["APIError", "OpenAIServing", "error_body"]  # the API server's until it imports errors
 
 
 class OpenAIServing(ServingBase):
