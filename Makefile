@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install chromium test lint typecheck pytest bench bench-peers lm-eval-check serve clean
+.PHONY: install chromium test lint typecheck pytest bench bench-peers lm-eval-check soak serve clean
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -66,6 +66,11 @@ bench: install bench-peers
 	$(BIN)/python benchmarks/dp_bench.py
 	$(BIN)/python benchmarks/restart_bench.py
 	$(BIN)/python benchmarks/restart_bench.py --serve-args "-tp 3 --dtype float32" --victim Worker_TP1 --streams 16 --rounds 2
+
+# Steady mixed load for 30 minutes; each process's RSS at 1 and 5 minutes and at the end (not
+# part of `make bench`: it takes half an hour).
+soak: install
+	$(BIN)/python benchmarks/soak.py --minutes 30 --concurrency 32
 
 # llama.cpp's llama-server, the peer of benchmarks/peer_bench.py, built from the source vendored
 # in the llama-cpp-python sdist into $(PEERS)/ (native, and AVX2-only): not part of `make test`.
