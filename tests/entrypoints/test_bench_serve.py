@@ -40,6 +40,27 @@ def test_bench_serve_end_to_end(server_factory, tiny_model_factory, tmp_path: Pa
     # accepted under its path (vLLM's name for it), listed under its short name: no path shown
     assert [card["id"] for card in models["data"]] == [os.path.basename(model)]
 
+    # vLLM's --tokenizer: a local tokenizer turns the random token ids into chat text.
+    proc = subprocess.run(
+        [TREADLE, "bench", "serve", "--backend", "openai-chat", "--model", model]
+        + ["--tokenizer", model, "--base-url", server.url, "--num-prompts", "3"]
+        + ["--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"]
+        + ["--save-result", "--result-dir", str(result_dir), "--result-filename", "tok.json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((result_dir / "tok.json").read_text())
+    assert result["completed"] == 3 and result["tokenizer_id"] == model
+    proc = subprocess.run(
+        [TREADLE, "bench", "serve", "--base-url", server.url, "--tokenizer", "org/not-here"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "--tokenizer 'org/not-here'" in proc.stdout + proc.stderr
+
     result_file = tmp_path / "result.json"
     proc = subprocess.run(
         [

@@ -78,6 +78,12 @@ def add_bench_parser(sub: Any) -> None:
         help="the name requests send as `model`, as vLLM's (default --model); --model is then "
         "only the result's model_id",
     )
+    server.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a local tokenizer (model directory or .gguf file) that counts and decodes the "
+        "prompts' tokens, as vLLM's; default: the server's own, through /tokenize and /detokenize",
+    )
     server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
 
     data = p.add_argument_group("dataset")
@@ -240,17 +246,40 @@ def _check_args(args: argparse.Namespace) -> None:
         )
 
 
+class _Tokens:
+    """Token counts and the text of token ids: by the server (/tokenize, /detokenize), or by a
+    local tokenizer with --tokenizer (vLLM's flag; never downloaded)."""
+
+    def __init__(self, base_url: str, api_key: str | None, tokenizer: str | None) -> None:
+        self.base_url, self.api_key = base_url, api_key
+        self.local: Any = None
+        if tokenizer is not None:
+            from treadle.config import resolve_model
+            from treadle.tokenizer import load_tokenizer
+
+            try:
+                self.local = load_tokenizer(resolve_model(tokenizer))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--tokenizer {tokenizer!r}: {e}") from e
+
+    def count(self, texts: list[str]) -> list[int]:
+        if self.local is None:
+            return count_tokens(self.base_url, texts, self.api_key)
+        return [len(ids) for ids in self.local(texts)["input_ids"]]
+
+    def text(self, prompts: list[list[int]]) -> list[str]:
+        if self.local is None:
+            return detokenize(self.base_url, prompts, self.api_key)
+        return list(self.local.batch_decode(prompts))
+
+
 def _samples(
-    args: argparse.Namespace, base_url: str, sharegpt: list[tuple[str, str]] | None
+    args: argparse.Namespace, tokens: _Tokens, sharegpt: list[tuple[str, str]] | None
 ) -> list[SampleRequest]:
-    """The requests to send; token ids become text through the server for a chat endpoint."""
+    """The requests to send; token ids become text for a chat endpoint."""
     if sharegpt is not None:
         return sample_sharegpt(
-            sharegpt,
-            args.num_prompts,
-            args.seed,
-            lambda texts: count_tokens(base_url, texts, args.api_key),
-            args.sharegpt_output_len,
+            sharegpt, args.num_prompts, args.seed, tokens.count, args.sharegpt_output_len
         )
     samples = sample_random(
         args.num_prompts,
@@ -262,8 +291,7 @@ def _samples(
     if args.backend == "openai-chat":
         ids = [s.prompt for s in samples if isinstance(s.prompt, list)]
         samples = [
-            replace(s, prompt=text)
-            for s, text in zip(samples, detokenize(base_url, ids, args.api_key), strict=True)
+            replace(s, prompt=text) for s, text in zip(samples, tokens.text(ids), strict=True)
         ]
     return samples
 
@@ -284,7 +312,7 @@ def _result_json(
         "backend": args.backend,
         "label": args.label,
         "model_id": model,
-        "tokenizer_id": model,  # the server's tokenizer counts the tokens
+        "tokenizer_id": args.tokenizer or model,  # the server's tokenizer, unless --tokenizer
         "num_prompts": args.num_prompts,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": 1.0,
@@ -339,7 +367,11 @@ def bench_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, IndexError) as e:
         return _error(f"cannot list models at {base_url}/v1/models: {e}")
     try:
-        samples = _samples(args, base_url, sharegpt)
+        tokens = _Tokens(base_url, args.api_key, args.tokenizer)
+    except ValueError as e:
+        return _error(str(e))
+    try:
+        samples = _samples(args, tokens, sharegpt)
     except DatasetError as e:
         return _error(str(e))
     except (OSError, ValueError, KeyError) as e:
