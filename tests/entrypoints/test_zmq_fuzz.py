@@ -40,6 +40,7 @@ from treadle.wire.engine import (
 )
 
 CAP = 1 << 20
+KEY = b"k" * 32
 HUGE = b"x" * (2 * CAP)
 ADD, ABORT, UTILITY = (
     t.value
@@ -62,7 +63,7 @@ class FrontEnd:
         self.router = make_zmq_socket(self.ctx, get_open_zmq_ipc_path(), zmq.ROUTER, linger=0)
         self.pull = make_zmq_socket(self.ctx, get_open_zmq_ipc_path(), zmq.PULL, linger=0)
         self.launcher.handshake(
-            self.ctx, [get_bound_address(self.router)], [get_bound_address(self.pull)]
+            self.ctx, [get_bound_address(self.router)], [get_bound_address(self.pull)], [KEY]
         )
         assert self.router.poll(60_000)
         self.identity, _ready = self.router.recv_multipart()

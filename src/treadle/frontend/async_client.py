@@ -16,14 +16,13 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from treadle import envs
 from treadle.config import EngineConfig
-from treadle.core.engine_core_proc import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED, Handshake
+from treadle.core.engine_core_proc import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.frontend.core_client import (
     AttachTo,
     EngineDeadError,
@@ -86,7 +85,7 @@ class AsyncMPClient(MPClient):
             attach is not None and config.restart.max_engine_restarts == 0
         )
         self._supervisor = os.getppid() if attach is not None else None  # started us
-        self._awaiting_hello: dict[bytes, asyncio.Future[None]] = {}
+        self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
         self.inflight = InFlight()
         self.restarts = EngineRestarts(
             self,
@@ -191,25 +190,26 @@ class AsyncMPClient(MPClient):
             await self.restarts.on_outputs(item, progressed)
 
     async def _drain_requests(self, sock: zmq.asyncio.Socket) -> None:
-        """Engines send nothing on the request socket after start-up, but for the first
-        message of a restarted engine core (its identity, and what it found at start-up)."""
+        """Engines send nothing on the request socket but their first message on each
+        connection (`MPClient._admit`): a new launch of an engine is a restarted one (ours,
+        or the supervisor's), the same launch one that connected again."""
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            identity = frames[0].bytes if len(frames) == 2 else b""
-            awaited = self._awaiting_hello.get(identity)
+            admitted = self._admit(await sock.recv_multipart(copy=False))
+            if admitted is None:
+                continue
+            rank, new, hello = admitted
+            if not new:
+                logger.info("EngineCore_DP%d connected to the request socket again", rank)
+                continue
+            awaited = self._awaiting_hello.get(rank)
             if awaited is not None and not awaited.done():
                 awaited.set_result(None)
-                continue
-            hello = _hello(frames[1]) if len(frames) == 2 and identity in self.identities else None
-            if self.follows_restarts and hello is not None:
+            elif self.follows_restarts:
                 # our supervisor restarted this engine: its old process is gone
-                rank = self.identities.index(identity)
                 if self.restarts.states[rank] != "restarting":  # not seen by the process watch
                     self.restarts.down(rank, f"EngineCore_DP{rank} was restarted (it died)")
                 self.engine_pids[rank] = hello.pid
                 await self.restarts.back(rank, "(restarted by the supervisor)")
-                continue
-            self._on_stray_request_message(frames)
 
     async def _read_coordinator(self) -> None:
         assert self.coordinator_socket is not None
@@ -332,12 +332,13 @@ class AsyncMPClient(MPClient):
 
     async def send_add(self, rank: int, request: EngineCoreRequest) -> None:
         assert self._async_input is not None
-        frames = self._frames(self.identities[rank], EngineCoreRequestType.ADD, request)
+        frames = self._frames(self.engines.identity(rank), EngineCoreRequestType.ADD, request)
         await self._async_input.send_multipart(frames, copy=False)
 
     async def send_abort(self, rank: int, request_ids: list[str]) -> None:
         if request_ids and self._async_input is not None:
-            frames = self._frames(self.identities[rank], EngineCoreRequestType.ABORT, request_ids)
+            ident = self.engines.identity(rank)
+            frames = self._frames(ident, EngineCoreRequestType.ABORT, request_ids)
             await self._async_input.send_multipart(frames)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
@@ -414,9 +415,8 @@ class AsyncMPClient(MPClient):
 
     async def respawn(self, rank: int) -> None:
         assert self.launcher is not None and self.monitor is not None and self.loop is not None
-        identity = self.identities[rank]
         hello: asyncio.Future[None] = self.loop.create_future()
-        self._awaiting_hello[identity] = hello
+        self._awaiting_hello[rank] = hello
         try:
             child = await asyncio.to_thread(
                 self.launcher.restart_engine,
@@ -424,12 +424,13 @@ class AsyncMPClient(MPClient):
                 self.ctx,
                 [self.addresses[0]],
                 [self.addresses[1]],
+                [self.key],
             )
             self.monitor.add(child)
             self.engine_pids[rank] = child.process.pid or 0
             await asyncio.wait_for(hello, ENGINE_PING_TIMEOUT_S)
         finally:
-            self._awaiting_hello.pop(identity, None)
+            self._awaiting_hello.pop(rank, None)
 
     def can_kill(self, rank: int) -> bool:
         """Our own engine, or (API server 0 of a supervisor) one of the supervisor's on this
@@ -460,14 +461,6 @@ class AsyncMPClient(MPClient):
                 sock.disable_monitor()
                 monitor.close(linger=0)
         super().shutdown(timeout)
-
-
-def _hello(payload: Any) -> Handshake | None:
-    """A message on the request socket that is an engine core's first one, or None."""
-    try:
-        return msgspec.msgpack.decode(payload.bytes, type=Handshake)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
 
 
 def _stop_this_process(reason: str) -> None:
