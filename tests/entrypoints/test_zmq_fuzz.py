@@ -78,8 +78,9 @@ class FrontEnd:
         self.send(kind, *(bytes(b) for b in self.encoder.encode(obj)))
 
     def outputs(self, timeout_s: float = 30.0) -> Iterator[EngineCoreOutputs]:
-        """Outputs until `timeout_s` passes; what the ROUTER receives meanwhile is read and
-        dropped (as a real front end does: that also lets zmq retire a dropped connection)."""
+        """Outputs until `timeout_s` passes; what the ROUTER receives meanwhile is read (as a
+        real front end does: that also lets zmq retire a dropped connection): only the engine
+        sends there, its ready message when it connects again, with a new routing identity."""
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
         poller.register(self.router, zmq.POLLIN)
@@ -87,7 +88,7 @@ class FrontEnd:
         while (left := deadline - time.monotonic()) > 0:
             events = dict(poller.poll(int(left * 1000) + 1))
             if self.router in events:
-                self.router.recv_multipart()
+                self.identity = self.router.recv_multipart()[0]
             if self.pull in events:
                 yield self.decoder.decode(self.pull.recv_multipart())
 
