@@ -78,10 +78,23 @@ def test_an_impostor_engine_is_refused_and_serving_goes_on(server: RemoteServer)
 
 def test_a_restarted_engine_is_taken_back(server: RemoteServer) -> None:
     reference = complete(server)
-    os.kill(server.pid_of("treadle::EngineCore_DP0"), signal.SIGKILL)
+    before = len(server.output())
+    pid = server.pid_of("treadle::EngineCore_DP0")
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if httpx.get(server.url + "/health/ready", timeout=5).status_code == 200:
             break
         time.sleep(0.2)
     assert complete(server) == reference
+    # The engine's sockets closing is logged with what is known, not a hint about sizes.
+    lines = [
+        line
+        for line in server.output()[before:].splitlines()
+        if "A peer of the" in line and "socket disconnected" in line
+    ]
+    assert len(lines) == 2, lines  # the request and the output socket
+    for line in lines:
+        assert f"EngineCore_DP0 (pid {pid}) exited: killed by SIGKILL" in line, line
+        assert "TREADLE_ZMQ_MAX_MSG_BYTES" not in line, line

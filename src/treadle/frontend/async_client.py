@@ -10,9 +10,11 @@ the client (`on_dead`): nothing is left waiting on a reader that is gone.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -29,7 +31,7 @@ from treadle.frontend.core_client import (
     MPClient,
     settle_utility,
 )
-from treadle.frontend.engine_restarts import EngineRestarts
+from treadle.frontend.engine_restarts import EngineRestarts, process_of, running
 from treadle.frontend.inflight import InFlight
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, describe_exit, signal_children
 from treadle.logger import init_logger
@@ -40,6 +42,8 @@ logger = init_logger(__name__)
 # How long an engine may take to answer when a peer left the request socket (a step of a long
 # prefill must fit), or to say hello after a restart: one that does not is dead.
 ENGINE_PING_TIMEOUT_S = 10.0
+# An engine process's exit explains a disconnect seen this long after it.
+_EXIT_EXPLAINS_S = 5.0
 
 
 class AsyncMPClient(MPClient):
@@ -86,6 +90,8 @@ class AsyncMPClient(MPClient):
         )
         self._supervisor = os.getppid() if attach is not None else None  # started us
         self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
+        # (when, what) of this host's engine processes that exited: explains a disconnect
+        self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
         self.inflight = InFlight()
         self.restarts = EngineRestarts(
             self,
@@ -218,8 +224,9 @@ class AsyncMPClient(MPClient):
             self._on_dp_stats(await sock.recv())
 
     async def _watch_peers(self, monitor: zmq.Socket[Any], name: str) -> None:
-        """Log each peer that leaves the socket `name` (libzmq drops a peer that sends more
-        than TREADLE_ZMQ_MAX_MSG_BYTES this way). When engines run on another host (or nobody
+        """Log each peer that leaves the socket `name`, with what explains it (an engine
+        process that exited, and how; an engine that does not answer), or else the hint that
+        libzmq drops a peer that sends more than TREADLE_ZMQ_MAX_MSG_BYTES. When engines run on another host (or nobody
         restarts them), a peer leaving the request socket may be an engine whose process or
         host is gone: each such engine must then answer a call within ENGINE_PING_TIMEOUT_S
         (a bare disconnect would let any local process that connects and leaves kill the
@@ -230,6 +237,7 @@ class AsyncMPClient(MPClient):
             event = parse_monitor_message(await sock.recv_multipart())
             if event["event"] != zmq.EVENT_DISCONNECTED or self._ended:
                 continue
+            silent: list[int] = []
             if name == "request" and self._watch_disconnects:
                 silent = await self._silent_engines()
                 left = sum(state != "lost" for state in self.engine_states) - len(silent)
@@ -238,12 +246,39 @@ class AsyncMPClient(MPClient):
                     return
                 if silent:  # the others serve on
                     await self.restarts.lost(silent)
-            logger.warning(
-                "A peer of the %s socket disconnected (it closed, or sent a message larger "
-                "than TREADLE_ZMQ_MAX_MSG_BYTES=%d)",
-                name,
-                envs.zmq_max_msg_bytes(),
-            )
+            exits = await self._engine_exits()
+            if silent:
+                exits.append(f"engine core(s) {silent} do not answer (lost)")
+            if exits:
+                logger.warning("A peer of the %s socket disconnected: %s", name, "; ".join(exits))
+            else:  # nothing else explains it
+                logger.warning(
+                    "A peer of the %s socket disconnected (it closed, or sent a message "
+                    "larger than TREADLE_ZMQ_MAX_MSG_BYTES=%d)",
+                    name,
+                    envs.zmq_max_msg_bytes(),
+                )
+
+    async def _engine_exits(self) -> list[str]:
+        """What explains a peer leaving: engine processes of this host that exited lately
+        (ours with their exit codes; a supervisor's by pid), looked for during a moment (a
+        process's sockets close just before its exit shows)."""
+        for _ in range(5):
+            now = time.monotonic()
+            found = {what for when, what in self._exits if now - when < _EXIT_EXPLAINS_S}
+            if self.launcher is not None:
+                for child in self.launcher.engines:
+                    if child.exitcode is not None:
+                        found.add(f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+            else:
+                for rank in self.local_ranks:
+                    pid = self.engine_pids[rank]
+                    if pid and not running(process_of(pid)):
+                        found.add(f"EngineCore_DP{rank} (pid {pid}) exited")
+            if found:
+                return sorted(found)
+            await asyncio.sleep(0.1)
+        return []
 
     async def _silent_engines(self) -> list[int]:
         async def answers(engine: int) -> bool:
@@ -400,6 +435,9 @@ class AsyncMPClient(MPClient):
     def _on_child_death(self, child: ChildProcess) -> None:
         """(The process monitor's thread.) A dead engine core or DP coordinator of ours is
         restarted; one that exited 0 was stopped on purpose."""
+        self._exits.append(
+            (time.monotonic(), f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+        )
         launcher, loop = self.launcher, self.loop
         if child.exitcode != 0 and self.can_restart and launcher is not None and loop is not None:
             cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
