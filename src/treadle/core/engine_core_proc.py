@@ -63,8 +63,8 @@ from treadle.core.engine_core_io import (
 from treadle.executor.multiproc import ExecutorStoppedError
 from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import inbound_options
-from treadle.ipc.process import ReadyPipe
-from treadle.ipc.zmq_utils import make_zmq_socket
+from treadle.ipc.process import ReadyPipe, at_parent_death
+from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger, set_process_name
 from treadle.wire.engine import (
     EngineCoreOutput,
@@ -234,6 +234,9 @@ class EngineCoreProc:
             for token in addresses.tokens
         ]
         self.output_addresses = addresses.outputs
+        # A front end killed -9 leaves its ROUTER's and PULL's socket files; if it was this
+        # process's parent (one API server), this engine removes them as it goes too.
+        at_parent_death(lambda: remove_ipc_files([*addresses.inputs, *addresses.outputs]))
         self.engine.channels = EngineChannels(
             inputs=addresses.inputs,
             outputs=addresses.outputs,
