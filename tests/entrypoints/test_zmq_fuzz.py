@@ -40,6 +40,7 @@ from treadle.wire.engine import (
 )
 
 CAP = 1 << 20
+KEY = b"k" * 32
 HUGE = b"x" * (2 * CAP)
 ADD, ABORT, UTILITY = (
     t.value
@@ -62,7 +63,7 @@ class FrontEnd:
         self.router = make_zmq_socket(self.ctx, get_open_zmq_ipc_path(), zmq.ROUTER, linger=0)
         self.pull = make_zmq_socket(self.ctx, get_open_zmq_ipc_path(), zmq.PULL, linger=0)
         self.launcher.handshake(
-            self.ctx, [get_bound_address(self.router)], [get_bound_address(self.pull)]
+            self.ctx, [get_bound_address(self.router)], [get_bound_address(self.pull)], [KEY]
         )
         assert self.router.poll(60_000)
         self.identity, _ready = self.router.recv_multipart()
@@ -77,8 +78,9 @@ class FrontEnd:
         self.send(kind, *(bytes(b) for b in self.encoder.encode(obj)))
 
     def outputs(self, timeout_s: float = 30.0) -> Iterator[EngineCoreOutputs]:
-        """Outputs until `timeout_s` passes; what the ROUTER receives meanwhile is read and
-        dropped (as a real front end does: that also lets zmq retire a dropped connection)."""
+        """Outputs until `timeout_s` passes; what the ROUTER receives meanwhile is read (as a
+        real front end does: that also lets zmq retire a dropped connection): only the engine
+        sends there, its ready message when it connects again, with a new routing identity."""
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
         poller.register(self.router, zmq.POLLIN)
@@ -86,7 +88,7 @@ class FrontEnd:
         while (left := deadline - time.monotonic()) > 0:
             events = dict(poller.poll(int(left * 1000) + 1))
             if self.router in events:
-                self.router.recv_multipart()
+                self.identity = self.router.recv_multipart()[0]
             if self.pull in events:
                 yield self.decoder.decode(self.pull.recv_multipart())
 

@@ -14,8 +14,6 @@ import zmq
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.zmq_utils import (
     EngineCoreRequestType,
-    engine_identity,
-    engine_rank,
     get_bound_address,
     get_open_zmq_ipc_path,
     get_tcp_uri,
@@ -41,13 +39,6 @@ def test_request_type_bytes() -> None:
     assert EngineCoreRequestType.ABORT.value == b"\x01"
     assert EngineCoreRequestType.START_DP_WAVE.value == b"\x02"
     assert EngineCoreRequestType.UTILITY.value == b"\x03"
-
-
-def test_engine_identity_is_two_little_endian_bytes() -> None:
-    assert engine_identity(0) == b"\x00\x00"
-    assert engine_identity(3) == b"\x03\x00"
-    assert engine_identity(258) == b"\x02\x01"
-    assert engine_rank(engine_identity(513)) == 513
 
 
 def test_ipc_path_uses_the_base_path(rpc_dir: Path) -> None:
@@ -137,7 +128,7 @@ def test_xpub_is_verbose(ctx: zmq.Context[Any]) -> None:
 def test_router_dealer_request_with_identity(ctx: zmq.Context[Any]) -> None:
     path = get_open_zmq_ipc_path()
     router = make_zmq_socket(ctx, path, zmq.ROUTER)
-    dealer = make_zmq_socket(ctx, path, zmq.DEALER, bind=False, identity=engine_identity(1))
+    dealer = make_zmq_socket(ctx, path, zmq.DEALER, bind=False, identity=b"\x01\x00")
     dealer.send(b"READY")  # registers the identity with the ROUTER
     identity, msg = router.recv_multipart()
     assert identity == b"\x01\x00" and msg == b"READY"

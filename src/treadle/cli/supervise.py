@@ -143,11 +143,19 @@ class _EngineRestarts:
         rank = launcher.start_rank + next(i for i, e in enumerate(launcher.engines) if e is child)
         ctx: zmq.Context[Any] = zmq.Context()
         try:
-            return launcher.restart_engine(
-                rank, ctx, [a[0] for a in self.addresses], [a[1] for a in self.addresses]
-            )
+            return launcher.restart_engine(rank, ctx, *_split(self.addresses))
         finally:
             ctx.term()
+
+
+def _split(reports: list[list[str]]) -> tuple[list[str], list[str], list[bytes]]:
+    """What the API servers reported on their ready pipes (`AttachTo`): each one's ROUTER and
+    PULL addresses and engine key -> the handshake's inputs, outputs and keys."""
+    return (
+        [r[0] for r in reports],
+        [r[1] for r in reports],
+        [bytes.fromhex(r[2]) for r in reports],
+    )
 
 
 def run_api_servers(
@@ -199,9 +207,7 @@ def run_api_servers(
         addresses = wait_for_ready(api_servers, timeout)
         ctx: zmq.Context[Any] = zmq.Context()
         try:
-            launcher.handshake(
-                ctx, [a[0] for a in addresses], [a[1] for a in addresses], watch=api_servers
-            )
+            launcher.handshake(ctx, *_split(addresses), watch=api_servers)
         finally:
             ctx.term()
         logger.info(
@@ -230,7 +236,7 @@ def run_api_servers(
             if child.process.is_alive():
                 child.process.terminate()
         shutdown_processes(api_servers, timeout=10.0)
-        remove_ipc_files(a for pair in addresses for a in pair)  # of any killed API server
+        remove_ipc_files(a for entry in addresses for a in entry[:2])  # of a killed API server
         if launcher is not None:
             launcher.shutdown()
         sock.close()

@@ -1,7 +1,9 @@
 """The engine core process's two IO threads (ARCHITECTURE §5): socket work and (de)serializing,
 which release the GIL and overlap the model step.
 
-- `InputReader` connects a DEALER to every front end (sending each the ready message first),
+- `InputReader` connects a DEALER to every front end (with a fresh random routing identity,
+  sending each its ready message first: what the engine found, and its proof of who it is,
+  `ipc/engine_auth.py`),
   polls them and the DP coordinator's XSUB, decodes, checks and puts `(type, payload)` on the
   input queue; ABORTs also go on the eager aborts queue.
 - `OutputWriter` takes `(client_index, EngineCoreOutputs)` from the output queue, encodes it
@@ -27,6 +29,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound, inbound_options
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.zmq_utils import make_zmq_socket, split_zmq_path
@@ -74,19 +77,17 @@ class InputReader:
     def __init__(
         self,
         ctx: zmq.Context[Any],
-        identity: bytes,
         addresses: list[str],
         coordinator_address: str,
-        ready_message: bytes,
+        ready_messages: list[bytes],
         input_queue: queue.Queue[InputItem],
         aborts_queue: queue.Queue[list[str]],
         on_failure: Callable[[str], None],
     ) -> None:
         self.ctx = ctx
-        self.identity = identity
         self.addresses = addresses
         self.coordinator_address = coordinator_address
-        self.ready_message = ready_message
+        self.ready_messages = ready_messages  # one per front end
         self.input_queue = input_queue
         self.aborts_queue = aborts_queue
         self.on_failure = on_failure
@@ -114,8 +115,6 @@ class InputReader:
         self.monitors: dict[Any, tuple[int, zmq.Socket[Any]]] = {}
         self.reconnect_at: dict[int, float] = {}  # front end index -> when
         sockets = [self._connect(i) for i in range(len(self.addresses))]
-        for sock in sockets:
-            sock.send(self.ready_message)
         coordinator = None
         if self.coordinator_address:
             coordinator = make_zmq_socket(
@@ -143,7 +142,8 @@ class InputReader:
                     self._on_request(sock.recv_multipart(copy=False))
 
     def _connect(self, index: int) -> zmq.Socket[Any]:
-        """A DEALER to front end `index`, and a monitor of its disconnects (polled)."""
+        """A DEALER to front end `index` that has sent it the ready message (which binds this
+        engine to the connection there), and a monitor of its disconnects (polled)."""
         addr = self.addresses[index]
         options = inbound_options()
         if split_zmq_path(addr)[0] == "tcp":
@@ -154,10 +154,11 @@ class InputReader:
             addr,
             zmq.DEALER,
             bind=False,
-            identity=self.identity,
+            identity=routing_id(),
             linger=0,
             options=options,
         )
+        sock.send(self.ready_messages[index])
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.monitors[monitor] = (index, sock)
         self.poller.register(monitor, zmq.POLLIN)
@@ -167,8 +168,8 @@ class InputReader:
         """A tcp front end (another host) that disconnects is gone: the engine exits. A
         local one only drops us after a protocol error, such as a message over
         TREADLE_ZMQ_MAX_MSG_BYTES, and zmq does not connect again after those: a new DEALER
-        does, `_RECONNECT_S` later (with the same identity, which the ROUTER refuses until it
-        has dropped the old connection)."""
+        does, `_RECONNECT_S` later (with a new routing identity; its ready message binds the
+        engine to it again)."""
         event = parse_monitor_message(monitor.recv_multipart())
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return

@@ -9,9 +9,11 @@
   zero-copy.
 
 Handshake, on the front end's handshake ROUTER:
-    engine --HELLO--> front end --addresses--> engine (loads, sizes KV) --READY--> front end
-then the engine's first message on each input DEALER is a ready message (which also registers
-its identity with the ROUTER).
+    engine --HELLO (rank, launch secret)--> front end --addresses, launch, tokens--> engine
+    (loads, sizes KV) --READY--> front end
+then the engine's first message on each input DEALER (a fresh random routing identity) is a
+ready message with that front end's token, which binds the engine's rank to the connection
+there (`ipc/engine_auth.py`).
 
 Ends:
 - Stopped: a first SIGTERM/SIGINT lets running requests finish (`--shutdown-timeout`) and
@@ -59,9 +61,10 @@ from treadle.core.engine_core_io import (
     send_to_all,
 )
 from treadle.executor.multiproc import ExecutorStoppedError
+from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import inbound_options
-from treadle.ipc.process import ReadyPipe
-from treadle.ipc.zmq_utils import engine_identity, make_zmq_socket
+from treadle.ipc.process import ReadyPipe, at_parent_death
+from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger, set_process_name
 from treadle.wire.engine import (
     EngineCoreOutput,
@@ -91,7 +94,8 @@ _COORDINATOR_STATS_INTERVAL_S = 0.05
 
 
 class Handshake(msgspec.Struct, omit_defaults=True):
-    """Messages on the handshake socket, in both directions."""
+    """Messages on the handshake socket, in both directions, and the engine's first message
+    on each front end's request socket (`ipc/engine_auth.py`)."""
 
     status: str  # HELLO | ADDRESSES | READY
     inputs: list[str] = []
@@ -102,6 +106,13 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     max_model_len: int = 0
     vocab_size: int = 0
     pid: int = 0  # the engine core's process (READY): front ends on its host watch it
+    rank: int = 0  # HELLO, READY and the first message on a request socket: the DP rank
+    # HELLO and READY: the secret the engine's own launcher gave it (the launcher on this host
+    # answers only the process it started; an engine of another host is taken on first use).
+    secret: bytes = b""
+    launch: int = 0  # ADDRESSES, and the first message on a request socket: this launch's number
+    tokens: list[bytes] = []  # ADDRESSES: per front end, `engine_token(its key, rank, launch)`
+    token: bytes = b""  # the first message on a request socket: that front end's token
 
 
 @dataclass
@@ -123,8 +134,10 @@ def run_engine_core(
     handshake_address: str,
     dp_rank: int = 0,
     shutdown_timeout: float = 0.0,
+    secret: bytes = b"",
 ) -> None:
-    """Process entry (`treadle.ipc.process.start_process` target)."""
+    """Process entry (`treadle.ipc.process.start_process` target); `secret` is what the
+    launcher gave this launch, to show in the handshake."""
     name = f"EngineCore_DP{dp_rank}"
     set_process_name(name)
     shutdown = _Shutdown()
@@ -151,7 +164,7 @@ def run_engine_core(
         signal.signal(sig, on_signal)
     if config.parallel.world_size == 1:  # the model runs here (TP workers set their own)
         torch.set_num_threads(config.parallel.model_threads())
-    proc = EngineCoreProc(config, handshake_address, dp_rank, shutdown, shutdown_timeout)
+    proc = EngineCoreProc(config, handshake_address, dp_rank, shutdown, shutdown_timeout, secret)
     ready.send_ready()
     proc.run()
 
@@ -164,9 +177,9 @@ class EngineCoreProc:
         dp_rank: int,
         shutdown: _Shutdown,
         shutdown_timeout: float,
+        secret: bytes = b"",
     ) -> None:
         self.dp_rank = dp_rank
-        self.identity = engine_identity(dp_rank)
         self.shutdown = shutdown
         self.shutdown_timeout = shutdown_timeout
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -185,13 +198,13 @@ class EngineCoreProc:
             handshake_address,
             zmq.DEALER,
             bind=False,
-            identity=self.identity,
+            identity=routing_id(),
             linger=LINGER_MS,
             options=inbound_options(),
         )
         encode, decode = msgspec.msgpack.encode, msgspec.msgpack.Decoder(Handshake).decode
         try:
-            hs.send(encode(Handshake("HELLO")))
+            hs.send(encode(Handshake("HELLO", rank=dp_rank, secret=secret)))
             timeout = envs.engine_ready_timeout_s()
             if not hs.poll(timeout * 1000):
                 raise TimeoutError(
@@ -199,6 +212,8 @@ class EngineCoreProc:
                     "(TREADLE_ENGINE_READY_TIMEOUT_S)"
                 )
             addresses = decode(hs.recv())
+            if len(addresses.tokens) != len(addresses.inputs):
+                raise RuntimeError("the front end sent no token for each of its request sockets")
             self.engine = EngineCore(config, engine_index=dp_rank)
             self.engine.aborts_queue = self.aborts_queue
             self.engine.executor.failure_callback = self._executor_failed
@@ -208,11 +223,20 @@ class EngineCoreProc:
                 max_model_len=self.engine.max_model_len,
                 vocab_size=self.engine.vocab_size,
                 pid=os.getpid(),
+                rank=dp_rank,
             )
-            hs.send(encode(info))
+            hs.send(encode(msgspec.structs.replace(info, secret=secret)))
         finally:
             hs.close()
+        # The first message on each request socket: what this engine found, and its proof.
+        ready_messages = [
+            encode(msgspec.structs.replace(info, launch=addresses.launch, token=token))
+            for token in addresses.tokens
+        ]
         self.output_addresses = addresses.outputs
+        # A front end killed -9 leaves its ROUTER's and PULL's socket files; if it was this
+        # process's parent (one API server), this engine removes them as it goes too.
+        at_parent_death(lambda: remove_ipc_files([*addresses.inputs, *addresses.outputs]))
         self.engine.channels = EngineChannels(
             inputs=addresses.inputs,
             outputs=addresses.outputs,
@@ -221,10 +245,9 @@ class EngineCoreProc:
         )
         self.reader = InputReader(
             self.ctx,
-            self.identity,
             addresses.inputs,
             addresses.coordinator_input,
-            encode(info),
+            ready_messages,
             self.input_queue,
             self.aborts_queue,
             self._io_failed,

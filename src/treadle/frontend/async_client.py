@@ -10,27 +10,28 @@ the client (`on_dead`): nothing is left waiting on a reader that is gone.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from treadle import envs
 from treadle.config import EngineConfig
-from treadle.core.engine_core_proc import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED, Handshake
+from treadle.core.engine_core_proc import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.frontend.core_client import (
     AttachTo,
     EngineDeadError,
     MPClient,
     settle_utility,
 )
-from treadle.frontend.engine_restarts import EngineRestarts
+from treadle.frontend.engine_restarts import EngineRestarts, process_of, running
 from treadle.frontend.inflight import InFlight
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, describe_exit, signal_children
 from treadle.logger import init_logger
@@ -41,6 +42,8 @@ logger = init_logger(__name__)
 # How long an engine may take to answer when a peer left the request socket (a step of a long
 # prefill must fit), or to say hello after a restart: one that does not is dead.
 ENGINE_PING_TIMEOUT_S = 10.0
+# An engine process's exit explains a disconnect seen this long after it.
+_EXIT_EXPLAINS_S = 5.0
 
 
 class AsyncMPClient(MPClient):
@@ -86,7 +89,9 @@ class AsyncMPClient(MPClient):
             attach is not None and config.restart.max_engine_restarts == 0
         )
         self._supervisor = os.getppid() if attach is not None else None  # started us
-        self._awaiting_hello: dict[bytes, asyncio.Future[None]] = {}
+        self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
+        # (when, what) of this host's engine processes that exited: explains a disconnect
+        self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
         self.inflight = InFlight()
         self.restarts = EngineRestarts(
             self,
@@ -191,25 +196,26 @@ class AsyncMPClient(MPClient):
             await self.restarts.on_outputs(item, progressed)
 
     async def _drain_requests(self, sock: zmq.asyncio.Socket) -> None:
-        """Engines send nothing on the request socket after start-up, but for the first
-        message of a restarted engine core (its identity, and what it found at start-up)."""
+        """Engines send nothing on the request socket but their first message on each
+        connection (`MPClient._admit`): a new launch of an engine is a restarted one (ours,
+        or the supervisor's), the same launch one that connected again."""
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            identity = frames[0].bytes if len(frames) == 2 else b""
-            awaited = self._awaiting_hello.get(identity)
+            admitted = self._admit(await sock.recv_multipart(copy=False))
+            if admitted is None:
+                continue
+            rank, new, hello = admitted
+            if not new:
+                logger.info("EngineCore_DP%d connected to the request socket again", rank)
+                continue
+            awaited = self._awaiting_hello.get(rank)
             if awaited is not None and not awaited.done():
                 awaited.set_result(None)
-                continue
-            hello = _hello(frames[1]) if len(frames) == 2 and identity in self.identities else None
-            if self.follows_restarts and hello is not None:
+            elif self.follows_restarts:
                 # our supervisor restarted this engine: its old process is gone
-                rank = self.identities.index(identity)
                 if self.restarts.states[rank] != "restarting":  # not seen by the process watch
                     self.restarts.down(rank, f"EngineCore_DP{rank} was restarted (it died)")
                 self.engine_pids[rank] = hello.pid
                 await self.restarts.back(rank, "(restarted by the supervisor)")
-                continue
-            self._on_stray_request_message(frames)
 
     async def _read_coordinator(self) -> None:
         assert self.coordinator_socket is not None
@@ -218,8 +224,9 @@ class AsyncMPClient(MPClient):
             self._on_dp_stats(await sock.recv())
 
     async def _watch_peers(self, monitor: zmq.Socket[Any], name: str) -> None:
-        """Log each peer that leaves the socket `name` (libzmq drops a peer that sends more
-        than TREADLE_ZMQ_MAX_MSG_BYTES this way). When engines run on another host (or nobody
+        """Log each peer that leaves the socket `name`, with what explains it (an engine
+        process that exited, and how; an engine that does not answer), or else the hint that
+        libzmq drops a peer that sends more than TREADLE_ZMQ_MAX_MSG_BYTES. When engines run on another host (or nobody
         restarts them), a peer leaving the request socket may be an engine whose process or
         host is gone: each such engine must then answer a call within ENGINE_PING_TIMEOUT_S
         (a bare disconnect would let any local process that connects and leaves kill the
@@ -230,6 +237,7 @@ class AsyncMPClient(MPClient):
             event = parse_monitor_message(await sock.recv_multipart())
             if event["event"] != zmq.EVENT_DISCONNECTED or self._ended:
                 continue
+            silent: list[int] = []
             if name == "request" and self._watch_disconnects:
                 silent = await self._silent_engines()
                 left = sum(state != "lost" for state in self.engine_states) - len(silent)
@@ -238,12 +246,39 @@ class AsyncMPClient(MPClient):
                     return
                 if silent:  # the others serve on
                     await self.restarts.lost(silent)
-            logger.warning(
-                "A peer of the %s socket disconnected (it closed, or sent a message larger "
-                "than TREADLE_ZMQ_MAX_MSG_BYTES=%d)",
-                name,
-                envs.zmq_max_msg_bytes(),
-            )
+            exits = await self._engine_exits()
+            if silent:
+                exits.append(f"engine core(s) {silent} do not answer (lost)")
+            if exits:
+                logger.warning("A peer of the %s socket disconnected: %s", name, "; ".join(exits))
+            else:  # nothing else explains it
+                logger.warning(
+                    "A peer of the %s socket disconnected (it closed, or sent a message "
+                    "larger than TREADLE_ZMQ_MAX_MSG_BYTES=%d)",
+                    name,
+                    envs.zmq_max_msg_bytes(),
+                )
+
+    async def _engine_exits(self) -> list[str]:
+        """What explains a peer leaving: engine processes of this host that exited lately
+        (ours with their exit codes; a supervisor's by pid), looked for during a moment (a
+        process's sockets close just before its exit shows)."""
+        for _ in range(5):
+            now = time.monotonic()
+            found = {what for when, what in self._exits if now - when < _EXIT_EXPLAINS_S}
+            if self.launcher is not None:
+                for child in self.launcher.engines:
+                    if child.exitcode is not None:
+                        found.add(f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+            else:
+                for rank in self.local_ranks:
+                    pid = self.engine_pids[rank]
+                    if pid and not running(process_of(pid)):
+                        found.add(f"EngineCore_DP{rank} (pid {pid}) exited")
+            if found:
+                return sorted(found)
+            await asyncio.sleep(0.1)
+        return []
 
     async def _silent_engines(self) -> list[int]:
         async def answers(engine: int) -> bool:
@@ -332,12 +367,13 @@ class AsyncMPClient(MPClient):
 
     async def send_add(self, rank: int, request: EngineCoreRequest) -> None:
         assert self._async_input is not None
-        frames = self._frames(self.identities[rank], EngineCoreRequestType.ADD, request)
+        frames = self._frames(self.engines.identity(rank), EngineCoreRequestType.ADD, request)
         await self._async_input.send_multipart(frames, copy=False)
 
     async def send_abort(self, rank: int, request_ids: list[str]) -> None:
         if request_ids and self._async_input is not None:
-            frames = self._frames(self.identities[rank], EngineCoreRequestType.ABORT, request_ids)
+            ident = self.engines.identity(rank)
+            frames = self._frames(ident, EngineCoreRequestType.ABORT, request_ids)
             await self._async_input.send_multipart(frames)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
@@ -399,6 +435,9 @@ class AsyncMPClient(MPClient):
     def _on_child_death(self, child: ChildProcess) -> None:
         """(The process monitor's thread.) A dead engine core or DP coordinator of ours is
         restarted; one that exited 0 was stopped on purpose."""
+        self._exits.append(
+            (time.monotonic(), f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+        )
         launcher, loop = self.launcher, self.loop
         if child.exitcode != 0 and self.can_restart and launcher is not None and loop is not None:
             cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
@@ -414,9 +453,8 @@ class AsyncMPClient(MPClient):
 
     async def respawn(self, rank: int) -> None:
         assert self.launcher is not None and self.monitor is not None and self.loop is not None
-        identity = self.identities[rank]
         hello: asyncio.Future[None] = self.loop.create_future()
-        self._awaiting_hello[identity] = hello
+        self._awaiting_hello[rank] = hello
         try:
             child = await asyncio.to_thread(
                 self.launcher.restart_engine,
@@ -424,12 +462,13 @@ class AsyncMPClient(MPClient):
                 self.ctx,
                 [self.addresses[0]],
                 [self.addresses[1]],
+                [self.key],
             )
             self.monitor.add(child)
             self.engine_pids[rank] = child.process.pid or 0
             await asyncio.wait_for(hello, ENGINE_PING_TIMEOUT_S)
         finally:
-            self._awaiting_hello.pop(identity, None)
+            self._awaiting_hello.pop(rank, None)
 
     def can_kill(self, rank: int) -> bool:
         """Our own engine, or (API server 0 of a supervisor) one of the supervisor's on this
@@ -460,14 +499,6 @@ class AsyncMPClient(MPClient):
                 sock.disable_monitor()
                 monitor.close(linger=0)
         super().shutdown(timeout)
-
-
-def _hello(payload: Any) -> Handshake | None:
-    """A message on the request socket that is an engine core's first one, or None."""
-    try:
-        return msgspec.msgpack.decode(payload.bytes, type=Handshake)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
 
 
 def _stop_this_process(reason: str) -> None:

@@ -12,8 +12,11 @@ that fails (logged with its traceback), fails every pending output wait and util
 `EngineDeadError`, unless the engine is restarted (`engine_restarts.py`). An engine stopped on purpose (the frame `ENGINE_CORE_STOPPED`, or exit code
 0) answered every request first: the client refuses new work (`EngineDeadError`, so `/health`
 is 503), and the API server stops cleanly (`AsyncMPClient.on_stopped`). What arrives on the
-PULL is checked by `OutputReader`; anything that arrives on the ROUTER after start-up (engines
-send nothing there) is read and dropped, so unread input cannot pile up.
+PULL is checked by `OutputReader`. On the ROUTER, engines send only their first message (per
+connection), which binds their rank to the connection if it carries this front end's token
+(`ipc/engine_auth.py`; there is no ROUTER_HANDOVER, so no other peer can take an engine's
+place); anything else is read and dropped, so unread input cannot pile up, and a refused claim
+is logged.
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ from treadle.core.engine_core_proc import Handshake, UtilityRequest
 from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.output_reader import OutputReader
+from treadle.ipc.engine_auth import EngineIdentities, EngineRefusedError, new_key
 from treadle.ipc.inbound import DropLog, check_outbound, inbound_options
 from treadle.ipc.process import ChildProcess, ProcessMonitor, describe_exit
 from treadle.ipc.serial import MsgpackEncoder
 from treadle.ipc.zmq_utils import (
-    engine_identity,
     get_bound_address,
     get_open_zmq_ipc_path,
     get_tcp_uri,
@@ -87,8 +90,10 @@ class EngineInfo:
 @dataclass(frozen=True)
 class AttachTo:
     """For an API server whose engines were started by another process (the `treadle serve`
-    supervisor): `report(addresses)` hands this client's ROUTER and PULL addresses to the
-    process that runs the handshake; `coordinator` is the DP coordinator's XPUB, if any."""
+    supervisor): `report([router, pull, key])` hands this client's ROUTER and PULL addresses
+    and its engine key (hex, `ipc/engine_auth.py`) to the process that runs the handshake,
+    over a private channel (the ready pipe); `coordinator` is the DP coordinator's XPUB, if
+    any."""
 
     report: Callable[[list[str]], None]
     coordinator: str | None = None
@@ -113,9 +118,11 @@ class MPClient:
         self.client_index = client_index
         self.restart_config = config.restart
         self.num_engines = p.data_parallel_size
-        self.identities = [engine_identity(rank) for rank in range(self.num_engines)]
+        self.key = new_key()
+        self.engines = EngineIdentities(self.key, self.num_engines)
         self.encoder = MsgpackEncoder()
         self.request_drops = DropLog(logger)  # what arrives on the ROUTER after start-up
+        self.refusals = DropLog(logger)  # peers that claimed to be an engine core, refused
         self.dead_reason: str | None = None
         self._call_ids = itertools.count()
         self._closed = False
@@ -139,14 +146,8 @@ class MPClient:
                 return get_tcp_uri(host, 0) if host else get_open_zmq_ipc_path()
 
             limits = inbound_options()
-            # HANDOVER: a restarted engine core takes over its identity at once, even if the
-            # dead one's connection is not cleaned up yet.
             self.input_socket = make_zmq_socket(
-                self.ctx,
-                address(),
-                zmq.ROUTER,
-                linger=0,
-                options={**limits, zmq.ROUTER_HANDOVER: 1},
+                self.ctx, address(), zmq.ROUTER, linger=0, options=limits
             )
             self.output_socket = make_zmq_socket(
                 self.ctx, address(), zmq.PULL, linger=0, options=limits
@@ -154,12 +155,12 @@ class MPClient:
             mine = [get_bound_address(self.input_socket), get_bound_address(self.output_socket)]
             self.addresses = mine
             if self.launcher is not None:
-                self.launcher.handshake(self.ctx, [mine[0]], [mine[1]])
+                self.launcher.handshake(self.ctx, [mine[0]], [mine[1]], [self.key])
                 coordinator = self.launcher.coordinator_addresses(1.0)
                 coordinator_address = coordinator.front_publish if coordinator else None
             else:
                 assert attach is not None
-                attach.report(mine)
+                attach.report([*mine, self.key.hex()])
                 coordinator_address = attach.coordinator
             self.info = self._wait_for_engines()
             self.reader = OutputReader(self.num_engines, self.info.vocab_size)
@@ -175,17 +176,16 @@ class MPClient:
             self.monitor = ProcessMonitor(self.launcher.children, self._on_child_death)
 
     def _wait_for_engines(self) -> EngineInfo:
-        """Wait for each engine's first message on the ROUTER (which registers its identity);
-        it carries what the engine found at start-up."""
+        """Wait for each engine's first message on the ROUTER (which binds its rank to its
+        connection); it carries what the engine found at start-up."""
         assert self.input_socket is not None
         timeout = envs.engine_ready_timeout_s()
         deadline = time.monotonic() + timeout
-        decode = msgspec.msgpack.Decoder(Handshake).decode
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         if self.launcher is not None:
             self.launcher.watch(poller)
-        infos: dict[bytes, Handshake] = {}
+        infos: dict[int, Handshake] = {}
         while len(infos) < self.num_engines:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -198,29 +198,51 @@ class MPClient:
             if self.launcher is not None:
                 self.launcher.check(poller, events)
             if self.input_socket in events:
-                frames = self.input_socket.recv_multipart()
-                try:
-                    identity, payload = frames
-                    if identity not in self.identities:
-                        raise ValueError(f"unknown engine identity {identity!r}")
-                    infos[identity] = decode(payload)
-                except Exception as e:
-                    self.request_drops.drop("Dropped a message on the request socket: %s", e)
-        self.engine_pids = [infos[identity].pid for identity in self.identities]
+                admitted = self._admit(self.input_socket.recv_multipart())
+                if admitted is not None:
+                    infos[admitted[0]] = admitted[2]
+        self.engine_pids = [infos[rank].pid for rank in range(self.num_engines)]
         return EngineInfo(
             num_blocks=min(i.num_blocks for i in infos.values()),
             max_model_len=min(i.max_model_len for i in infos.values()),
-            vocab_size=infos[self.identities[0]].vocab_size,
+            vocab_size=infos[0].vocab_size,
         )
+
+    def _admit(self, frames: list[Any]) -> tuple[int, bool, Handshake] | None:
+        """A message on the ROUTER: an engine's first one on a connection binds its rank to
+        that connection when it proves who it is; returns (rank, whether it is a new launch
+        of that engine, its message). Anything else is dropped (and a refused claim logged,
+        rate-limited): requests keep going to the engine bound before."""
+        raw = [f.bytes if isinstance(f, zmq.Frame) else bytes(f) for f in frames]
+        if len(raw) != 2:
+            self._on_stray_request_message(raw)
+            return None
+        routing, payload = raw
+        try:
+            hello = _decode_hello(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._on_stray_request_message(raw)
+            return None
+        try:
+            new = self.engines.admit(routing, hello.rank, hello.launch, hello.token)
+        except EngineRefusedError as e:
+            self.refusals.drop(
+                "Refused a peer of the request socket that claims to be an engine core: %s "
+                "(not an engine this front end's launcher started?); the engines keep their "
+                "connections",
+                e,
+            )
+            return None
+        return hello.rank, new, hello
 
     # -- requests ------------------------------------------------------------------------------
 
     def _route(self, request: EngineCoreRequest, rank: int | None) -> bytes:
-        return self.identities[self.router.route(request, rank)]
+        return self.engines.identity(self.router.route(request, rank))
 
     def _abort_frames(self, request_ids: list[str]) -> list[list[Any]]:
         return [
-            self._frames(self.identities[rank], EngineCoreRequestType.ABORT, ids)
+            self._frames(self.engines.identity(rank), EngineCoreRequestType.ABORT, ids)
             for rank, ids in self.router.owners(request_ids).items()
         ]
 
@@ -248,7 +270,7 @@ class MPClient:
         self, engine: int, call_id: int, method: str, args: tuple[Any, ...]
     ) -> list[Any]:
         call = UtilityRequest(self.client_index, call_id, method, list(args))
-        return self._frames(self.identities[engine], EngineCoreRequestType.UTILITY, call)
+        return self._frames(self.engines.identity(engine), EngineCoreRequestType.UTILITY, call)
 
     def _on_child_death(self, child: ChildProcess) -> None:
         if child.exitcode == 0:
@@ -279,6 +301,9 @@ class MPClient:
             if sock is not None:
                 sock.close(linger=0)
         self.ctx.term()
+
+
+_decode_hello = msgspec.msgpack.Decoder(Handshake).decode
 
 
 def settle_utility(

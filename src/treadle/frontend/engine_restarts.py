@@ -352,8 +352,8 @@ class EngineRestarts:
                 if not pid or self.states[rank] == "restarting":
                     continue
                 if pid not in processes:
-                    processes[pid] = _process(pid)
-                if not _running(processes[pid]):
+                    processes[pid] = process_of(pid)
+                if not running(processes[pid]):
                     self.down(
                         rank, f"EngineCore_DP{rank} (pid {pid}) is gone; its supervisor restarts it"
                     )
@@ -402,14 +402,14 @@ class EngineRestarts:
                     self.host.kill(rank)
 
 
-def _process(pid: int) -> psutil.Process | None:
+def process_of(pid: int) -> psutil.Process | None:
     try:
         return psutil.Process(pid)
     except psutil.Error:
         return None
 
 
-def _running(process: psutil.Process | None) -> bool:
+def running(process: psutil.Process | None) -> bool:
     """Whether the process runs (not gone, not a zombie, not a new one on a reused pid)."""
     try:
         return (

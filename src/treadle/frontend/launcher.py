@@ -2,18 +2,26 @@
 coordinator) and answering every engine's start-up handshake (ARCHITECTURE §2, §5, §8).
 
     launcher = EngineLauncher(config)           # before any zmq context: children may fork
-    ...front ends bind their ROUTER/PULL...
-    infos = launcher.handshake(ctx, inputs, outputs)
-        engine --HELLO--> handshake ROUTER --ADDRESSES (front ends, coordinator)--> engine
+    ...front ends bind their ROUTER/PULL and make their keys...
+    infos = launcher.handshake(ctx, inputs, outputs, keys)
+        engine --HELLO (rank, secret)--> handshake ROUTER
+            --ADDRESSES (front ends, coordinator, launch number, a token per front end)--> engine
         engine loads the model, sizes its KV cache --READY--> handshake ROUTER
 
 The handshake socket is ipc when every engine runs here, else tcp on
 `--data-parallel-address:--data-parallel-rpc-port`, where engines of `--headless` hosts
-connect. A local child that dies or fails during start-up is reported with its own error.
+connect. Anyone who reaches it may say HELLO: an engine started here gets a random secret in
+its process arguments and only a HELLO with it is answered; an engine of another host is
+taken on first use (the first HELLO of its rank in that handshake; nothing else can prove
+it). The tokens (`ipc/engine_auth.py`) are what then binds each engine to its connection on
+every front end's request socket. A local child that dies or fails during start-up is
+reported with its own error.
 """
 
 from __future__ import annotations
 
+import hmac
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +33,7 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.dp_coordinator import CoordinatorAddresses, run_dp_coordinator
 from treadle.core.engine_core_proc import Handshake, run_engine_core
+from treadle.ipc.engine_auth import engine_token
 from treadle.ipc.inbound import DropLog, inbound_options
 from treadle.ipc.process import (
     ChildProcess,
@@ -34,7 +43,6 @@ from treadle.ipc.process import (
     wait_for_ready,
 )
 from treadle.ipc.zmq_utils import (
-    engine_rank,
     get_open_zmq_ipc_path,
     get_tcp_uri,
     make_zmq_socket,
@@ -73,6 +81,9 @@ class EngineLauncher:
             self.handshake_address = get_open_zmq_ipc_path()
         self.coordinator: ChildProcess | None = None
         self.engines: list[ChildProcess] = []
+        self.local_ranks = range(self.start_rank, self.start_rank + p.local_engine_count)
+        self._secrets: dict[int, bytes] = {}  # local rank -> its current process's secret
+        self._launches = [0] * p.data_parallel_size  # rank -> its last handshake's number
         self._coordinator_addresses: CoordinatorAddresses | None = None
         try:
             if front_end and p.data_parallel_size > 1:
@@ -87,14 +98,20 @@ class EngineLauncher:
             raise
 
     def _start_engine(self, rank: int) -> ChildProcess:
+        self._secrets[rank] = secret = os.urandom(16)
         return start_process(
             run_engine_core,
             f"EngineCore_DP{rank}",
-            args=(self.config, self.handshake_address, rank, self.shutdown_timeout),
+            args=(self.config, self.handshake_address, rank, self.shutdown_timeout, secret),
         )
 
     def restart_engine(
-        self, rank: int, ctx: zmq.Context[Any], inputs: list[str], outputs: list[str]
+        self,
+        rank: int,
+        ctx: zmq.Context[Any],
+        inputs: list[str],
+        outputs: list[str],
+        keys: list[bytes],
     ) -> ChildProcess:
         """Replace this host's engine core of `rank` (dead, or killed here) by a new process
         of the same config and rank, and run its handshake; returns the new child. Raises as
@@ -105,7 +122,7 @@ class EngineLauncher:
             old.process.kill()
         shutdown_processes([old], timeout=1.0)
         self.engines[i] = new = self._start_engine(rank)
-        self.handshake(ctx, inputs, outputs, ranks=[rank])
+        self.handshake(ctx, inputs, outputs, keys, ranks=[rank])
         return new
 
     def restart_coordinator(self) -> ChildProcess:
@@ -143,12 +160,15 @@ class EngineLauncher:
         ctx: zmq.Context[Any],
         inputs: list[str],
         outputs: list[str],
+        keys: list[bytes],
         watch: Sequence[ChildProcess] = (),
         ranks: Sequence[int] | None = None,
     ) -> dict[int, Handshake]:
         """Give every engine (local or remote; or only those of `ranks`) the front ends' and
-        the coordinator's addresses and wait until each has loaded its model; returns each
-        rank's READY message."""
+        the coordinator's addresses and a token for each front end's `keys` entry, and wait
+        until each has loaded its model; returns each rank's READY message."""
+        if len(keys) != len(inputs):
+            raise ValueError("one key per front end")
         expected = set(range(self.num_engines) if ranks is None else ranks)
         if ranks is not None:  # a restart: only the new processes can fail it
             watch = [*watch, *(self.engines[r - self.start_rank] for r in ranks)]
@@ -162,7 +182,6 @@ class EngineLauncher:
             coordinator_input=coordinator.engine_publish if coordinator else "",
             coordinator_output=coordinator.engine_stats if coordinator else "",
         )
-        reply = msgspec.msgpack.encode(addresses)
         decode = msgspec.msgpack.Decoder(Handshake).decode
         sock = make_zmq_socket(
             ctx, self.handshake_address, zmq.ROUTER, linger=0, options=inbound_options()
@@ -172,6 +191,7 @@ class EngineLauncher:
         poller.register(sock, zmq.POLLIN)
         everyone = ranks is None
         self.watch(poller, watch, everyone)
+        greeted: dict[int, tuple[bytes, bytes]] = {}  # rank -> (its secret, the reply)
         ready: dict[int, Handshake] = {}
         try:
             while set(ready) != expected:
@@ -186,22 +206,41 @@ class EngineLauncher:
                 self.check(poller, events, watch, everyone)
                 if sock in events:
                     frames = sock.recv_multipart()
-                    try:
-                        identity, payload = frames
-                        rank = engine_rank(identity)
+                    try:  # anyone may connect to the handshake socket
+                        peer, payload = frames
                         msg = decode(payload)
-                        if rank not in expected:
+                        rank = msg.rank
+                        if rank not in expected or rank in ready:
                             raise ValueError(f"unexpected engine rank {rank}")
-                    except Exception as e:  # anyone may connect to the handshake socket
+                        if msg.status == "HELLO" and rank not in greeted:
+                            self._check_secret(rank, msg.secret)
+                            self._launches[rank] += 1
+                            launch = self._launches[rank]
+                            tokens = [engine_token(key, rank, launch) for key in keys]
+                            reply = msgspec.structs.replace(addresses, launch=launch, tokens=tokens)
+                            greeted[rank] = (msg.secret, msgspec.msgpack.encode(reply))
+                        elif rank not in greeted:
+                            raise ValueError(f"{msg.status} from engine rank {rank} before HELLO")
+                        if not hmac.compare_digest(msg.secret, greeted[rank][0]):
+                            raise ValueError(f"not the secret of engine rank {rank}'s HELLO")
+                    except Exception as e:
                         drops.drop("Dropped a message on the handshake socket: %s", e)
                         continue
                     if msg.status == "HELLO":
-                        sock.send_multipart([identity, reply])
+                        sock.send_multipart([peer, greeted[rank][1]])
                     elif msg.status == "READY":
                         ready[rank] = msg
         finally:
             sock.close(linger=0)
         return ready
+
+    def _check_secret(self, rank: int, secret: bytes) -> None:
+        """An engine of this host must show the secret its process was started with; one of
+        another host (`--headless`) is taken on first use."""
+        if rank in self.local_ranks and not hmac.compare_digest(
+            secret, self._secrets.get(rank, b"")
+        ):
+            raise ValueError(f"a HELLO for engine rank {rank} without its secret")
 
     def watch(
         self, poller: zmq.Poller, extra: Sequence[ChildProcess] = (), everyone: bool = True

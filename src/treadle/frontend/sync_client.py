@@ -48,8 +48,8 @@ class SyncMPClient(MPClient):
         assert self.output_socket is not None and self.input_socket is not None
         while not self._closed:
             with self._input_lock:
-                while self.input_socket.poll(0):
-                    self._on_stray_request_message(self.input_socket.recv_multipart())
+                while self.input_socket.poll(0):  # (an engine that connected again)
+                    self._admit(self.input_socket.recv_multipart())
             if not self.output_socket.poll(200):
                 continue
             item = self.reader.read(self.output_socket.recv_multipart(copy=False))

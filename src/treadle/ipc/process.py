@@ -44,6 +44,7 @@ __all__ = [
     "ChildProcess",
     "ProcessMonitor",
     "ReadyPipe",
+    "at_parent_death",
     "chain_signal_handlers",
     "describe_exit",
     "get_mp_context",
@@ -264,6 +265,7 @@ def _child_main(
     grace_s: float,
 ) -> None:
     set_process_title(name)
+    _no_named_semaphore_in_tqdm()
     threading.Thread(
         target=_watch_parent, args=(death_reader, grace_s), name="parent-watch", daemon=True
     ).start()
@@ -284,7 +286,29 @@ def _child_main(
         ready.close()
 
 
+def _no_named_semaphore_in_tqdm() -> None:
+    """tqdm guards its bars (the model loader's) with a `multiprocessing.RLock`. In a child
+    started with spawn or forkserver that is a named POSIX semaphore (`/dev/shm/sem.mp-*`),
+    registered with the parent's resource tracker, which a child killed -9 never unlinks:
+    it stays until the parent exits ("resource_tracker: ... 1 leaked semaphore"), or for
+    good if the tracker is killed too. A child's bars are drawn by its own threads only: a
+    thread lock (tqdm's other one) does."""
+    try:
+        from tqdm.std import TqdmDefaultWriteLock
+    except ImportError:
+        return
+    if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        TqdmDefaultWriteLock.mp_lock = None
+
+
 _parent_gone = threading.Event()
+_on_parent_death: list[Callable[[], None]] = []
+
+
+def at_parent_death(fn: Callable[[], None]) -> None:
+    """Run `fn` in this child as soon as its parent is gone (before the SIGTERM that stops
+    it), e.g. to remove what the parent can no longer remove itself."""
+    _on_parent_death.append(fn)
 
 
 def parent_gone() -> bool:
@@ -301,6 +325,11 @@ def _watch_parent(death_reader: Connection, grace_s: float) -> None:
             death_reader.recv_bytes()
     logger.warning("The parent process is gone; exiting.")
     _parent_gone.set()
+    for fn in _on_parent_death:
+        try:
+            fn()
+        except Exception:
+            logger.exception("Cleaning up after the parent failed")
     os.kill(os.getpid(), signal.SIGTERM)  # graceful where a SIGTERM handler is installed
     time.sleep(grace_s)
     os._exit(1)

@@ -170,9 +170,15 @@ class MessageQueue:
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()  # shutdown() writes a byte: wakes poll()
         os.set_blocking(self._wake_w, False)
-        self._close_pipe = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sockets: list[zmq.Socket[Any]] = []
+        # What a queue nobody closed still holds (the context's IO threads, its sockets and
+        # their ipc files, the wake pipe) goes when the queue is collected or, at the latest,
+        # at interpreter exit: a script that builds a queue and returns exits at once.
+        # (`self.buffer` has its own finalizer.)
+        self._release = weakref.finalize(
+            self, _release, self._ctx, self._sockets, (self._wake_r, self._wake_w), os.getpid()
+        )
 
     def _bind_xpub(self, addr: str, hwm: int) -> zmq.Socket[Any]:
         sock = make_zmq_socket(self._ctx, addr, zmq.XPUB, bind=True, linger=_LINGER_MS)
@@ -274,13 +280,9 @@ class MessageQueue:
             return
         self.shutdown()
         self._closed = True
-        for sock in self._sockets:
-            sock.close()
-        self._sockets = []
-        self._ctx.term()
+        self._release()
         if self.buffer is not None:
             self.buffer.close()
-        self._close_pipe()
 
     def __enter__(self) -> MessageQueue:
         return self
@@ -484,7 +486,19 @@ class MessageQueue:
                 return False
 
 
-def _close_fds(*fds: int) -> None:
+def _release(
+    ctx: zmq.Context[Any], sockets: list[zmq.Socket[Any]], fds: tuple[int, ...], pid: int
+) -> None:
+    """Close a queue's sockets (the writer's linger at most `_LINGER_MS`, so this ends),
+    terminate its context (which ends its IO threads) and close its wake pipe. A forked child
+    holds a copy of its parent's queue: it leaves the parent's context and sockets alone."""
+    if os.getpid() == pid:
+        for sock in sockets:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.close()
+        sockets.clear()
+        with contextlib.suppress(zmq.ZMQError):
+            ctx.term()
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -29,6 +29,8 @@ MiB = 1 << 20
 _SHM_DIR = "/dev/shm"
 
 _fence_lock = threading.Lock()
+# Segments whose mapping still had views when they were closed (see `_release`).
+_keep_until_exit: list[shared_memory.SharedMemory] = []
 _attach_lock = threading.Lock()
 
 
@@ -105,8 +107,15 @@ class ShmRingBuffer:
         self.metadata: memoryview = buf[self.metadata_offset : self.total_bytes]
         if self.is_creator:
             self.metadata[:] = bytes(len(self.metadata))
+        # The views go first: a mapping with views left cannot be closed (a `BufferError`
+        # printed at exit by `SharedMemory.__del__`).
         self._finalizer = weakref.finalize(
-            self, _release, self.shared_memory, self.is_creator, os.getpid()
+            self,
+            _release,
+            self.shared_memory,
+            [*self.chunks, self.metadata],
+            self.is_creator,
+            os.getpid(),
         )
 
     @property
@@ -122,23 +131,30 @@ class ShmRingBuffer:
 
     def close(self) -> None:
         """Unmap the segment (and unlink it, in the creator). Idempotent."""
-        for view in self.chunks:
-            view.release()
         self.chunks = []
-        self.metadata.release()
         self._finalizer()
 
 
-def _release(shm: shared_memory.SharedMemory, is_creator: bool, creator_pid: int) -> None:
+def _release(
+    shm: shared_memory.SharedMemory,
+    views: list[memoryview],
+    is_creator: bool,
+    creator_pid: int,
+) -> None:
     # A forked child holds a copy of its parent's ring: only the creating process unlinks.
     if is_creator and os.getpid() == creator_pid:
         with contextlib.suppress(FileNotFoundError):
             shm.unlink()
+    for view in views:
+        with contextlib.suppress(BufferError):  # a slice of it is still exported
+            view.release()
     try:
         shm.close()
     except BufferError:
-        # Someone still holds a view; the mapping goes when the last one does.
+        # Someone still holds a view; the mapping goes when the last one does. Until then
+        # `SharedMemory.__del__` must not try again (it would print the BufferError).
         logger.debug("shared memory %s still has views; not unmapping it now", shm.name)
+        _keep_until_exit.append(shm)
 
 
 def _attach_untracked(name: str) -> shared_memory.SharedMemory:

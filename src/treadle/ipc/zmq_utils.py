@@ -6,9 +6,9 @@
 - Local peers talk over `ipc://$TREADLE_RPC_BASE_PATH/<uuid4>` (socket files mode 0600); remote
   ones over tcp, binding port 0 and reading the real port back from LAST_ENDPOINT, never probing
   for a free port first (that races).
-- Engine identity on the ROUTER/DEALER pair: the DP rank as 2 little-endian bytes. Each message
-  to an engine is `[identity][type byte][msgpack][aux...]`, the type byte an
-  `EngineCoreRequestType`.
+- On the ROUTER/DEALER pair each engine connection has a random routing identity, bound to
+  the engine's DP rank by its first message (`engine_auth.py`). Each message to an engine is
+  `[identity][type byte][msgpack][aux...]`, the type byte an `EngineCoreRequestType`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from treadle.wire.engine import EngineCoreRequestType
 
 __all__ = [
     "EngineCoreRequestType",
-    "engine_identity",
-    "engine_rank",
     "get_bound_address",
     "get_ip",
     "get_open_zmq_ipc_path",
@@ -50,16 +48,6 @@ _IPC_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
 # ipc socket files bound and not removed yet -> the pid that bound them (a forked child must not
 # remove its parent's files). Removed at exit at the latest.
 _bound_ipc_files: dict[str, int] = {}
-
-
-def engine_identity(dp_rank: int) -> bytes:
-    """The DEALER identity of engine `dp_rank`: 2 little-endian bytes (rank 3 -> b"\\x03\\x00")."""
-    return dp_rank.to_bytes(2, "little")
-
-
-def engine_rank(identity: bytes) -> int:
-    """Inverse of `engine_identity`."""
-    return int.from_bytes(identity, "little")
 
 
 def get_open_zmq_ipc_path() -> str:

@@ -1,0 +1,85 @@
+"""Which peer of a front end's request ROUTER is engine core `rank` (issue 28): bound only by
+proof, never by a routing identity anyone can claim.
+
+Every front end (each API server) makes a key, `new_key()`, known only to it and to whoever
+runs its engines' handshake (the launcher in the same process, or the `treadle serve`
+supervisor, which gets it on the API server's ready pipe). Each handshake of engine `rank`
+gets a launch number that grows per rank (`EngineLauncher`), and for each front end
+`engine_token(key, rank, launch)`. The engine's DEALERs connect with a fresh random routing
+identity and send `(rank, launch, token)` first; the front end (`EngineIdentities.admit`)
+binds `rank` to that peer only when the token is right and the launch is not older than the
+one it has:
+
+    launch >  current: a new engine process of that rank (started after a death)
+    launch == current: the same engine, connected again (after a dropped connection)
+    launch <  current, wrong token, unknown rank: refused (the caller logs it)
+
+There is no `ROUTER_HANDOVER`: a peer that claims a bound routing identity is ignored by
+libzmq, and routing identities are random, so that no peer can squat on one either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+__all__ = ["EngineIdentities", "EngineRefusedError", "engine_token", "new_key", "routing_id"]
+
+_KEY_BYTES = 32
+
+
+def new_key() -> bytes:
+    return os.urandom(_KEY_BYTES)
+
+
+def routing_id() -> bytes:
+    """A fresh routing identity for one DEALER connection of an engine core."""
+    return os.urandom(16)
+
+
+def engine_token(key: bytes, rank: int, launch: int) -> bytes:
+    """What launch `launch` of engine `rank` shows the front end that owns `key`."""
+    msg = b"treadle-engine:%d:%d" % (rank, launch)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+class EngineRefusedError(ValueError):
+    """A peer's claim to be an engine core was refused (the message says why)."""
+
+
+class EngineIdentities:
+    """The front end's map: engine rank -> the routing identity of its current connection."""
+
+    def __init__(self, key: bytes, num_engines: int) -> None:
+        self.key = key
+        self.num_engines = num_engines
+        self._routes: list[bytes] = [b""] * num_engines  # b"": not connected (sends drop)
+        self._launches = [0] * num_engines
+
+    def admit(self, routing: bytes, rank: int, launch: int, token: bytes) -> bool:
+        """Bind `rank` to the peer `routing` if it proves it is that engine; returns whether it
+        is a new launch (False: the same engine connected again). Raises
+        `EngineRefusedError` otherwise, and changes nothing."""
+        if not 0 <= rank < self.num_engines:
+            raise EngineRefusedError(f"unknown engine rank {rank} ({self.num_engines} engines)")
+        if not hmac.compare_digest(token, engine_token(self.key, rank, launch)):
+            raise EngineRefusedError(f"a wrong or missing token for engine rank {rank}")
+        current = self._launches[rank]
+        if launch < current:
+            raise EngineRefusedError(
+                f"launch {launch} of engine rank {rank} is older than the current one ({current})"
+            )
+        self._routes[rank] = routing
+        self._launches[rank] = launch
+        return launch > current
+
+    def identity(self, rank: int) -> bytes:
+        return self._routes[rank]
+
+    def launch(self, rank: int) -> int:
+        return self._launches[rank]
+
+    @property
+    def connected(self) -> int:
+        return sum(1 for r in self._routes if r)
