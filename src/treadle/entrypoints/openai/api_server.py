@@ -319,8 +319,8 @@ def run_api_server_worker(
 ) -> None:
     """Process entry of API server `client_index` of several (`--api-server-count`).
 
-    Binds its own ROUTER/PULL pair, hands their addresses to the supervisor through the ready
-    pipe (the supervisor runs the engines' handshake), waits for every engine, then serves
+    Binds its own ROUTER/PULL pair, hands their addresses and its engine key to the supervisor
+    through the ready pipe (the supervisor runs the engines' handshake), waits for every engine, then serves
     HTTP on the shared socket `sock`."""
 
     def leave(signum: int, frame: Any) -> None:  # until uvicorn handles signals itself
