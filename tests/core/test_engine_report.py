@@ -1,4 +1,4 @@
-"""The engine core's part of `GET /topology`: `StepMeter`'s rates, and the `get_topology`
+"""The engine core's part of `GET /topology`: the `get_topology`
 utility on a real (in-process) engine core, through the wire encoding."""
 
 from __future__ import annotations
@@ -10,31 +10,9 @@ import msgspec
 import pytest
 
 from treadle import LLM, SamplingParams
-from treadle.core.engine_report import RATE_WINDOW_S, StepMeter
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.wire.engine import UtilityOutput
 from treadle.wire.topology import EngineReport
-
-
-def test_step_meter_averages_over_the_window() -> None:
-    meter = StepMeter()
-    assert meter.rates(now=100.0) == (0.0, 0.0, 0.0)
-    for i in range(40):  # 10 steps/s for 4 s, 8 scheduled and 2 generated tokens each
-        meter.on_step(8, 2, now=100.0 + i / 10)
-    steps, scheduled, generated = meter.rates(now=104.0)
-    assert steps == pytest.approx(10.0)
-    assert scheduled == pytest.approx(80.0)
-    assert generated == pytest.approx(20.0)
-    assert (meter.steps, meter.scheduled_tokens, meter.generated_tokens) == (40, 320, 80)
-
-
-def test_step_meter_covers_the_burst_after_an_idle_spell() -> None:
-    meter = StepMeter()
-    meter.on_step(1, 1, now=0.0)
-    for i in range(10):  # a minute later: 20 steps/s for half a second
-        meter.on_step(1, 1, now=60.0 + i / 20)
-    assert meter.rates(now=60.5)[0] == pytest.approx(20.0)
-    assert meter.rates(now=60.5 + RATE_WINDOW_S + 1) == (0.0, 0.0, 0.0)  # idle again: none
 
 
 @pytest.fixture(scope="module")

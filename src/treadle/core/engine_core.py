@@ -13,11 +13,11 @@ from typing import Any
 
 from treadle import envs
 from treadle.config import EngineConfig, resolve_model
-from treadle.core.engine_report import StepMeter, engine_report
+from treadle.core.engine_report import engine_report
+from treadle.core.engine_stats import PeriodicStats, StepMeter, kv_cache_lines
+from treadle.core.grammar_matchers import GrammarMatchers
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
-from treadle.core.stats_log import PeriodicStats, kv_cache_lines
-from treadle.core.structured_output import StructuredOutputManager
 from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
@@ -66,7 +66,7 @@ class EngineCore:
             config.scheduler, config.cache, self.num_blocks, self.max_model_len
         )
         # Structured-output requests wait here while their grammar compiles (in a thread).
-        self.structured = StructuredOutputManager(config.model.model, self.vocab_size)
+        self.grammars = GrammarMatchers(config.model.model, self.vocab_size)
         self._compiling: list[tuple[Request, Future[Any]]] = []
         self._crash_token = envs.test_crash_on_token()
         # Set by the engine core process: aborts that arrive during a forward pass are applied
@@ -103,7 +103,7 @@ class EngineCore:
             if so is None:
                 self.scheduler.add_request(req)
             else:
-                self._compiling.append((req, self.structured.submit(so)))
+                self._compiling.append((req, self.grammars.submit(so)))
         except InvalidRequest as e:
             self.refuse(request.request_id, request.client_index, str(e))
         except Exception as e:  # a bug, not the client's fault; still only this request's
@@ -195,7 +195,7 @@ class EngineCore:
             grammar_rows = self.scheduler.grammar_rows(sched)
             if grammar_rows:
                 sched.grammar_request_ids = [r.request_id for r in grammar_rows]
-                sched.grammar_bitmask = self.structured.bitmask([r.grammar for r in grammar_rows])
+                sched.grammar_bitmask = self.grammars.bitmask([r.grammar for r in grammar_rows])
             result = self.executor.execute_model(sched)
             self.meter.on_step(sched.total_num_scheduled_tokens, len(result.sampled))
             self._apply_eager_aborts()
@@ -258,7 +258,7 @@ class EngineCore:
         return True
 
     def shutdown(self) -> None:
-        self.structured.shutdown()
+        self.grammars.shutdown()
         self.executor.shutdown()
 
 

@@ -1,12 +1,10 @@
 """The engine core's part of `GET /topology` (the `get_topology` utility call): its process, its
 workers' (same host: psutil), the channels it holds, its load, and its step rates
-(`StepMeter`, fed by `EngineCore.step`)."""
+(`core/engine_stats.py:StepMeter`, fed by `EngineCore.step`)."""
 
 from __future__ import annotations
 
-import collections
 import os
-import time
 from typing import TYPE_CHECKING
 
 from treadle.executor.multiproc import MultiprocExecutor
@@ -16,50 +14,6 @@ from treadle.wire.topology import EngineChannels, EngineReport, ProcessInfo, Que
 
 if TYPE_CHECKING:
     from treadle.core.engine_core import EngineCore
-
-RATE_WINDOW_S = 5.0
-"""Step and token rates are averaged over about this long."""
-_SAMPLE_EVERY_S = 0.25
-
-
-class StepMeter:
-    """Counts steps and tokens; `rates()` averages them over the last `RATE_WINDOW_S`.
-
-    `on_step` costs two additions and a clock read; it stores a sample (the counts before
-    the step) at most every `_SAMPLE_EVERY_S`. The rates run from the oldest sample inside
-    the window to now, so after an idle spell they cover the burst since work resumed."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.scheduled_tokens = 0
-        self.generated_tokens = 0
-        # (monotonic time, steps, scheduled tokens, generated tokens)
-        self._samples: collections.deque[tuple[float, int, int, int]] = collections.deque()
-
-    def on_step(
-        self, scheduled_tokens: int, generated_tokens: int, now: float | None = None
-    ) -> None:
-        now = time.monotonic() if now is None else now
-        if not self._samples or now - self._samples[-1][0] >= _SAMPLE_EVERY_S:
-            self._samples.append((now, self.steps, self.scheduled_tokens, self.generated_tokens))
-            while now - self._samples[0][0] > RATE_WINDOW_S:
-                self._samples.popleft()
-        self.steps += 1
-        self.scheduled_tokens += scheduled_tokens
-        self.generated_tokens += generated_tokens
-
-    def rates(self, now: float | None = None) -> tuple[float, float, float]:
-        """(steps/s, scheduled tokens/s, generated tokens/s)."""
-        now = time.monotonic() if now is None else now
-        for t, steps, scheduled, generated in self._samples:
-            if now - t <= RATE_WINDOW_S:
-                span = max(now - t, _SAMPLE_EVERY_S)
-                return (
-                    (self.steps - steps) / span,
-                    (self.scheduled_tokens - scheduled) / span,
-                    (self.generated_tokens - generated) / span,
-                )
-        return 0.0, 0.0, 0.0
 
 
 def queue_info(handle: Handle) -> QueueInfo | None:

@@ -20,10 +20,10 @@ from treadle.frontend.async_client import AsyncMPClient
 from treadle.frontend.core_client import AttachTo, EngineDeadError, RequestKilledEngineError
 from treadle.frontend.engine_restarts import POISON_REASON
 from treadle.frontend.input_processor import InputProcessor
-from treadle.frontend.live_stats import LatencyWindow
 from treadle.frontend.metrics import StatLogger
 from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
-from treadle.frontend.request_stats import RequestStatsTable
+from treadle.frontend.request_stats import LatencyWindow, RequestStatsTable
+from treadle.ipc.zmq_utils import get_bound_address
 from treadle.logger import init_logger
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
@@ -221,6 +221,32 @@ class AsyncLLM:
             self.client.call_utility("get_stats", engine=e) for e in range(self.client.num_engines)
         ]
         return list(await asyncio.gather(*calls))
+
+    # -- what /topology and the dashboard read (`frontend/topology.py:Engines`) ---------------
+
+    def shown_states(self) -> list[str]:
+        """Each engine's state as `/topology` and the dashboard show it."""
+        client = self.client
+        if client.dead_reason is not None:
+            return ["dead"] * client.num_engines
+        restarts = client.restarts
+        return [
+            "lost"
+            if s == "lost"
+            else "restarting"
+            if s == "restarting"
+            else "stalled"
+            if restarts.stalled[r]
+            else "ready"  # (up, or resuming: it takes requests and makes progress)
+            for r, s in enumerate(restarts.states)
+        ]
+
+    async def topology_report(self, rank: int) -> Any:
+        return await self.client.call_utility("get_topology", engine=rank)
+
+    def coordinator_address(self) -> str:
+        sock = self.client.coordinator_socket
+        return get_bound_address(sock) if sock is not None else ""
 
     # -- health: /health (liveness) and /health/ready (readiness) --------------------------
     #

@@ -12,10 +12,17 @@ sends them with the first token (`EngineCoreOutput.queue_time`, `prefill_time`);
 time runs from the engine timestamp of the outputs that carried the first token to that of
 the last one (`EngineCoreOutputs.timestamp`), so preemptions fall inside the phase in which
 they happened. Inference time = prefill + decode.
+
+`LatencyWindow` keeps each engine's TTFT and TPOT of about the last minute from the same
+`IterationStats`, for the dashboard's live numbers. With several API servers each one sees
+only the requests it serves.
 """
 
 from __future__ import annotations
 
+import collections
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from treadle.wire.engine import EngineCoreOutput, FinishReason
@@ -180,3 +187,68 @@ class RequestStatsTable:
                 it.update_from_finished(stats, str(reason))
                 del self._by_child[out.request_id]
         return it
+
+
+# -- the dashboard's recent latencies --------------------------------------------------------
+
+WINDOW_S = 60.0
+"""Percentiles cover the requests of about the last minute."""
+MAX_SAMPLES = 4096
+"""... and at most this many of them per engine."""
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between ranks, as numpy's
+    default; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+class RollingWindow:
+    """Samples of the last `window_s` seconds (at most `max_samples`)."""
+
+    def __init__(self, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=max_samples
+        )
+
+    def add(self, value: float, now: float) -> None:
+        self._samples.append((now, value))
+
+    def values(self, now: float) -> list[float]:
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+        return [v for _, v in self._samples]
+
+
+class LatencyWindow:
+    """Per engine: time to first token (at the first token) and time per output token after
+    the first (at the end of a request) of recent requests."""
+
+    def __init__(self, num_engines: int, window_s: float = WINDOW_S) -> None:
+        self.ttft = [RollingWindow(window_s) for _ in range(num_engines)]
+        self.tpot = [RollingWindow(window_s) for _ in range(num_engines)]
+
+    def observe(self, engine: int, it: IterationStats) -> None:
+        """One batch of the engine's outputs, as `RequestStatsTable.iteration` saw it."""
+        for ttft in it.time_to_first_tokens:
+            self.ttft[engine].add(ttft, it.now)
+        for done in it.finished_requests:
+            if done.num_generation_tokens > 1 and done.mean_time_per_output_token is not None:
+                self.tpot[engine].add(done.mean_time_per_output_token, it.now)
+
+    def summary(self, engine: int, now: float) -> dict[str, float | int | None]:
+        ttft = self.ttft[engine].values(now)
+        tpot = self.tpot[engine].values(now)
+        out: dict[str, float | int | None] = {"ttft_count": len(ttft), "tpot_count": len(tpot)}
+        for name, values in (("ttft", ttft), ("tpot", tpot)):
+            for q in (50, 99):
+                value = percentile(values, q)
+                out[f"{name}_p{q}"] = None if math.isnan(value) else value
+        return out

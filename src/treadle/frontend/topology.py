@@ -11,7 +11,8 @@ Two sources, merged by (host, pid):
   host appears), the endpoints it holds, its shared-memory queues and its load.
 
 `build_topology` is a pure function of those inputs (tests feed it made-up ones); `collect`
-gathers them. A process's id in `channels` is `"host:pid"`.
+gathers them through `Engines`, the little this module and the dashboard need of the API
+server's engine client (`AsyncLLM` is one). A process's id in `channels` is `"host:pid"`.
 """
 
 from __future__ import annotations
@@ -21,24 +22,39 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from treadle.ipc.proc_info import host_name, parent_title, parse_title, process_info, treadle_tree
-from treadle.ipc.zmq_utils import get_bound_address
 from treadle.logger import init_logger
 from treadle.wire.topology import EngineReport, ProcessInfo, QueueInfo
-
-if TYPE_CHECKING:
-    from treadle.frontend.async_llm import AsyncLLM
 
 logger = init_logger(__name__)
 
 REPORT_TIMEOUT_S = 3.0
 """An engine answers between two steps; one that takes longer is reported without details."""
 
-STATES = ("starting", "ready", "stalled", "restarting", "dead")
+STATES = ("starting", "ready", "stalled", "restarting", "lost", "dead")
+
+
+class Engines(Protocol):
+    """What `/topology` and the dashboard read of this API server's engines."""
+
+    @property
+    def client_index(self) -> int: ...
+
+    def shown_states(self) -> list[str]:
+        """Per DP rank, one of STATES (never "starting": the engine's processes are)."""
+        ...
+
+    async def topology_report(self, rank: int) -> Any:
+        """The engine's answer to `get_topology` (raises if it cannot answer)."""
+        ...
+
+    def coordinator_address(self) -> str:
+        """The DP coordinator's XPUB that the API servers SUB to ("" without one)."""
+        ...
 
 
 @dataclass
@@ -57,25 +73,7 @@ def node_id(p: ProcessInfo) -> str:
     return f"{p.host}:{p.pid}"
 
 
-def engine_states(llm: AsyncLLM) -> list[str]:
-    """Each engine's state as this API server sees it (`frontend/engine_restarts.py`)."""
-    client = llm.client
-    if client.dead_reason is not None:
-        return ["dead"] * client.num_engines
-    restarts = client.restarts
-    return [
-        "lost"
-        if s == "lost"
-        else "restarting"
-        if s == "restarting"
-        else "stalled"
-        if restarts.stalled[r]
-        else "ready"  # (up, or resuming: it takes requests and makes progress)
-        for r, s in enumerate(restarts.states)
-    ]
-
-
-async def engine_reports(llm: AsyncLLM, states: Sequence[str]) -> list[EngineReport | None]:
+async def engine_reports(engines: Engines, states: Sequence[str]) -> list[EngineReport | None]:
     """Every engine's `get_topology` answer (None for one that is down or does not answer
     within REPORT_TIMEOUT_S)."""
 
@@ -83,9 +81,7 @@ async def engine_reports(llm: AsyncLLM, states: Sequence[str]) -> list[EngineRep
         if states[rank] in ("restarting", "dead", "lost"):
             return None
         try:
-            raw = await asyncio.wait_for(
-                llm.client.call_utility("get_topology", engine=rank), REPORT_TIMEOUT_S
-            )
+            raw = await asyncio.wait_for(engines.topology_report(rank), REPORT_TIMEOUT_S)
             return msgspec.convert(raw, EngineReport)
         except Exception as e:  # dead, restarting or busy: reported as such
             logger.debug("No topology report from engine core %d: %r", rank, e)
@@ -108,23 +104,21 @@ def local_processes(client_index: int) -> list[ProcessInfo]:
     return local
 
 
-async def front_end(llm: AsyncLLM) -> FrontEnd:
-    me = os.getpid()
-    local = await asyncio.to_thread(local_processes, llm.client_index)
-    sock = llm.client.coordinator_socket
+async def front_end(engines: Engines) -> FrontEnd:
+    local = await asyncio.to_thread(local_processes, engines.client_index)
     return FrontEnd(
-        pid=me,
+        pid=os.getpid(),
         host=host_name(),
-        client_index=llm.client_index,
+        client_index=engines.client_index,
         local=local,
-        engine_states=engine_states(llm),
-        coordinator_front=get_bound_address(sock) if sock is not None else "",
+        engine_states=engines.shown_states(),
+        coordinator_front=engines.coordinator_address(),
     )
 
 
-async def collect(llm: AsyncLLM) -> dict[str, Any]:
-    fe = await front_end(llm)
-    reports = await engine_reports(llm, fe.engine_states)
+async def collect(engines: Engines) -> dict[str, Any]:
+    fe = await front_end(engines)
+    reports = await engine_reports(engines, fe.engine_states)
     return build_topology(fe, reports)
 
 

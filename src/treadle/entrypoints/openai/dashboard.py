@@ -20,8 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from treadle.frontend.async_llm import AsyncLLM
-from treadle.frontend.live_stats import snapshot
-from treadle.frontend.topology import collect
+from treadle.frontend.topology import collect, engine_entry, engine_reports
 
 EVENT_INTERVAL_S = 1.0
 KEYED_PATHS = ("/topology", "/dashboard/events")
@@ -30,6 +29,22 @@ KEYED_PATHS = ("/topology", "/dashboard/events")
 
 def dashboard_page() -> str:
     return resources.files(__package__).joinpath("dashboard.html").read_text(encoding="utf-8")
+
+
+async def snapshot(engine: AsyncLLM) -> dict[str, Any]:
+    """One event of the stream: every engine's load (its `get_topology` report) and this API
+    server's TTFT and TPOT percentiles of about the last minute (`LatencyWindow`; with several
+    API servers, the latency figures are those of the one that sends the event,
+    `api_server`)."""
+    states = engine.shown_states()
+    reports = await engine_reports(engine, states)
+    now = time.monotonic()
+    engines = []
+    for rank, state in enumerate(states):
+        entry = engine_entry(rank, state, reports[rank])
+        entry.update(engine.latencies.summary(rank, now))
+        engines.append(entry)
+    return {"time": time.time(), "api_server": engine.client_index, "engines": engines}
 
 
 async def event_stream(engine: AsyncLLM, interval: float = EVENT_INTERVAL_S) -> AsyncIterator[str]:

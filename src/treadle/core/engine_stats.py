@@ -1,10 +1,11 @@
-"""The engine core's log lines about its own work (it sees every request, whichever API server
-sent it): the KV cache at start-up, and vLLM's periodic stats line, every
+"""The engine core's numbers about its own work (it sees every request, whichever API server
+sent it): the KV cache lines at start-up; vLLM's periodic stats line, every
 `LOG_STATS_INTERVAL_S` while the engine has work and once just after (`--disable-log-stats`
-turns it off)."""
+turns it off); and the step and token rates of `GET /topology` (`StepMeter`)."""
 
 from __future__ import annotations
 
+import collections
 import time
 
 from treadle.core.scheduler import Scheduler
@@ -87,3 +88,48 @@ class PeriodicStats:
         parts.append(f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%")
         parts.append(f"Prefix cache hit rate: {hit_rate:.1f}%")
         return f"Engine {self.engine_index:03d}: " + ", ".join(parts)
+
+
+RATE_WINDOW_S = 5.0
+"""Step and token rates are averaged over about this long."""
+_SAMPLE_EVERY_S = 0.25
+
+
+class StepMeter:
+    """Counts steps and tokens; `rates()` averages them over the last `RATE_WINDOW_S`.
+
+    `on_step` costs two additions and a clock read; it stores a sample (the counts before
+    the step) at most every `_SAMPLE_EVERY_S`. The rates run from the oldest sample inside
+    the window to now, so after an idle spell they cover the burst since work resumed."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.scheduled_tokens = 0
+        self.generated_tokens = 0
+        # (monotonic time, steps, scheduled tokens, generated tokens)
+        self._samples: collections.deque[tuple[float, int, int, int]] = collections.deque()
+
+    def on_step(
+        self, scheduled_tokens: int, generated_tokens: int, now: float | None = None
+    ) -> None:
+        now = time.monotonic() if now is None else now
+        if not self._samples or now - self._samples[-1][0] >= _SAMPLE_EVERY_S:
+            self._samples.append((now, self.steps, self.scheduled_tokens, self.generated_tokens))
+            while now - self._samples[0][0] > RATE_WINDOW_S:
+                self._samples.popleft()
+        self.steps += 1
+        self.scheduled_tokens += scheduled_tokens
+        self.generated_tokens += generated_tokens
+
+    def rates(self, now: float | None = None) -> tuple[float, float, float]:
+        """(steps/s, scheduled tokens/s, generated tokens/s)."""
+        now = time.monotonic() if now is None else now
+        for t, steps, scheduled, generated in self._samples:
+            if now - t <= RATE_WINDOW_S:
+                span = max(now - t, _SAMPLE_EVERY_S)
+                return (
+                    (self.steps - steps) / span,
+                    (self.scheduled_tokens - scheduled) / span,
+                    (self.generated_tokens - generated) / span,
+                )
+        return 0.0, 0.0, 0.0

@@ -1,4 +1,5 @@
-"""The engine core's side of structured outputs: compile each constrained request's matcher
+"""The engine core's grammar matchers (its side of structured outputs; the grammars themselves
+are `treadle/structured_outputs.py`): compile each constrained request's matcher
 in a thread (never on the busy loop), fill one bitmask per step for the constrained requests
 that sample in it, and advance their matchers with the sampled tokens.
 
@@ -21,7 +22,9 @@ from treadle.structured_outputs import GrammarCompiler, fill_bitmask
 logger = init_logger(__name__)
 
 
-class StructuredOutputManager:
+class GrammarMatchers:
+    """Matchers compiled in the `treadle-grammar` thread, and each step's bitmask."""
+
     def __init__(self, model: str | None, vocab_size: int) -> None:
         self.model = model
         self.vocab_size = vocab_size

@@ -1,10 +1,13 @@
-"""The engine core's log lines: the KV cache at start-up and the periodic stats line, which
-comes every interval while the engine has work, once just after, and never while idle."""
+"""The engine core's numbers about itself: the KV cache lines at start-up, the periodic stats
+line, which comes every interval while the engine has work, once just after, and never while
+idle, and `StepMeter`'s rates."""
 
 from collections.abc import Callable
 
+import pytest
+
 from treadle import LLM, SamplingParams
-from treadle.core.stats_log import PeriodicStats, kv_cache_lines
+from treadle.core.engine_stats import RATE_WINDOW_S, PeriodicStats, StepMeter, kv_cache_lines
 from treadle.wire.engine import SchedulerStats
 
 
@@ -75,3 +78,24 @@ def test_the_offline_llm_logs_no_stats_and_the_scheduler_counts_tokens(
     llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)
     assert core.scheduler.prompt_tokens_total == 7
     assert core.scheduler.generation_tokens_total == 10
+
+
+def test_step_meter_averages_over_the_window() -> None:
+    meter = StepMeter()
+    assert meter.rates(now=100.0) == (0.0, 0.0, 0.0)
+    for i in range(40):  # 10 steps/s for 4 s, 8 scheduled and 2 generated tokens each
+        meter.on_step(8, 2, now=100.0 + i / 10)
+    steps, scheduled, generated = meter.rates(now=104.0)
+    assert steps == pytest.approx(10.0)
+    assert scheduled == pytest.approx(80.0)
+    assert generated == pytest.approx(20.0)
+    assert (meter.steps, meter.scheduled_tokens, meter.generated_tokens) == (40, 320, 80)
+
+
+def test_step_meter_covers_the_burst_after_an_idle_spell() -> None:
+    meter = StepMeter()
+    meter.on_step(1, 1, now=0.0)
+    for i in range(10):  # a minute later: 20 steps/s for half a second
+        meter.on_step(1, 1, now=60.0 + i / 20)
+    assert meter.rates(now=60.5)[0] == pytest.approx(20.0)
+    assert meter.rates(now=60.5 + RATE_WINDOW_S + 1) == (0.0, 0.0, 0.0)  # idle again: none
