@@ -268,8 +268,9 @@ class AsyncMPClient(MPClient):
             found = {what for when, what in self._exits if now - when < _EXIT_EXPLAINS_S}
             if self.launcher is not None:
                 for child in self.launcher.engines:
-                    if child.exitcode is not None:
-                        found.add(f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+                    code = child.exitcode  # once: a restart may swap the process meanwhile
+                    if code is not None:
+                        found.add(f"{child.describe()} exited: {describe_exit(code)}")
             else:
                 for rank in self.local_ranks:
                     pid = self.engine_pids[rank]
