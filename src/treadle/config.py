@@ -138,7 +138,7 @@ class ParallelConfig:
     data_parallel_rpc_port: int | None = None
     """Port of the front end's handshake socket, which engines on other hosts connect to."""
     cpu_threads: int | None = None
-    """CPU threads each engine core (or TP worker) runs the model with; default: this host's cores divided among its engine cores and TP workers (TREADLE_CPU_THREADS sets it too)."""
+    """CPU threads each engine core (or TP worker) runs the model with; default: the cores this process may use (affinity, cgroup quota) divided among its engine cores and TP workers (TREADLE_CPU_THREADS sets it too)."""
 
     @property
     def world_size(self) -> int:
@@ -155,7 +155,11 @@ class ParallelConfig:
         chosen = self.cpu_threads or envs.cpu_threads()
         if chosen:
             return chosen
-        return max(1, (os.cpu_count() or 1) // (self.local_engine_count * self.world_size))
+        return max(1, envs.usable_cpus() // (self.local_engine_count * self.world_size))
+
+    def threads_pinned(self) -> bool:
+        """The user chose the thread count; else it follows free cores (worker/cpu_share.py)."""
+        return bool(self.cpu_threads or envs.cpu_threads())
 
     @property
     def multi_node(self) -> bool:

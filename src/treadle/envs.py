@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -87,6 +88,45 @@ def cpu_isa() -> str | None:
     """Force the CPU kernels' ISA level (avx512, avx2, portable); unset: the CPU's best."""
     value = os.environ.get("TREADLE_CPU_ISA", "").strip().lower()
     return value or None
+
+
+def usable_cpus(root: str = "/") -> int:
+    """CPUs this process may use: its affinity set, capped by its cgroup's CPU quota
+    (cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), rounded up."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _cgroup_cpu_quota(root)
+    if quota is not None:
+        return max(1, min(count or 1, math.ceil(quota)))
+    return count or 1
+
+
+def _cgroup_cpu_quota(root: str) -> float | None:
+    """The cgroup CPU quota in CPUs, or None: none set, or not readable."""
+    base = os.path.join(root, "sys", "fs", "cgroup")
+    try:
+        with open(os.path.join(root, "proc", "self", "cgroup")) as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if controllers == "":  # v2: "0::/path"
+                name = os.path.join(base, rel, "cpu.max")
+                if os.path.exists(name):
+                    with open(name) as f:
+                        limit, period = f.read().split()
+                    return None if limit == "max" else int(limit) / int(period)
+            elif "cpu" in controllers.split(","):  # v1
+                d = os.path.join(base, "cpu", rel)
+                if not os.path.exists(d):
+                    d = os.path.join(base, "cpu")
+                with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
+                    limit_us = int(f.read())
+                with open(os.path.join(d, "cpu.cfs_period_us")) as f:
+                    period_us = int(f.read())
+                return None if limit_us <= 0 else limit_us / period_us
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def cpu_threads() -> int | None:

@@ -15,6 +15,7 @@ from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch
 from treadle.model.loader import load_model, read_arch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.cpu_share import ThreadGovernor
 from treadle.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -162,6 +163,11 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
         self.runner: ModelRunner | None = None
+        parallel = config.parallel
+        self.threads = ThreadGovernor(
+            parallel.model_threads(),
+            pinned=self.device.type != "cpu" or parallel.threads_pinned(),
+        )
 
     def load_model(self) -> None:
         logger.info("Loading %s (%s, %s)", self.source.path, self.dtype, self.device)
@@ -201,4 +207,6 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
-        return self.runner.execute_model(sched)
+        output = self.runner.execute_model(sched)
+        self.threads.after_step()
+        return output
