@@ -60,6 +60,7 @@ bench: install bench-peers
 	$(BIN)/python benchmarks/peer_bench.py --isa native
 	$(BIN)/python benchmarks/peer_bench.py --isa avx2
 	$(BIN)/python benchmarks/serve_bench.py
+	$(BIN)/python benchmarks/noisy_neighbour.py
 	$(BIN)/python benchmarks/structured_bench.py
 	$(BIN)/python benchmarks/ipc.py
 	$(BIN)/python benchmarks/tp_bench.py

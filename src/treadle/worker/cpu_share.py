@@ -16,6 +16,10 @@ share and a whole core idle for `GROW_AFTER` windows in a row: one more. A neigh
 and goes makes it wait longer before it grows again (`hold`, doubled up to `MAX_HOLD_S`).
 Each change is logged. Where /proc is not Linux's, nothing changes.
 
+While they wait for each other, the threads spin briefly and then sleep: libgomp's default
+(`GOMP_SPINCOUNT` 300,000 spins, 1,000 once there are more threads than CPUs; then a futex),
+which `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment change as usual.
+
 A change of thread count changes outputs no more than a change of batch does: oneDNN blocks a
 GEMM differently per thread count (logprobs move in the last bits, tests/worker/
 test_cpu_share.py checks 1 against 2 threads); the GGUF kernels split by output column only.
