@@ -17,7 +17,7 @@ and goes makes it wait longer before it grows again (`hold`, doubled up to `MAX_
 Each change is logged. Where /proc is not Linux's, nothing changes.
 
 While they wait for each other, the threads spin briefly and then sleep: libgomp's default
-(`GOMP_SPINCOUNT` 300,000 spins, 1,000 once there are more threads than CPUs; then a futex),
+(`GOMP_SPINCOUNT` 300,000 spins, 100 once there are more threads than CPUs; then a futex),
 which `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment change as usual.
 
 A change of thread count changes outputs no more than a change of batch does: oneDNN blocks a
