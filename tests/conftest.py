@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,3 +83,24 @@ def default_model_path() -> str:
     from treadle.config import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture
+def check_request_calls(monkeypatch: pytest.MonkeyPatch) -> list[Sequence[int]]:
+    """The prompt of every call to `validation.check_request` in this process from now on
+    (wherever it is called from: every loaded module that holds it by name gets the spy), for
+    tests that a request is checked once per process (issue 25 item 7)."""
+    from treadle import validation
+
+    calls: list[Sequence[int]] = []
+    original = validation.check_request
+
+    def spy(prompt_token_ids: Sequence[int], *args: Any, **kwargs: Any) -> None:
+        calls.append(prompt_token_ids)
+        original(prompt_token_ids, *args, **kwargs)
+
+    for module in list(sys.modules.values()):
+        # (its __dict__, not getattr: a module's __getattr__ may import or warn)
+        if getattr(module, "__dict__", {}).get("check_request") is original:
+            monkeypatch.setattr(module, "check_request", spy)
+    return calls

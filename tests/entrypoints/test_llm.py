@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -233,6 +233,19 @@ def test_params_the_model_cannot_take_raise_before_anything_runs(llm: LLM) -> No
         assert info.value.param == field
     stats = llm.get_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)
+
+
+def test_each_prompt_is_checked_once_in_this_process(
+    llm: LLM, check_request_calls: list[Sequence[int]]
+) -> None:
+    """`InputProcessor.prepare` checks a prompt once for all its samples; the engine core's own
+    check runs in its process."""
+    params = SamplingParams(n=3, seed=1, max_tokens=2, truncate_prompt_tokens=2)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, "b"], params, use_tqdm=False)
+    assert [len(out.outputs) for out in outs] == [3, 3]
+    assert len(check_request_calls) == 2 and check_request_calls[0] == [6, 7]
+    list(llm.stream("c", GREEDY))
+    assert len(check_request_calls) == 3
 
 
 def test_a_bad_request_sent_straight_to_the_engine_process_is_refused_alone(llm: LLM) -> None:

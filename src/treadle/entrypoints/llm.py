@@ -13,8 +13,8 @@ from treadle.config import resolve_model
 from treadle.engine_args import EngineArgs
 from treadle.entrypoints.openai.protocol import template_message
 from treadle.executor.multiproc import check_parallel_layout
-from treadle.frontend.input_processor import InputProcessor, PromptType
-from treadle.frontend.output_processor import OutputProcessor, child_params
+from treadle.frontend.input_processor import InputProcessor, PreparedRequest, PromptType
+from treadle.frontend.output_processor import OutputProcessor
 from treadle.frontend.sync_client import InprocClient, SyncMPClient
 from treadle.logger import init_logger
 from treadle.model.loader import read_arch
@@ -106,20 +106,15 @@ class LLM:
         prompt_list = _as_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
         priorities = priority or [0] * len(prompt_list)
-        # Validate everything before queueing anything: a bad prompt leaves the engine as it was.
+        # Prepare everything before queueing anything: a bad prompt leaves the engine as it was.
         tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
-        ids = [str(next(self._ids)) for _ in prompt_list]
-        requests = []
-        for rid, (text, tokens), params, prio in zip(
-            ids, tokenized, params_list, priorities, strict=True
-        ):
-            cut = _truncated(tokens, params)
-            if len(cut) < len(tokens):
-                text = None  # the text no longer matches the tokens
-            requests.append((rid, text, cut, params, prio))
-            self.input_processor.check(cut, params, prio)
-        for rid, text, tokens, params, prio in requests:
-            self._add(rid, text, tokens, params, prio)
+        requests = [
+            self.input_processor.prepare(str(next(self._ids)), text, tokens, params, prio)
+            for (text, tokens), params, prio in zip(tokenized, params_list, priorities, strict=True)
+        ]
+        for request in requests:
+            self._add(request)
+        ids = [request.request_id for request in requests]
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             for out in self._run():
@@ -158,21 +153,15 @@ class LLM:
         """Yield the growing output of one prompt after every step (the CLI streams with it)."""
         params = sampling_params or self.get_default_sampling_params()
         text, tokens = self.input_processor.tokenize(prompt)
-        tokens = _truncated(tokens, params)
-        rid = str(next(self._ids))
-        self.input_processor.check(tokens, params)
-        self._add(rid, text, tokens, params, 0)
+        self._add(self.input_processor.prepare(str(next(self._ids)), text, tokens, params))
         yield from self._run()
 
-    def _add(
-        self, rid: str, text: str | None, tokens: list[int], params: SamplingParams, prio: int
-    ) -> None:
-        child_ids = self.output_processor.add_request(rid, text, tokens, params)
-        for index, child_id in enumerate(child_ids):
-            request = self.input_processor.process(
-                child_id, tokens, child_params(params, index), prio
-            )
-            self.engine.add_request(request)
+    def _add(self, request: PreparedRequest) -> None:
+        self.output_processor.add_request(
+            request.request_id, request.prompt, request.prompt_token_ids, request.params
+        )
+        for child in request.children:
+            self.engine.add_request(child)
 
     def _run(self) -> Iterator[RequestOutput]:
         while self.output_processor.has_unfinished():
@@ -192,12 +181,6 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         return list(params)
-
-
-def _truncated(tokens: list[int], params: SamplingParams) -> list[int]:
-    """The prompt's last `params.truncate_prompt_tokens` tokens (vLLM's rule), or all of it."""
-    k = params.truncate_prompt_tokens
-    return tokens if k is None or len(tokens) <= k else tokens[len(tokens) - k :]
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -1,5 +1,6 @@
-"""`AsyncLLM`: the API server's engine client. Tokenizes, validates, sends requests to the
-engine core process, and turns its outputs into `RequestOutput`s for each waiting caller.
+"""`AsyncLLM`: the API server's engine client. Sends the requests its `InputProcessor` prepared
+(truncated, checked, fanned out) to the engine core processes, and turns their outputs into
+`RequestOutput`s for each waiting caller.
 
 Each request has a `RequestOutputCollector`. Outputs are cumulative (text and tokens so far),
 so a consumer that falls behind simply gets the latest one: the deltas merge by themselves.
@@ -19,14 +20,13 @@ from treadle.config import EngineConfig
 from treadle.frontend.async_client import AsyncMPClient
 from treadle.frontend.core_client import AttachTo, EngineDeadError, RequestKilledEngineError
 from treadle.frontend.engine_restarts import POISON_REASON
-from treadle.frontend.input_processor import InputProcessor
+from treadle.frontend.input_processor import InputProcessor, PreparedRequest
 from treadle.frontend.metrics import StatLogger
-from treadle.frontend.output_processor import OutputProcessor, child_params, child_request_ids
+from treadle.frontend.output_processor import OutputProcessor
 from treadle.frontend.request_stats import LatencyWindow, RequestStatsTable
 from treadle.ipc.zmq_utils import get_bound_address
 from treadle.logger import init_logger
 from treadle.outputs import RequestOutput
-from treadle.sampling_params import SamplingParams
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
 from treadle.wire.engine import EngineCoreOutputs, FinishReason
@@ -93,7 +93,7 @@ class AsyncLLM:
         self.max_model_len = info.max_model_len
         limits = ModelLimits(info.vocab_size, info.max_model_len, config.model.max_logprobs)
         self.input_processor = InputProcessor(
-            self.tokenizer, limits, config.frontend.max_prompt_chars
+            self.tokenizer, limits, config.frontend.max_prompt_chars, client_index
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
@@ -140,43 +140,26 @@ class AsyncLLM:
         return self.client.dead_reason is not None
 
     async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        prompt: str | None = None,
-        priority: int = 0,
-        data_parallel_rank: int | None = None,
+        self, request: PreparedRequest, data_parallel_rank: int | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the growing output until it finishes; raises `EngineDeadError` if the engine
-        dies, `InvalidRequest` (a `ValueError`) for a request the model cannot take (checked
-        here, or refused by the engine core), `ValueError` for a DP rank that does not exist."""
+        """Send a request `input_processor.prepare` made (checked there, once) and yield its
+        growing output until it finishes; raises `EngineDeadError` if the engine dies,
+        `InvalidRequest` (a `ValueError`) for a request the engine core refuses, `ValueError`
+        for a DP rank that does not exist."""
         if self.dead:
             raise EngineDeadError(self.client.dead_reason or "the engine core is dead")
-        # Checked once (the n samples differ only in their seeds, which the check covers).
-        prompt_token_ids = self.input_processor.truncate(prompt_token_ids, params)
-        self.input_processor.check(prompt_token_ids, params, priority)
-        requests = []
-        for index, child_id in enumerate(child_request_ids(request_id, params.n)):
-            requests.append(
-                self.input_processor.make_request(
-                    child_id,
-                    prompt_token_ids,
-                    child_params(params, index),
-                    priority,
-                    self.client_index,
-                )
-            )
+        request_id, params = request.request_id, request.params
+        prompt_token_ids = request.prompt_token_ids
         collector = RequestOutputCollector()
         self.collectors[request_id] = collector
         self.request_stats.add(
             request_id,
-            [r.request_id for r in requests],
+            [r.request_id for r in request.children],
             time.monotonic(),
             len(prompt_token_ids),
             params.max_tokens,
         )
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        self.output_processor.add_request(request_id, request.prompt, prompt_token_ids, params)
         if self.config.frontend.enable_log_requests:
             logger.info(
                 "Received request %s: %d prompt tokens, params: %s",
@@ -186,8 +169,8 @@ class AsyncLLM:
             )
         finished = False
         try:
-            for request in requests:
-                await self.client.add_request(request, data_parallel_rank)
+            for child in request.children:
+                await self.client.add_request(child, data_parallel_rank)
             while True:
                 out = await collector.get()
                 _raise_if_refused(out)

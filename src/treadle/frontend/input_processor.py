@@ -1,17 +1,22 @@
-"""Prompts in: text, token ids or chat messages -> a validated `EngineCoreRequest`.
+"""Prompts in: text, token ids or chat messages -> a `PreparedRequest` (truncated, checked
+once against the model, fanned out into its `n` samples), for the HTTP server and the offline
+`LLM` alike.
 
-Every check goes through `treadle.validation` (the same rules the engine core runs again).
-Text is measured before it is tokenized or rendered: a prompt longer than `max_prompt_chars`
-is refused without the cost of tokenizing it. The methods are synchronous; the HTTP server
-calls the heavy ones (`encode`, `render_chat`) from a thread pool.
+`prepare` is this process's one run of `validation.check_request` for a prompt (the engine core
+runs it again: its socket is untrusted). Text is measured before it is tokenized or rendered: a
+prompt longer than `max_prompt_chars` is refused without the cost of tokenizing it. The methods
+are synchronous; the HTTP server calls the heavy ones (`encode`, `render_chat`, `prepare` of a
+constrained request) from a thread pool.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from treadle.frontend.output_processor import child_params, child_request_ids
 from treadle.sampling_params import SamplingParams
 from treadle.structured_outputs import GrammarCompiler
 from treadle.validation import InvalidRequest, ModelLimits, check_request
@@ -60,12 +65,34 @@ def message_chars(messages: Sequence[dict[str, Any]]) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """One prompt's request, ready to send: what the output processor tracks (`request_id`,
+    `prompt`, `prompt_token_ids`, `params`) and what the engine cores get (`children`: one
+    `EngineCoreRequest` per sample, `"{i}_{request_id}"` when `n` > 1)."""
+
+    request_id: str
+    prompt: str | None
+    """The prompt's text, None when it was given as ids or truncation cut it."""
+    prompt_token_ids: list[int]
+    """As truncated by `params.truncate_prompt_tokens`."""
+    params: SamplingParams
+    children: list[EngineCoreRequest]
+
+
 class InputProcessor:
     def __init__(
-        self, tokenizer: Any, limits: ModelLimits, max_prompt_chars: int | None = None
+        self,
+        tokenizer: Any,
+        limits: ModelLimits,
+        max_prompt_chars: int | None = None,
+        client_index: int = 0,
     ) -> None:
+        """`client_index`: the front end whose sockets the engine cores answer these requests
+        on (an API server's rank among several; 0 otherwise)."""
         self.tokenizer = tokenizer
         self.limits = limits
+        self.client_index = client_index
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size
         self.eos_token_id: int | None = tokenizer.eos_token_id
@@ -152,6 +179,37 @@ class InputProcessor:
         template = kwargs.pop("chat_template", None)
         return self.render_chat(messages, add_generation_prompt, template, kwargs)
 
+    def prepare(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> PreparedRequest:
+        """The request of one prompt: cut to `params.truncate_prompt_tokens` (its text dropped
+        if that cut it), checked once against the model (`_check`), and fanned out into its
+        `n` samples (`child_params`: the check covers them, they differ only in the seed and
+        in who scores the prompt). Sends nothing; raises `InvalidRequest` naming the field."""
+        ids = self.truncate(prompt_token_ids, params)
+        if len(ids) < len(prompt_token_ids):
+            prompt = None  # the text no longer matches the tokens
+        self._check(ids, params, priority)
+        now = time.time()
+        children = [
+            EngineCoreRequest(
+                request_id=child_id,
+                prompt_token_ids=ids,
+                sampling_params=child_params(params, index),
+                eos_token_id=self.eos_token_id,
+                arrival_time=now,
+                priority=priority,
+                client_index=self.client_index,
+            )
+            for index, child_id in enumerate(child_request_ids(request_id, params.n))
+        ]
+        return PreparedRequest(request_id, prompt, ids, params, children)
+
     @staticmethod
     def truncate(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (vLLM's rule), or all of it."""
@@ -160,17 +218,13 @@ class InputProcessor:
             return prompt_token_ids
         return prompt_token_ids[-k:]
 
-    def check(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0
-    ) -> None:
-        """`validation.check_request` against this model (on the prompt as truncated by
-        `truncate_prompt_tokens`), then the parts that need the tokenizer: `bad_words` become
-        `params.bad_words_token_ids`, and a structured-output constraint must compile.
-        Raises `InvalidRequest`."""
-        ids = self.truncate(list(prompt_token_ids), params)
+    def _check(self, prompt_token_ids: list[int], params: SamplingParams, priority: int) -> None:
+        """`validation.check_request` against this model, then the parts that need the
+        tokenizer: `bad_words` become `params.bad_words_token_ids`, and a structured-output
+        constraint must compile. Raises `InvalidRequest`."""
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
-        check_request(ids, params, self.limits, self.eos_token_id, priority)
+        check_request(prompt_token_ids, params, self.limits, self.eos_token_id, priority)
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
 
@@ -191,35 +245,3 @@ class InputProcessor:
                 if ids and ids not in out:
                     out.append(ids)
         return out
-
-    def process(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        client_index: int = 0,
-    ) -> EngineCoreRequest:
-        """Validate against the model's limits; raises `InvalidRequest` with what to change."""
-        self.check(prompt_token_ids, params, priority)
-        prompt_token_ids = self.truncate(prompt_token_ids, params)
-        return self.make_request(request_id, prompt_token_ids, params, priority, client_index)
-
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        client_index: int = 0,
-    ) -> EngineCoreRequest:
-        """The request, unchecked: for the samples of a request `check` has passed."""
-        return EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=params,
-            eos_token_id=self.eos_token_id,
-            arrival_time=time.time(),
-            priority=priority,
-            client_index=client_index,
-        )

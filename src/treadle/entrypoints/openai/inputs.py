@@ -1,9 +1,11 @@
 """HTTP prompts -> token ids, off the event loop: completion prompts, chat messages, /tokenize
 and /detokenize.
 
-Lengths are checked first (characters before tokenizing, `validation` rules on the ids), and
-work on large texts runs in a small thread pool of this API server (Hugging Face tokenizers
-release the GIL), so a huge prompt never stalls `/health` or other requests.
+Lengths are checked first (characters before tokenizing, `validation.check_prompt` on the ids,
+once per prompt: a prompt the model cannot take is refused before anything else is built; the
+whole request is checked later, once, by `InputProcessor.prepare`), and work on large texts
+runs in a small thread pool of this API server (Hugging Face tokenizers release the GIL), so
+a huge prompt never stalls `/health` or other requests.
 """
 
 from __future__ import annotations
@@ -91,10 +93,11 @@ class PromptInputs:
             if isinstance(item, str):
                 ids = self.processor.encode(item, add_special_tokens=add_special)
                 text: str | None = item
+                cut = truncated(ids, truncate)
+                check_prompt(cut, self.processor.limits)  # (token ids were, before decoding)
             else:
                 ids, text = list(item), None
-            cut = truncated(ids, truncate)
-            check_prompt(cut, self.processor.limits)
+                cut = truncated(ids, truncate)
             if len(cut) < len(ids) or (echo and text is None):
                 text = self.tokenizer.decode(cut) if echo else None
             out.append((text, cut))

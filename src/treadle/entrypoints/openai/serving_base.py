@@ -1,6 +1,7 @@
-"""What both generating endpoints do with a request: check the model and the fields, build and
-check the sampling parameters, run the prompts, and wait for the end (a JSON body) or send it
-as it comes (server-sent events: errors as error events, `[DONE]` last)."""
+"""What both generating endpoints do with a request: check the model and the fields, build the
+sampling parameters and prepare each prompt (`InputProcessor.prepare`: the one check against
+the model in this process), run them, and wait for the end (a JSON body) or send it as it
+comes (server-sent events: errors as error events, `[DONE]` last)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from treadle.entrypoints.openai.inputs import INLINE_CHARS, Prompt, PromptInputs
 from treadle.entrypoints.openai.params import AnyRequest, check_fields, sampling_params
 from treadle.entrypoints.openai.protocol import StreamOptions, UsageInfo
 from treadle.frontend.async_llm import AsyncLLM
+from treadle.frontend.input_processor import PreparedRequest
 from treadle.logger import init_logger
 from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams, generation_defaults
@@ -57,8 +59,8 @@ class ServingBase:
         if model is not None and model not in self.model_names:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
-    def check_request(self, req: AnyRequest) -> Truncation | None:
-        """Checks that need no prompt; returns the truncation asked for."""
+    def check_without_prompt(self, req: AnyRequest) -> Truncation | None:
+        """The request's checks that need no prompt; returns the truncation asked for."""
         check_fields(req)
         if req.stream_options is not None and not req.stream:
             raise InvalidRequest("stream_options", "may only be given with `stream: true`")
@@ -85,19 +87,21 @@ class ServingBase:
             return None
         return parse_int(value, "X-data-parallel-rank", 0, self.engine.client.num_engines - 1)
 
-    async def params(
+    async def prepare(
         self,
         req: AnyRequest,
+        rid: str,
         max_tokens: int | None,
         prompts: list[Prompt],
         logprobs: int | None,
         prompt_logprobs: int | None,
         truncate: Truncation | None,
         tool_constraint: StructuredOutputsParams | None = None,
-    ) -> SamplingParams:
-        """The request's `SamplingParams`, checked with every prompt against the model (the
-        same `validation` rules the engine core runs again); `tool_constraint` is the output
-        a `tool_choice` forces. Raises `InvalidRequest`."""
+    ) -> list[PreparedRequest]:
+        """The request's `SamplingParams` (the HTTP rule first: prompt + max_tokens fit the
+        context), and each prompt prepared with them as `{rid}-{i}`: checked once against the
+        model (the engine core checks again), fanned out into its `n` samples, nothing sent.
+        `tool_constraint` is the output a `tool_choice` forces. Raises `InvalidRequest`."""
         limits = self.engine.input_processor.limits
         longest = max(len(ids) for _, ids in prompts)
         if max_tokens is None:
@@ -120,36 +124,31 @@ class ServingBase:
         check_batch(len(prompts), params.n)
         # A grammar compiles on its first use: off the event loop.
         size = INLINE_CHARS if params.structured_outputs is not None else 0
-        await self.inputs.run(size, self._check_prompts, prompts, params, req.priority)
-        return params
+        return await self.inputs.run(size, self._prepare, prompts, params, rid, req.priority)
 
-    def _check_prompts(self, prompts: list[Prompt], params: SamplingParams, priority: int) -> None:
-        for _, ids in prompts:
-            self.engine.input_processor.check(ids, params, priority)
+    def _prepare(
+        self, prompts: list[Prompt], params: SamplingParams, rid: str, priority: int
+    ) -> list[PreparedRequest]:
+        prepare = self.engine.input_processor.prepare
+        return [
+            prepare(f"{rid}-{i}", text, ids, params, priority)
+            for i, (text, ids) in enumerate(prompts)
+        ]
 
-    async def run(
-        self,
-        prompts: list[Prompt],
-        params: SamplingParams,
-        rid: str,
-        priority: int,
-        rank: int | None,
-    ) -> Outputs:
+    async def run(self, requests: list[PreparedRequest], rank: int | None) -> Outputs:
         """Merge the output streams of several prompts: yields (prompt index, output)."""
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
-        async def pump(i: int, text: str | None, ids: list[int]) -> None:
+        async def pump(i: int, request: PreparedRequest) -> None:
             try:
-                async for out in self.engine.generate(
-                    ids, params, f"{rid}-{i}", text, priority, rank
-                ):
+                async for out in self.engine.generate(request, rank):
                     await queue.put((i, out))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put(e)
                 return
             await queue.put(None)
 
-        tasks = [asyncio.create_task(pump(i, t, ids)) for i, (t, ids) in enumerate(prompts)]
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
         try:
             remaining = len(tasks)
             while remaining:

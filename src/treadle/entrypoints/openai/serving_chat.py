@@ -40,7 +40,7 @@ class ChatServing:
         base = self.base
         base.check_model(req.model)
         rank = base.dp_rank(raw)
-        truncate = base.check_request(req)
+        truncate = base.check_without_prompt(req)
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs", "needs `logprobs: true`")
         front = base.engine.config.frontend
@@ -60,9 +60,11 @@ class ChatServing:
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+        rid = random_id("chatcmpl")
         try:
-            params = await base.params(
+            requests = await base.prepare(
                 req,
+                rid,
                 max_tokens,
                 [(text, ids)],
                 top,
@@ -72,10 +74,9 @@ class ChatServing:
             )
         except InvalidRequest as e:
             raise e.renamed(names) from None
-        rid = random_id("chatcmpl")
         writer = LogprobWriter(base.token_text, req.return_tokens_as_token_ids)
         job = _Chat(req, plan, ids, rid, base.model_name, writer)
-        outputs = base.run([(text, ids)], params, rid, req.priority, rank)
+        outputs = base.run(requests, rank)
         if req.stream:
             return base.stream(job.events(outputs), outputs, rid)
         return await base.until_done(raw, self._body(job, outputs))

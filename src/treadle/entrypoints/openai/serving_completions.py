@@ -34,7 +34,7 @@ class CompletionServing:
         base = self.base
         base.check_model(req.model)
         rank = base.dp_rank(raw)
-        truncate = base.check_request(req)
+        truncate = base.check_without_prompt(req)
         prompt_only = req.max_tokens == 0
         if prompt_only and not req.echo:
             raise InvalidRequest(
@@ -49,11 +49,13 @@ class CompletionServing:
             prompt_lps = req.logprobs
         # The prompt alone still runs one token (the engine's rule), which is never shown.
         max_tokens = 1 if prompt_only else req.max_tokens
-        params = await base.params(req, max_tokens, prompts, req.logprobs, prompt_lps, truncate)
         rid = random_id("cmpl")
+        requests = await base.prepare(
+            req, rid, max_tokens, prompts, req.logprobs, prompt_lps, truncate
+        )
         writer = LogprobWriter(base.token_text, req.return_tokens_as_token_ids)
         job = _Completion(req, prompts, prompt_only, rid, base.model_name, writer)
-        outputs = base.run(prompts, params, rid, req.priority, rank)
+        outputs = base.run(requests, rank)
         if req.stream:
             return base.stream(job.events(outputs), outputs, rid)
         return await base.until_done(raw, self._body(job, outputs))
