@@ -3,6 +3,8 @@ into model inputs, runs the model and samples."""
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,16 @@ from treadle.worker.sampler import Sampler, SamplingRow
 
 _PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions scored per batch of logits (256 x a 49k vocabulary: 50 MB of float32)."""
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU in fresh anonymous memory, which the OS commits page by page as it is
+    written: a 1 GiB KV cache costs resident memory only for the blocks used so far."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    memory = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)  # keeps `memory`
 
 
 @dataclass(slots=True, eq=False)
@@ -61,10 +73,7 @@ class ModelRunner:
         m = self.model
         shape = (m.num_kv_heads, num_blocks, self.block_size, m.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+            (zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
             for _ in range(m.num_layers)
         ]
 

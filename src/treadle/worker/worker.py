@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 
+import psutil
 import torch
 
 from treadle import envs
@@ -96,6 +97,10 @@ def check_kv_budget(
     )
 
 
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
 def _size(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
@@ -163,6 +168,7 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
         self.runner: ModelRunner | None = None
+        self._rss_before_load = self._weights_bytes = 0  # for the memory line
         parallel = config.parallel
         self.threads = ThreadGovernor(
             parallel.model_threads(),
@@ -171,7 +177,9 @@ class Worker:
 
     def load_model(self) -> None:
         logger.info("Loading %s (%s, %s)", self.source.path, self.dtype, self.device)
+        self._rss_before_load = _rss()
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len)
+        self._weights_bytes = _rss() - self._rss_before_load
         self.runner = ModelRunner(
             model, self.device, self.dtype, self.config.cache.block_size, self.config.model.seed
         )
@@ -195,6 +203,15 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
         self.runner.initialize_cache(num_blocks)
+        if self.device.type == "cpu":
+            kv = num_blocks * self.runner.kv_bytes_per_block()
+            logger.info(
+                "Memory of this process: %s runtime, %s weights (resident), KV cache %s "
+                "reserved, resident as it fills",
+                _size(self._rss_before_load),
+                _size(max(0, self._weights_bytes)),
+                _size(kv),
+            )
 
     def kv_bytes_per_block(self) -> int:
         """This rank's bytes of one KV block (for the engine core's start-up log)."""
