@@ -294,6 +294,37 @@ def test_models_tokenize_detokenize_version_metrics(server: RemoteServer) -> Non
     assert 'model_name="SmolLM2-135M-Instruct"' in text and 'engine="0"' in text
 
 
+def test_llamacpp_props_and_apply_template(server: RemoteServer) -> None:
+    """llama.cpp's /props and /apply-template, with its field names (issue 26 item 5)."""
+    from treadle.config import resolve_model
+    from treadle.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    props = httpx.get(server.url + "/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 512
+    assert props["default_generation_settings"]["params"]["n_predict"] == -1
+    assert props["total_slots"] == 256  # --max-num-seqs
+    assert props["chat_template"] == tokenizer.chat_template
+    assert (props["bos_token"], props["eos_token"]) == (tokenizer.bos_token, tokenizer.eos_token)
+    assert props["model_path"] == props["model_alias"] == "SmolLM2-135M-Instruct"  # no path
+    assert props["build_info"].startswith("treadle ")
+    assert props["modalities"] == {"vision": False, "audio": False}
+
+    messages = [{"role": "system", "content": "Be brief."}, *CHAT]
+    resp = httpx.post(server.url + "/apply-template", json={"messages": messages})
+    assert resp.status_code == 200, resp.text
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert resp.json() == {"prompt": expected}
+    for body, param in (
+        ({"messages": []}, "messages"),
+        ({}, "messages"),
+        ({"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+    ):
+        bad = httpx.post(server.url + "/apply-template", json=body)
+        assert bad.status_code == 400, (body, bad.text)
+        assert param in json.dumps(bad.json()["error"]), bad.text
+
+
 # -- lifecycle: separate small servers on the tiny model -------------------------------------------
 
 
@@ -307,6 +338,11 @@ def test_api_key_is_required_when_set(server_factory, tiny_model_factory) -> Non
     )
     assert ok.status_code == 200
     assert httpx.get(srv.url + "/health").status_code == 200  # health needs no key
+    # llama.cpp's /props and /apply-template need the key, as llama-server's do.
+    assert httpx.get(srv.url + "/props").status_code == 401
+    assert httpx.post(srv.url + "/apply-template", json={"messages": []}).status_code == 401
+    keyed = httpx.get(srv.url + "/props", headers={"Authorization": "Bearer s3cret"})
+    assert keyed.status_code == 200 and keyed.json()["total_slots"] == 256
 
 
 def test_sigterm_exits_cleanly(server_factory, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]

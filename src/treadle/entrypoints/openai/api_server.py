@@ -30,6 +30,8 @@ from treadle.entrypoints.openai.body_limit import BodySizeLimit
 from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.entrypoints.openai.dashboard import KEYED_PATHS, add_dashboard_routes
 from treadle.entrypoints.openai.errors import HANDLED, APIError, error_body, error_for
+from treadle.entrypoints.openai.llamacpp import KEYED_PATHS as LLAMACPP_PATHS
+from treadle.entrypoints.openai.llamacpp import add_llamacpp_routes
 from treadle.entrypoints.openai.openapi_responses import (
     GENERATED,
     INVOCATIONS_BODY,
@@ -66,7 +68,7 @@ def build_app(
     """The HTTP app. `model_path` (resolved) is only logged; clients see the served names."""
     server = server or FrontendArgs()
     api_key = server.api_key
-    keyed_prefixes = ("/v1", "/invocations", *KEYED_PATHS)
+    keyed_prefixes = ("/v1", "/invocations", *KEYED_PATHS, *LLAMACPP_PATHS)
     serving = OpenAIServing(engine, model_name)
     inputs = serving.inputs
 
@@ -193,6 +195,7 @@ def build_app(
         return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     add_dashboard_routes(app, engine)
+    add_llamacpp_routes(app, serving)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
