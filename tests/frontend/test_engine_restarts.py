@@ -125,6 +125,25 @@ def test_a_resuming_engine_is_ready_unless_stalled(stalled: bool) -> None:
     assert (restarts.readiness() is None) is not stalled
 
 
+def test_a_stalled_engine_is_killed_again_when_its_next_process_stalls() -> None:
+    """The supervisor's way (`down` when the pid is gone, `back` at the new hello), which
+    never calls `died`: the first kill must not keep the next process from being killed."""
+    host = Host(1)
+    host.killable = frozenset({0})
+    config = RestartConfig(engine_stall_timeout=1.0, engine_stall_kill_timeout=3.0)
+    restarts = EngineRestarts(host, 1, config, max_waiting=8)
+    host.add("a", 0)
+    for process in (1, 2):
+        restarts.stall(0, 2.0)  # not ready, not killed yet
+        assert restarts.stalled[0] and host.killed == [0] * (process - 1)
+        restarts.stall(0, 4.0)
+        restarts.stall(0, 4.25)  # (once per process)
+        assert host.killed == [0] * process
+        restarts.down(0, "EngineCore_DP0 (pid 1) is gone; its supervisor restarts it")
+        asyncio.run(restarts.back(0, "(restarted by the supervisor)"))
+        assert restarts.readiness() is None
+
+
 def test_the_restart_sequence_spends_the_budget_and_fails_or_comes_back() -> None:
     budget = RestartBudget(1)
     said: list[str] = []

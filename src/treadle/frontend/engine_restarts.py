@@ -275,6 +275,7 @@ class EngineRestarts:
         """The engine is gone: new requests wait for it, calls to it fail, and its requests
         are staged to resume, but those the dead-letter rule (`InFlight.on_engine_death`)
         fails: in flight at a death before without progress since."""
+        self._kill_cause.pop(rank, None)  # (its next process may stall too)
         self.states[rank] = EngineState.RESTARTING
         self._up[rank].clear()
         self._staged[rank].clear()
