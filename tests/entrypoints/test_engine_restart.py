@@ -6,6 +6,7 @@ progress; a crash loop still ends the server."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 from serve_helpers import TREADLE, RemoteServer, assert_no_leftovers
@@ -320,3 +322,59 @@ def test_one_dead_engine_of_two_does_not_pause_the_other_nor_a_dead_coordinator(
     assert srv.pid_of("treadle::DPCoordinator") != coordinator
     assert stream_completion(srv.url, "hello there", 400) == reference  # routed again
     wait_ready(srv, timeout=10)
+
+
+def streams_on_api_server_0(srv: RemoteServer) -> int:
+    """How many HTTP connections of the server's port APIServer_0 holds."""
+    port = int(srv.url.rsplit(":", 1)[1])
+    conns = psutil.Process(srv.pid_of("treadle::APIServer_0")).net_connections(kind="tcp")
+    return sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port for c in conns)
+
+
+def test_an_engine_that_stalls_twice_under_two_api_servers_is_killed_both_times(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    """With several API servers the supervisor restarts the engine, and API server 0 kills it
+    when it stalls: each time, not only the first (its first kill once stayed on record, as
+    only a client that restarts its own engines cleared it, so a second stall was never
+    killed and the server stayed not ready)."""
+    srv = server_factory(
+        [
+            str(tiny_model_factory("llama")),
+            *("--api-server-count", "2", "--engine-stall-timeout", "1"),
+            *("--engine-stall-kill-timeout", "3"),
+        ]
+    )
+    reference = stream_completion(srv.url, "hello there", 400)
+    gaps: list[list[float]] = []
+    futures: list[concurrent.futures.Future[str]] = []
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        # Only API server 0 kills: it must hold a stream (the kernel picks who accepts).
+        while len(futures) < 4 or streams_on_api_server_0(srv) == 0:
+            assert len(futures) < 12, "APIServer_0 accepted none of 12 streams"
+            gaps.append([])
+            futures.append(
+                pool.submit(stream_completion, srv.url, "hello there", 400, None, gaps[-1])
+            )
+            while len(gaps[-1]) < 3:
+                assert not futures[-1].done(), futures[-1].result()
+                time.sleep(0.01)
+        for stall in (1, 2):
+            seen = [len(g) for g in gaps]  # every stream runs on this engine process
+            while any(len(g) < n + 5 for g, n in zip(gaps, seen, strict=True)):
+                assert not any(f.done() for f in futures), [f.result() for f in futures]
+                time.sleep(0.01)
+            pid = srv.pid_of("treadle::EngineCore_DP0")
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 60
+                while engine_pid(srv) in (pid, None):
+                    assert time.monotonic() < deadline, f"stall {stall} was not killed"
+                    time.sleep(0.1)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        assert [f.result(120) for f in futures] == [reference] * len(futures)
+    wait_ready(srv, timeout=60)
+    assert srv.output().count("finished no step for") >= 2
+    assert metric(srv, "engine_restarts_total") == 2

@@ -129,12 +129,22 @@ def test_a_reader_that_fails_is_logged_and_makes_the_engine_dead(
     )
     dead: list[str] = []
 
-    def on_outputs(outputs: EngineCoreOutputs) -> None:
-        if outputs.outputs:
-            raise KeyError("a bug in the output processor")
+    class Listener:
+        def on_outputs(self, outputs: EngineCoreOutputs) -> None:
+            if outputs.outputs:
+                raise KeyError("a bug in the output processor")
+
+        def on_failed(self, rank: int, request_ids: list[str], error: Exception) -> None: ...
+
+        def on_event(self, kind: str, engine: int, count: int) -> None: ...
+
+        def on_dead(self, reason: str) -> None:
+            dead.append(reason)
+
+        def on_stopped(self, reason: str) -> None: ...
 
     async def main() -> None:
-        client = AsyncMPClient(config, on_outputs, dead.append)
+        client = AsyncMPClient(config, Listener())
         try:
             client.start()
             assert await client.call_utility("get_stats") is not None

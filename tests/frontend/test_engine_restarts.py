@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from treadle.config import RestartConfig
-from treadle.frontend.engine_restarts import EngineRestarts, RestartBudget
+from treadle.frontend.engine_restarts import EngineRestarts, RestartBudget, restart_child
 from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.inflight import InFlight
 from treadle.sampling_params import SamplingParams
@@ -25,6 +25,8 @@ class Host:
         self.aborted: list[tuple[int, list[str]]] = []
         self.failed: list[str] = []  # request ids failed by the dead-letter rule
         self.ended = False
+        self.killable: frozenset[int] = frozenset()
+        self.killed: list[int] = []
 
     def fail(self, reason: str) -> None:
         self.ended = True
@@ -36,10 +38,8 @@ class Host:
 
     async def respawn_coordinator(self) -> None: ...
 
-    def can_kill(self, rank: int) -> bool:
-        return False
-
-    def kill(self, rank: int) -> None: ...
+    def kill(self, rank: int) -> None:
+        self.killed.append(rank)
 
     async def send_abort(self, rank: int, request_ids: list[str]) -> None:
         self.aborted.append((rank, request_ids))
@@ -49,8 +49,8 @@ class Host:
 
     def fail_calls(self, rank: int, cause: str) -> None: ...
 
-    def on_outputs(self, outputs: EngineCoreOutputs) -> None:
-        self.failed += [o.request_id for o in outputs.outputs]
+    def fail_poisoned(self, rank: int, request_ids: list[str]) -> None:
+        self.failed += request_ids
 
     def on_event(self, kind: str, engine: int, count: int) -> None: ...
 
@@ -123,3 +123,60 @@ def test_a_resuming_engine_is_ready_unless_stalled(stalled: bool) -> None:
     assert restarts.states[0] == "resuming" and host.sent == [(0, "a")]
     restarts.stalled[0] = stalled
     assert (restarts.readiness() is None) is not stalled
+
+
+def test_a_stalled_engine_is_killed_again_when_its_next_process_stalls() -> None:
+    """The supervisor's way (`down` when the pid is gone, `back` at the new hello), which
+    never calls `died`: the first kill must not keep the next process from being killed."""
+    host = Host(1)
+    host.killable = frozenset({0})
+    config = RestartConfig(engine_stall_timeout=1.0, engine_stall_kill_timeout=3.0)
+    restarts = EngineRestarts(host, 1, config, max_waiting=8)
+    host.add("a", 0)
+    for process in (1, 2):
+        restarts.stall(0, 2.0)  # not ready, not killed yet
+        assert restarts.stalled[0] and host.killed == [0] * (process - 1)
+        restarts.stall(0, 4.0)
+        restarts.stall(0, 4.25)  # (once per process)
+        assert host.killed == [0] * process
+        restarts.down(0, "EngineCore_DP0 (pid 1) is gone; its supervisor restarts it")
+        asyncio.run(restarts.back(0, "(restarted by the supervisor)"))
+        assert restarts.readiness() is None
+
+
+def test_the_restart_sequence_spends_the_budget_and_fails_or_comes_back() -> None:
+    budget = RestartBudget(1)
+    said: list[str] = []
+
+    async def start() -> None:
+        said.append("started")
+
+    async def broken() -> None:
+        raise OSError("no room")
+
+    async def back(took: float) -> None:
+        said.append("back")
+
+    sequence = restart_child("X", "x died", budget, start, said.append, said.append, back)
+    assert sequence is not None and said == [
+        "X died. Restarting it (restart 1 of at most 1 in 10 minutes)"
+    ]
+    asyncio.run(sequence)
+    assert said[1:] == ["started", "back"]
+    assert restart_child("X", "x died", budget, start, said.append) is None
+    assert said[-1].endswith("(--max-engine-restarts)")
+    sequence = restart_child("X", "x died", RestartBudget(1), broken, said.append)
+    assert sequence is not None
+    asyncio.run(sequence)
+    assert said[-1] == "x died, and restarting it failed: OSError: no room"
+
+
+def test_a_request_in_flight_at_two_deaths_fails_as_a_typed_error() -> None:
+    host = Host(1)
+    restarts = EngineRestarts(host, 1, RestartConfig(), max_waiting=8)
+    host.add("a", 0)
+    restarts.down(0, "engine 0 died")
+    asyncio.run(restarts.back(0, "now"))
+    assert host.sent == [(0, "a")]
+    restarts.down(0, "engine 0 died again")
+    assert host.failed == ["a"] and host.inflight.count(0) == 0

@@ -12,6 +12,7 @@ process or to any child, which then exits 0) stop them all and exit 0.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import queue
@@ -20,7 +21,6 @@ import signal
 import socket
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +30,7 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
-from treadle.frontend.engine_restarts import RestartBudget
+from treadle.frontend.engine_restarts import RestartBudget, restart_child
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.process import (
     ChildProcess,
@@ -117,26 +117,26 @@ class _EngineRestarts:
         return self.budget.limit > 0 and ours
 
     def restart(self, child: ChildProcess) -> None:
+        """(The main thread.) The restart sequence that an API server with its own engines
+        runs too (`restart_child`); nothing else runs here meanwhile."""
         cause = f"{child.describe()} died: {describe_exit(child.exitcode)}"
-        refusal = self.budget.spend(cause)
-        if refusal is not None:
-            self.stop.failure = refusal
-            self.stop.event.set()
-            return
-        logger.warning("%s; restarting it (%s)", cause, self.budget.describe())
-        since = time.monotonic()
-        try:
-            if child is self.launcher.coordinator:
-                new = self.launcher.restart_coordinator()
-            else:
-                new = self._restart_engine(child)
-        except Exception as e:
-            self.stop.failure = f"{cause}, and restarting it failed: {e}"
-            self.stop.event.set()
-            return
+        sequence = restart_child(
+            child.name, cause, self.budget, lambda: self._start_again(child), self._fail
+        )
+        if sequence is not None:
+            asyncio.run(sequence)
+
+    async def _start_again(self, child: ChildProcess) -> None:
+        if child is self.launcher.coordinator:
+            new = self.launcher.restart_coordinator()
+        else:
+            new = self._restart_engine(child)
         assert self.monitor is not None
         self.monitor.add(new)
-        logger.warning("%s is back %.1f s after it died", new.name, time.monotonic() - since)
+
+    def _fail(self, why: str) -> None:
+        self.stop.failure = why
+        self.stop.event.set()
 
     def _restart_engine(self, child: ChildProcess) -> ChildProcess:
         launcher = self.launcher

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.config import EngineConfig
-from treadle.frontend.async_client import AsyncMPClient
-from treadle.frontend.core_client import AttachTo, EngineDeadError, RequestKilledEngineError
-from treadle.frontend.engine_restarts import POISON_REASON
+from treadle.frontend.async_client import AsyncMPClient, stop_this_process
+from treadle.frontend.core_client import AttachTo, EngineDeadError
+from treadle.frontend.engine_state import EngineState
 from treadle.frontend.input_processor import InputProcessor, PreparedRequest
 from treadle.frontend.metrics import StatLogger
 from treadle.frontend.output_processor import OutputProcessor
@@ -29,7 +29,7 @@ from treadle.logger import init_logger
 from treadle.outputs import RequestOutput
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
-from treadle.wire.engine import EngineCoreOutputs, FinishReason
+from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 logger = init_logger(__name__)
 
@@ -53,16 +53,22 @@ class RequestOutputCollector:
         self.ready.set()
 
     async def get(self) -> RequestOutput:
+        """The latest output; once the request failed, the error (after an output still
+        pending: the next call raises)."""
         await self.ready.wait()
-        self.ready.clear()
         if self.latest is None:
             assert self.error is not None
             raise self.error
+        if self.error is None:
+            self.ready.clear()
         out, self.latest = self.latest, None
         return out
 
 
 class AsyncLLM:
+    """The API server's engine: requests in, `RequestOutput`s out; it is its client's
+    `ClientListener` (outputs, failed requests, restart events, the engines' end)."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -80,8 +86,7 @@ class AsyncLLM:
             tokenizer = pool.submit(load_model_tokenizer, config.model)
             self.client = AsyncMPClient(
                 config,
-                self._on_outputs,
-                self._on_dead,
+                self,
                 shutdown_timeout=shutdown_timeout,
                 client_index=client_index,
                 attach=attach,
@@ -97,18 +102,7 @@ class AsyncLLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
-        stop_this_process = self.client.on_stopped
-
-        def on_stopped(reason: str) -> None:
-            """An engine stopped on purpose answered every request it had before saying so;
-            a request still open here reached it too late (during its last moments): end it
-            now, or its stream would hold the server's shutdown until uvicorn cancels it."""
-            error = EngineDeadError(reason)
-            for collector in self.collectors.values():
-                collector.fail(error)
-            stop_this_process(reason)
-
-        self.client.on_stopped = on_stopped
+        self._when_dead: list[Callable[[str], None]] = []
         self.request_stats = RequestStatsTable()
         # Engine-wide counters reach every API server; only the first one adds them up.
         self.stat_loggers = [
@@ -120,9 +114,6 @@ class AsyncLLM:
         for stat_logger in self.stat_loggers:
             stat_logger.record_cache_config(config.cache, info.num_blocks)
         self.last_output_time = time.monotonic()
-        self.client.on_event = lambda kind, engine, count: self.stat_loggers[engine].record_event(
-            kind, count
-        )
         self.latencies = LatencyWindow(self.client.num_engines)  # for the dashboard
         # When each engine's unanswered health ping was sent (None: none is unanswered).
         self._ping_sent: list[float | None] = [None] * self.client.num_engines
@@ -207,20 +198,18 @@ class AsyncLLM:
 
     # -- what /topology and the dashboard read (`frontend/topology.py:Engines`) ---------------
 
-    def shown_states(self) -> list[str]:
+    def shown_states(self) -> list[EngineState]:
         """Each engine's state as `/topology` and the dashboard show it."""
         client = self.client
         if client.dead_reason is not None:
-            return ["dead"] * client.num_engines
+            return [EngineState.DEAD] * client.num_engines
         restarts = client.restarts
         return [
-            "lost"
-            if s == "lost"
-            else "restarting"
-            if s == "restarting"
-            else "stalled"
+            s
+            if not s.serves
+            else EngineState.STALLED
             if restarts.stalled[r]
-            else "ready"  # (up, or resuming: it takes requests and makes progress)
+            else EngineState.READY  # (up, or resuming: it takes requests and makes progress)
             for r, s in enumerate(restarts.states)
         ]
 
@@ -251,7 +240,7 @@ class AsyncLLM:
         kill = self.config.restart.engine_stall_kill_timeout
         for rank, (step, ping) in enumerate(self._silences()):
             # A busy engine of ours is killed by the stall watch at this point, and restarted.
-            killed = step > kill and self.client.can_kill(rank)
+            killed = step > kill and rank in self.client.killable
             if kill > 0 and max(step, ping) > kill and not killed:
                 return (
                     f"engine core {rank} has shown no sign of life for {max(step, ping):.0f} s "
@@ -287,7 +276,7 @@ class AsyncLLM:
         restarts = self.client.restarts
         silences = []
         for rank, state in enumerate(restarts.states):
-            if state not in ("up", "resuming"):
+            if not state.serves:
                 silences.append((0.0, 0.0))
                 continue
             busy = self.client.inflight.count(rank) > 0
@@ -301,7 +290,7 @@ class AsyncLLM:
         restarts) is no silence: the engine's state says what happened."""
         interval = min(HEALTH_PING_INTERVAL_S, self.config.restart.engine_stall_timeout / 4)
         while not self.client.ended:
-            if self.client.engine_states[rank] in ("up", "resuming"):
+            if self.client.engine_states[rank].serves:
                 self._ping_sent[rank] = time.monotonic()
                 try:
                     await self.client.call_utility("get_stats", engine=rank)
@@ -311,7 +300,9 @@ class AsyncLLM:
                     self._ping_sent[rank] = None
             await asyncio.sleep(interval)
 
-    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+    # -- what the client tells (`ClientListener`) ------------------------------------------
+
+    def on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
         self.last_output_time = now
         stat_logger = self.stat_loggers[outputs.engine_index]
@@ -327,13 +318,41 @@ class AsyncLLM:
             if collector is not None:
                 collector.put(out)
         if to_abort:
-            asyncio.get_running_loop().create_task(self.client.abort_requests(to_abort))
+            self.client.spawn(self.client.abort_requests(to_abort), "abort", fatal=False)
 
-    def _on_dead(self, reason: str) -> None:
+    def on_failed(self, rank: int, request_ids: list[str], error: Exception) -> None:
+        """The client failed these engine requests (children of n > 1 included): each one's
+        caller gets `error`; they end with finish reason `error` in the metrics."""
+        for rid in request_ids:
+            collector = self.collectors.pop(self.output_processor.parent_of(rid), None)
+            if collector is not None:
+                collector.fail(error)
+        ends = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR) for rid in request_ids]
+        self.on_outputs(EngineCoreOutputs(engine_index=rank, outputs=ends))
+
+    def on_event(self, kind: str, engine: int, count: int) -> None:
+        self.stat_loggers[engine].record_event(kind, count)
+
+    def on_dead(self, reason: str) -> None:
         logger.error("Engine core is dead: %s", reason)
         error = EngineDeadError(reason)
         for collector in self.collectors.values():
             collector.fail(error)
+        for callback in self._when_dead:
+            callback(reason)
+
+    def on_stopped(self, reason: str) -> None:
+        """An engine stopped on purpose answered every request it had before saying so; a
+        request still open here reached it too late (during its last moments): end it now,
+        or its stream would hold the server's shutdown until uvicorn cancels it."""
+        error = EngineDeadError(reason)
+        for collector in self.collectors.values():
+            collector.fail(error)
+        stop_this_process(reason)
+
+    def when_dead(self, callback: Callable[[str], None]) -> None:
+        """Run `callback(reason)` after `on_dead` (the API server stops serving)."""
+        self._when_dead.append(callback)
 
     def shutdown(self) -> None:
         self.client.shutdown()
@@ -343,7 +362,5 @@ def _raise_if_refused(out: RequestOutput) -> None:
     """An engine core refuses a request it cannot run with a finish reason "error" (see
     `EngineCore.add_request`); the caller gets it as the same error the front end raises."""
     for comp in out.outputs:
-        if comp.finish_reason == str(FinishReason.ERROR) and comp.stop_reason == POISON_REASON:
-            raise RequestKilledEngineError(POISON_REASON)
         if comp.finish_reason == str(FinishReason.ERROR):
             raise InvalidRequest(None, f"the engine refused the request: {comp.stop_reason}")

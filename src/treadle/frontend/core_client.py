@@ -9,10 +9,11 @@ and engine restarts). `InprocClient` (`sync_client.py`) runs an `EngineCore` in 
 
 Engine death, seen as the in-band `ENGINE_CORE_DEAD` frame, the process sentinel or a reader
 that fails (logged with its traceback), fails every pending output wait and utility call with
-`EngineDeadError`, unless the engine is restarted (`engine_restarts.py`). An engine stopped on purpose (the frame `ENGINE_CORE_STOPPED`, or exit code
-0) answered every request first: the client refuses new work (`EngineDeadError`, so `/health`
-is 503), and the API server stops cleanly (`AsyncMPClient.on_stopped`). What arrives on the
-PULL is checked by `OutputReader`. On the ROUTER, engines send only their first message (per
+`EngineDeadError`, unless the engine is restarted (`engine_restarts.py`; the detectors are in
+`engine_watch.py`). An engine stopped on purpose (the frame `ENGINE_CORE_STOPPED`, or exit
+code 0) answered every request first: the client refuses new work (`EngineDeadError`, so
+`/health` is 503), and the API server stops cleanly (`ClientListener.on_stopped`). What
+arrives on the PULL is checked by `OutputReader`. On the ROUTER, engines send only their first message (per
 connection), which binds their rank to the connection if it carries this front end's token
 (`ipc/engine_auth.py`; there is no ROUTER_HANDOVER, so no other peer can take an engine's
 place); anything else is read and dropped, so unread input cannot pile up, and a refused claim
@@ -76,6 +77,15 @@ class RequestKilledEngineError(RuntimeError):
     """The request was in flight at two engine core deaths in a row and is not resumed again
     (the dead-letter rule, `inflight.py`): a server error (500), though it may be what kills
     the engine."""
+
+    def __init__(
+        self,
+        message: str = (
+            "the engine core died twice while running this request; it is not resumed again "
+            "(it may be what kills the engine)"
+        ),
+    ) -> None:
+        super().__init__(message)
 
 
 @dataclass(frozen=True)

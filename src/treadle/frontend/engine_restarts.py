@@ -1,19 +1,36 @@
-"""Engine restarts in the front end (issue 14): a dead engine core is started again with the
-same config and rank, and its requests resume where their clients are; an engine that stops
-making progress is reported (`/health/ready`), then killed and restarted.
+"""The engine's life in the front end (issue 14, issue 25): each engine's state, what each
+detector's report does to it, and the one restart sequence that the client and the
+`treadle serve` supervisor share.
 
-Each engine's state:
-
-    up --death--> restarting --new process says hello--> resuming --suspects done--> up
-    up --a remote engine does not answer--> lost (its requests resume on the others)
+    up --died/down--> restarting --back (new process said hello)--> resuming --suspects done--> up
+    up --lost (a remote engine does not answer)--> lost (its requests resume on the others)
 
 While `restarting`, new requests for it wait (bounded: `max_waiting`), utility calls to it
 fail, and its requests are staged. While `resuming`, the staged requests are sent again one
 at a time, each once the one before made progress (the dead-letter rule of `inflight.py`
-pins a second death on the one suspect then running).
+pins a second death on the one suspect then running, which fails with
+`RequestKilledEngineError`).
 
-`RestartBudget` is --max-engine-restarts in a 10-minute window; the `treadle serve` supervisor
-(several API servers) spends the same budget when it restarts their engines itself.
+Detectors (`engine_watch.py`, the supervisor's in `cli/supervise.py`) and what follows; the
+mode is `RestartMode`, set once per client:
+
+| detector | sees | reports | action |
+|---|---|---|---|
+| process sentinel (`ProcessMonitor`), OWN | our engine core exits non-zero | `died` | `restart_child`: spend the budget, `down`, restart the rank, `back`; none left or the restart fails: the client ends |
+| process sentinel, OWN | our DP coordinator exits non-zero | `coordinator_died` | `restart_child` on the same addresses (it holds no request) |
+| process sentinel, OFF (or exit 0) | an engine or the coordinator ends | client dead (or stopped) | every request fails, /health 503, exit 1 (stopped: exit 0) |
+| `ENGINE_CORE_DEAD` frame | an engine raised | OFF: client dead | else logged: its exit follows and is reported |
+| `ENGINE_CORE_STOPPED` frame | an engine stopped on purpose | client stopped | the server stops cleanly |
+| pid watch (psutil), FOLLOW | the supervisor's engine's pid is gone | `down` | new requests wait, its requests are staged |
+| hello of a new launch, FOLLOW | the supervisor restarted it | `down` (if not seen), `back` | staged requests resume one at a time |
+| hello of a new launch, OWN | our restart's new process | (ends `restart_child`) | `back` |
+| peer disconnect + ping | a peer left the request socket and an engine that no process watch here covers does not answer in 10 s | `lost` | its requests resume on the others; OFF or none left: client dead |
+| stall watch | requests but no finished step | `stall` | past --engine-stall-timeout not ready; past --engine-stall-kill-timeout killed where this host restarts it (OWN; FOLLOW: API server 0 only), once per process: the sentinel or pid watch reports the death |
+| a background task raises | a bug in a reader | client dead | as above |
+| supervisor's monitor (`cli/supervise.py`) | its engine core or coordinator exits non-zero | (its own process) | `restart_child` there; the API servers follow (pid watch, hello) |
+
+`RestartBudget` is --max-engine-restarts in a 10-minute window; the supervisor spends the same
+budget when it restarts its engines itself.
 """
 
 from __future__ import annotations
@@ -21,30 +38,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
-
-import psutil
 
 from treadle.config import RestartConfig
 from treadle.frontend.engine_router import EngineRouter
+from treadle.frontend.engine_state import EngineState
 from treadle.frontend.inflight import InFlight
 from treadle.logger import init_logger
-from treadle.wire.engine import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    FinishReason,
-)
+from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest
 
 logger = init_logger(__name__)
 
 # --max-engine-restarts counts the restarts in this window.
 ENGINE_RESTART_WINDOW_S = 600
-POISON_REASON = (
-    "the engine core died twice while running this request; it is not resumed again "
-    "(it may be what kills the engine)"
-)
 
 
 class RestartBudget:
@@ -76,11 +83,60 @@ class RestartBudget:
         )
 
 
+def _say_down(message: str) -> None:
+    logger.warning("%s", message)
+
+
+def restart_child(
+    name: str,
+    cause: str,
+    budget: RestartBudget,
+    restart: Callable[[], Awaitable[None]],
+    fail: Callable[[str], None],
+    down: Callable[[str], None] = _say_down,
+    back: Callable[[float], Awaitable[None]] | None = None,
+) -> Coroutine[Any, Any, None] | None:
+    """The one restart sequence of a dead child (`name`: its title, e.g. `EngineCore_DP1`).
+    At once: spend one restart of `budget` (none left: `fail(why)`, and None is returned),
+    and say that it is down and restarting (`down(message)`; by default a warning). Then
+    the returned coroutine (the caller runs it: a task, or `asyncio.run`) does `restart()`
+    and `back(seconds since)` (by default a warning "`name` is back ..."), or `fail(why)`
+    when the restart raised."""
+    refusal = budget.spend(cause)
+    if refusal is not None:
+        fail(refusal)
+        return None
+    down(f"{cause[:1].upper()}{cause[1:]}. Restarting it ({budget.describe()})")
+    return _restart(name, cause, restart, fail, back)
+
+
+async def _restart(
+    name: str,
+    cause: str,
+    restart: Callable[[], Awaitable[None]],
+    fail: Callable[[str], None],
+    back: Callable[[float], Awaitable[None]] | None,
+) -> None:
+    since = time.monotonic()
+    try:
+        await restart()
+    except Exception as e:
+        fail(f"{cause}, and restarting it failed: {type(e).__name__}: {e}")
+        return
+    took = time.monotonic() - since
+    if back is not None:
+        await back(took)
+    else:
+        logger.warning("%s is back %.1f s after it died", name, took)
+
+
 class RestartHost(Protocol):
     """What `EngineRestarts` needs from the client that owns the sockets and processes."""
 
     inflight: InFlight
     router: EngineRouter
+    killable: frozenset[int]
+    """The engines that `kill` applies to: on this host, and restarted when they die."""
 
     @property
     def ended(self) -> bool: ...
@@ -97,9 +153,6 @@ class RestartHost(Protocol):
     async def respawn_coordinator(self) -> None:
         """Start a new DP coordinator on the dead one's addresses."""
 
-    def can_kill(self, rank: int) -> bool:
-        """Whether `kill(rank)` applies: the engine runs on this host, and is restarted."""
-
     def kill(self, rank: int) -> None:
         """Kill this host's engine process of `rank` (a stalled one)."""
 
@@ -110,15 +163,16 @@ class RestartHost(Protocol):
     def fail_calls(self, rank: int, cause: str) -> None:
         """Fail the utility calls waiting for the engine."""
 
-    def on_outputs(self, outputs: EngineCoreOutputs) -> None: ...
+    def fail_poisoned(self, rank: int, request_ids: list[str]) -> None:
+        """End requests the dead-letter rule failed (`RequestKilledEngineError`)."""
 
     def on_event(self, kind: str, engine: int, count: int) -> None: ...
 
 
 class EngineRestarts:
-    """The restart state of each engine of one client: the client restarts its own engines
-    (`died`), or resumes its requests when the supervisor's new engine says hello (`down`,
-    then `back`)."""
+    """The state machine of each engine of one client: the detectors report `died` (the
+    client restarts it), `down` then `back` (the supervisor restarts it), `lost` or `stall`;
+    what follows is the table above."""
 
     def __init__(
         self, host: RestartHost, num_engines: int, config: RestartConfig, max_waiting: int
@@ -126,7 +180,7 @@ class EngineRestarts:
         self.host = host
         self.config = config
         self.budget = RestartBudget(config.max_engine_restarts)
-        self.states = ["up"] * num_engines  # up | restarting | resuming
+        self.states = [EngineState.UP] * num_engines
         self.stalled = [False] * num_engines
         self.last_progress = [time.monotonic()] * num_engines
         self._up = [asyncio.Event() for _ in range(num_engines)]
@@ -136,6 +190,8 @@ class EngineRestarts:
             collections.deque() for _ in range(num_engines)
         ]
         self._probation: list[str | None] = [None] * num_engines
+        # Why we killed an engine process (a stall): its death is reported with it. Cleared
+        # when the death is seen (`down`), so that its next process can be killed too.
         self._kill_cause: dict[int, str] = {}
         self._waiting = 0
         self.max_waiting = max_waiting
@@ -168,7 +224,7 @@ class EngineRestarts:
         a lost engine keeps it 503, the others still serve). An engine that resumes its
         requests is up: it takes new ones, and makes progress (else it is stalled)."""
         for rank, state in enumerate(self.states):
-            if state not in ("up", "resuming"):
+            if not state.serves:
                 return f"engine core {rank} is {state}"
             if self.stalled[rank]:
                 idle = time.monotonic() - self.last_progress[rank]
@@ -196,37 +252,38 @@ class EngineRestarts:
             if probation is not None and probation in request_ids:
                 await self._release_next(rank)
 
-    # -- deaths and returns ---------------------------------------------------------------
+    # -- reports: deaths and returns ------------------------------------------------------
 
     def died(self, rank: int, cause: str) -> None:
         """Our engine process died: restart it if the budget allows, else end the client."""
         if self.host.ended:
             return
-        cause = self._kill_cause.pop(rank, cause)
-        refusal = self.budget.spend(cause)
-        if refusal is not None:
-            self.host.fail(refusal)
-            return
-        since = time.monotonic()
-        self.down(rank, f"{cause}. Restarting it ({self.budget.describe()})")
-        self.host.spawn(self._restart(rank, cause, since), f"restart of engine core {rank}")
-
-    async def _restart(self, rank: int, cause: str, since: float) -> None:
-        try:
-            await self.host.respawn(rank)
-        except Exception as e:
-            self.host.fail(f"{cause}, and restarting it failed: {type(e).__name__}: {e}")
-            return
-        await self.back(rank, f"{time.monotonic() - since:.1f} s after it died")
+        cause = self._kill_cause.get(rank, cause)
+        sequence = restart_child(
+            f"EngineCore_DP{rank}",
+            cause,
+            self.budget,
+            lambda: self.host.respawn(rank),
+            self.host.fail,
+            down=lambda message: self.down(rank, message),
+            back=lambda took: self.back(rank, f"{took:.1f} s after it died"),
+        )
+        if sequence is not None:
+            self.host.spawn(sequence, f"restart of engine core {rank}")
 
     def down(self, rank: int, cause: str) -> None:
         """The engine is gone: new requests wait for it, calls to it fail, and its requests
         are staged to resume, but those the dead-letter rule (`InFlight.on_engine_death`)
         fails: in flight at a death before without progress since."""
-        self.states[rank] = "restarting"
+        self._kill_cause.pop(rank, None)  # (its next process may stall too)
+        self.states[rank] = EngineState.RESTARTING
         self._up[rank].clear()
         self._staged[rank].clear()
         self._staged[rank].extend(self._take_requests(rank, cause))
+
+    def kill_cause(self, rank: int) -> str | None:
+        """Why we killed the engine's process, until its death is seen."""
+        return self._kill_cause.get(rank)
 
     async def lost(self, ranks: list[int]) -> None:
         """Engines nobody here can start again (on another host, `--headless`) are gone for
@@ -237,7 +294,7 @@ class EngineRestarts:
         host = self.host
         moved: dict[int, list[str]] = {}
         for rank in ranks:  # every one of them out of the routing before any request moves
-            self.states[rank] = "lost"
+            self.states[rank] = EngineState.LOST
             host.router.gone.add(rank)
             self._up[rank].set()  # (whoever waits for it fails in the client)
             moved[rank] = self._take_requests(
@@ -251,7 +308,7 @@ class EngineRestarts:
                 host.inflight.move(rid, target)
                 self._staged[target].append(rid)
         for target, state in enumerate(self.states):
-            if state == "up" and self._staged[target] and self._probation[target] is None:
+            if state is EngineState.UP and self._staged[target] and self._probation[target] is None:
                 await self._release_next(target)  # (a restarting one releases them when back)
 
     def _take_requests(self, rank: int, cause: str) -> list[str]:
@@ -272,11 +329,7 @@ class EngineRestarts:
         )
         if poisoned:
             host.router.owners(poisoned)
-            fails = [
-                EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=POISON_REASON)
-                for rid in poisoned
-            ]  # fmt: skip
-            host.on_outputs(EngineCoreOutputs(engine_index=rank, outputs=fails))
+            host.fail_poisoned(rank, poisoned)
             host.on_event("poisoned", rank, len(poisoned))
         return resume
 
@@ -292,7 +345,7 @@ class EngineRestarts:
             len(self._staged[rank]),
         )
         self.host.on_event("restarted", rank, 1)
-        self.states[rank] = "resuming"
+        self.states[rank] = EngineState.RESUMING
         self.last_progress[rank] = time.monotonic()
         self.host.router.down.discard(rank)
         self._up[rank].set()  # new requests go to it again
@@ -312,8 +365,8 @@ class EngineRestarts:
             self.host.on_event("resumed", rank, 1)
             return
         self._probation[rank] = None
-        if self.states[rank] == "resuming":
-            self.states[rank] = "up"
+        if self.states[rank] is EngineState.RESUMING:
+            self.states[rank] = EngineState.UP
 
     def coordinator_died(self, cause: str) -> None:
         """The DP coordinator holds no request: a new one binds the same addresses, and the
@@ -321,101 +374,39 @@ class EngineRestarts:
         are routed on the client's own counts."""
         if self.host.ended:
             return
-        refusal = self.budget.spend(cause)
-        if refusal is not None:
-            self.host.fail(refusal)
-            return
-        logger.warning(
-            "%s. Restarting it (%s)", cause[:1].upper() + cause[1:], self.budget.describe()
+        sequence = restart_child(
+            "DPCoordinator", cause, self.budget, self.host.respawn_coordinator, self.host.fail
         )
-        self.host.spawn(self._restart_coordinator(cause), "restart of the DP coordinator")
+        if sequence is not None:
+            self.host.spawn(sequence, "restart of the DP coordinator")
 
-    async def _restart_coordinator(self, cause: str) -> None:
-        since = time.monotonic()
-        try:
-            await self.host.respawn_coordinator()
-        except Exception as e:
-            self.host.fail(f"{cause}, and restarting it failed: {type(e).__name__}: {e}")
-            return
-        logger.warning("DPCoordinator is back %.1f s after it died", time.monotonic() - since)
+    # -- reports: stalls ------------------------------------------------------------------
 
-    async def watch_processes(self, pids: list[int], ranks: range) -> None:
-        """(An API server of the supervisor, on the engines' host.) An engine core whose
-        process (`pids[rank]`, kept current by the client) is gone is `restarting` at once:
-        /health/ready says so and new requests wait, until the supervisor's new engine says
-        hello."""
-        processes: dict[int, psutil.Process | None] = {}
-        while not self.host.ended:
-            await asyncio.sleep(0.25)
-            for rank in ranks:
-                pid = pids[rank]
-                if not pid or self.states[rank] == "restarting":
-                    continue
-                if pid not in processes:
-                    processes[pid] = process_of(pid)
-                if not running(processes[pid]):
-                    self.down(
-                        rank, f"EngineCore_DP{rank} (pid {pid}) is gone; its supervisor restarts it"
-                    )
-
-    # -- stalls ---------------------------------------------------------------------------
-
-    async def watch_stalls(self) -> None:
-        """An engine with requests that finishes no step for --engine-stall-timeout is not
-        ready (logged once); past --engine-stall-kill-timeout it is killed, and restarted."""
+    def stall(self, rank: int, idle: float | None) -> None:
+        """(The stall watch, each quarter second.) Engine `rank` has had requests for `idle`
+        s without finishing a step (None: it has none, or does not serve). Past
+        --engine-stall-timeout it is not ready (logged once); past
+        --engine-stall-kill-timeout it is killed where this host restarts it, once per
+        process (its death is then reported as any other, with this cause)."""
         cfg = self.config
-        inflight = self.host.inflight
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
-            for rank, state in enumerate(self.states):
-                if state in ("restarting", "lost") or inflight.count(rank) == 0:
-                    self.last_progress[rank] = now
-                    self.stalled[rank] = False
-                    continue
-                idle = now - self.last_progress[rank]
-                if idle <= cfg.engine_stall_timeout:
-                    if self.stalled[rank]:
-                        logger.warning("EngineCore_DP%d finishes steps again", rank)
-                    self.stalled[rank] = False
-                    continue
-                if not self.stalled[rank]:
-                    self.stalled[rank] = True
-                    logger.warning(
-                        "EngineCore_DP%d has %d request(s) in flight but finished no step for "
-                        "%.0f s: not ready until it does",
-                        rank,
-                        inflight.count(rank),
-                        idle,
-                    )
-                kill = cfg.engine_stall_kill_timeout
-                if (
-                    kill > 0
-                    and idle > kill
-                    and self.host.can_kill(rank)
-                    and rank not in self._kill_cause
-                ):
-                    self._kill_cause[rank] = (
-                        f"EngineCore_DP{rank} finished no step for {idle:.0f} s"
-                    )
-                    logger.error("%s: killing it", self._kill_cause[rank])
-                    self.host.kill(rank)
-
-
-def process_of(pid: int) -> psutil.Process | None:
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
-
-
-def running(process: psutil.Process | None) -> bool:
-    """Whether the process runs (not gone, not a zombie, not a new one on a reused pid)."""
-    try:
-        return (
-            process is not None
-            and process.is_running()
-            and process.status() != psutil.STATUS_ZOMBIE
-        )
-    except psutil.Error:
-        return False
+        if idle is None or idle <= cfg.engine_stall_timeout:
+            if idle is None:
+                self.last_progress[rank] = time.monotonic()
+            elif self.stalled[rank]:
+                logger.warning("EngineCore_DP%d finishes steps again", rank)
+            self.stalled[rank] = False
+            return
+        if not self.stalled[rank]:
+            self.stalled[rank] = True
+            logger.warning(
+                "EngineCore_DP%d has %d request(s) in flight but finished no step for "
+                "%.0f s: not ready until it does",
+                rank,
+                self.host.inflight.count(rank),
+                idle,
+            )
+        kill = cfg.engine_stall_kill_timeout
+        if kill > 0 and idle > kill and rank in self.host.killable and rank not in self._kill_cause:
+            self._kill_cause[rank] = f"EngineCore_DP{rank} finished no step for {idle:.0f} s"
+            logger.error("%s: killing it", self._kill_cause[rank])
+            self.host.kill(rank)

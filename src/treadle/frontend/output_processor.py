@@ -126,6 +126,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
+    def parent_of(self, child_id: str) -> str:
+        """The request id of an engine-core id (itself for a request with n = 1, or one no
+        longer tracked)."""
+        return self._child_to_parent.get(child_id, child_id)
+
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from treadle.frontend.engine_state import EngineState
 from treadle.ipc.proc_info import host_name, parent_title, parse_title, process_info, treadle_tree
 from treadle.logger import init_logger
 from treadle.wire.topology import EngineReport, ProcessInfo, QueueInfo
@@ -35,7 +36,15 @@ logger = init_logger(__name__)
 REPORT_TIMEOUT_S = 3.0
 """An engine answers between two steps; one that takes longer is reported without details."""
 
-STATES = ("starting", "ready", "stalled", "restarting", "lost", "dead")
+STATES = (
+    EngineState.STARTING,
+    EngineState.READY,
+    EngineState.STALLED,
+    EngineState.RESTARTING,
+    EngineState.LOST,
+    EngineState.DEAD,
+)
+"""What `/topology` shows of an engine and its processes."""
 
 
 class Engines(Protocol):
@@ -44,7 +53,7 @@ class Engines(Protocol):
     @property
     def client_index(self) -> int: ...
 
-    def shown_states(self) -> list[str]:
+    def shown_states(self) -> list[EngineState]:
         """Per DP rank, one of STATES (never "starting": the engine's processes are)."""
         ...
 
@@ -65,7 +74,7 @@ class FrontEnd:
     host: str
     client_index: int
     local: list[ProcessInfo]  # this host's treadle processes (psutil)
-    engine_states: list[str]  # per DP rank, one of STATES
+    engine_states: list[EngineState]  # per DP rank, one of STATES
     coordinator_front: str = ""  # the coordinator's XPUB that the API servers SUB to
 
 
@@ -73,12 +82,14 @@ def node_id(p: ProcessInfo) -> str:
     return f"{p.host}:{p.pid}"
 
 
-async def engine_reports(engines: Engines, states: Sequence[str]) -> list[EngineReport | None]:
+async def engine_reports(
+    engines: Engines, states: Sequence[EngineState]
+) -> list[EngineReport | None]:
     """Every engine's `get_topology` answer (None for one that is down or does not answer
     within REPORT_TIMEOUT_S)."""
 
     async def one(rank: int) -> EngineReport | None:
-        if states[rank] in ("restarting", "dead", "lost"):
+        if states[rank] in (EngineState.RESTARTING, EngineState.DEAD, EngineState.LOST):
             return None
         try:
             raw = await asyncio.wait_for(engines.topology_report(rank), REPORT_TIMEOUT_S)
@@ -125,11 +136,11 @@ async def collect(engines: Engines) -> dict[str, Any]:
 # -- assembling ------------------------------------------------------------------------------
 
 
-def _process_entry(p: ProcessInfo, state: str) -> dict[str, Any]:
+def _process_entry(p: ProcessInfo, state: EngineState) -> dict[str, Any]:
     role, ranks = parse_title(p.title)
     entry: dict[str, Any] = {"id": node_id(p), "role": role, **msgspec.to_builtins(p)}
     entry.update(ranks)
-    entry["state"] = "dead" if p.status in ("zombie", "dead") else state
+    entry["state"] = EngineState.DEAD if p.status in ("zombie", "dead") else state
     return entry
 
 
@@ -142,9 +153,11 @@ def build_topology(fe: FrontEnd, reports: Sequence[EngineReport | None]) -> dict
     processes = []
     for p in infos.values():
         role, ranks = parse_title(p.title)
-        state = "ready"
+        state = EngineState.READY
         if role in ("EngineCore", "Worker"):
-            state = "starting"  # until its engine is known: a new process, or one not answering
+            state = (
+                EngineState.STARTING
+            )  # until its engine is known: a new process, or one not answering
         processes.append(_process_entry(p, state))
     by_id = {e["id"]: e for e in processes}
     # Workers carry their engine's DP rank and state; engines their client-side state.
@@ -157,15 +170,15 @@ def build_topology(fe: FrontEnd, reports: Sequence[EngineReport | None]) -> dict
     for rank, state in enumerate(fe.engine_states):
         report = reports[rank] if rank < len(reports) else None
         # "starting" stays for a process of an engine that is up but sent no report.
-        known = report is not None or state != "ready"
+        known = report is not None or state != EngineState.READY
         for e in processes:
             ours = e.get("dp_rank") == rank and e["role"] in ("EngineCore", "Worker")
-            if ours and known and e["state"] != "dead":
+            if ours and known and e["state"] != EngineState.DEAD:
                 e["state"] = state
         engines.append(engine_entry(rank, state, report))
     me = by_id.get(f"{fe.host}:{fe.pid}")
-    if me is not None and "dead" in fe.engine_states:
-        me["state"] = "dead"
+    if me is not None and EngineState.DEAD in fe.engine_states:
+        me["state"] = EngineState.DEAD
     processes.sort(key=_order)
     return {
         "time": time.time(),
@@ -186,10 +199,12 @@ def _order(e: dict[str, Any]) -> tuple[Any, ...]:
     return (e.get("dp_rank", -1), rank, e.get("tp_rank", -1), e.get("api_server", -1), e["pid"])
 
 
-def engine_entry(rank: int, state: str, report: EngineReport | None) -> dict[str, Any]:
+def engine_entry(rank: int, state: EngineState, report: EngineReport | None) -> dict[str, Any]:
     entry: dict[str, Any] = {"dp_rank": rank, "state": state}
     if report is None:
-        entry["error"] = "no report" if state == "ready" else f"engine core {rank} is {state}"
+        entry["error"] = (
+            "no report" if state == EngineState.READY else f"engine core {rank} is {state}"
+        )
         return entry
     core = report.processes[0]
     stats = report.stats

@@ -289,13 +289,10 @@ def run_server(
     def on_dead(reason: str) -> None:
         nonlocal engine_died
         engine_died = True
-        previous(reason)
         # Give failing streams a moment to send their error, then stop serving.
         asyncio.get_running_loop().call_later(2.0, setattr, http_server, "should_exit", True)
 
-    previous = engine._on_dead
-    engine._on_dead = on_dead  # type: ignore[method-assign]
-    engine.client.on_dead = on_dead
+    engine.when_dead(on_dead)
     # uvicorn handles SIGTERM/SIGINT while it serves and raises them again when it is done;
     # by then they have been handled, so let them pass and shut the engine down below.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,59 @@
+"""The words of an engine's life, as the front end uses them: each engine's state, and who
+restarts this client's engines (the table of what happens when is in `engine_restarts.py`).
+
+Both enums are `str`-valued, so log lines, `/topology` and the dashboard carry the same
+strings as before (`f"{state}"` is its value; so is its JSON).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EngineState(StrEnum):
+    """One engine's state. `EngineRestarts` holds one of the first four for each engine;
+    `/topology` and the dashboard show what a client sees of it (`AsyncLLM.shown_states`)."""
+
+    UP = "up"
+    """Takes requests, and makes progress (or has none)."""
+    RESTARTING = "restarting"
+    """Its process died: new requests wait for it, its requests are staged to resume."""
+    RESUMING = "resuming"
+    """Its new process said hello; its staged requests are sent again, one at a time."""
+    LOST = "lost"
+    """Nobody here can start it again (another host): out of the routing for good."""
+
+    READY = "ready"
+    """(Shown.) Up or resuming, and making progress."""
+    STALLED = "stalled"
+    """(Shown.) It has requests but finished no step for --engine-stall-timeout."""
+    DEAD = "dead"
+    """(Shown.) The client ended: no restart left, or restarts off."""
+    STARTING = "starting"
+    """(Shown, for processes.) An engine process whose engine has not reported yet."""
+
+    @property
+    def serves(self) -> bool:
+        """Up or resuming: it takes requests, and answers calls."""
+        return self in (EngineState.UP, EngineState.RESUMING)
+
+
+class RestartMode(StrEnum):
+    """Who starts this client's engines again when they die: set once, at construction, from
+    who started them (this client, or the `treadle serve` supervisor) and
+    `--max-engine-restarts`. Engines on another host (`--headless`) are started again by
+    nobody here: with restarts on they become `lost` when they go silent."""
+
+    OWN = "own"
+    """This client started its engines and restarts them (one API server)."""
+    FOLLOW = "follow"
+    """The supervisor started and restarts them (several API servers); this client sees a
+    death by the pid and the return by the new process's hello, and resumes its requests."""
+    OFF = "off"
+    """Nobody (`--max-engine-restarts 0`): an engine's death ends the client."""
+
+    @classmethod
+    def of(cls, started_here: bool, max_engine_restarts: int) -> RestartMode:
+        if max_engine_restarts == 0:
+            return cls.OFF
+        return cls.OWN if started_here else cls.FOLLOW

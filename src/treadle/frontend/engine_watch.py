@@ -1,0 +1,339 @@
+"""Every way the API server's engine client learns that an engine died, left, stalled or came
+back, in one place. A detector here only reports (`died`, `down`, `back`, `lost`, `stall`,
+or the client's end) to the state machine of `engine_restarts.py`, whose table says what
+each report does.
+
+Detectors: the process sentinel (`ProcessMonitor`, engines this client started), the
+`ENGINE_CORE_DEAD` and `ENGINE_CORE_STOPPED` frames, the pid watch (psutil, the supervisor's
+engines), a restarted engine's hello (its first message on the ROUTER), a peer leaving a
+socket and the ping that follows it (engines that no process watch here covers), the stall
+watch, and a background task that raises (`GuardedTasks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+import psutil
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from treadle import envs
+from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
+from treadle.frontend.core_client import EngineDeadError
+from treadle.frontend.engine_restarts import EngineRestarts
+from treadle.frontend.engine_state import EngineState, RestartMode
+from treadle.frontend.inflight import InFlight
+from treadle.frontend.launcher import EngineLauncher
+from treadle.ipc.process import ChildProcess, describe_exit
+from treadle.logger import init_logger
+
+logger = init_logger(__name__)
+
+# How long an engine may take to answer when a peer left the request socket (a step of a long
+# prefill must fit), or to say hello after a restart: one that does not is dead.
+ENGINE_PING_TIMEOUT_S = 10.0
+# An engine process's exit explains a disconnect seen this long after it.
+_EXIT_EXPLAINS_S = 5.0
+# How long a disconnect waits for the exit that explains it (a process's sockets close just
+# before its exit shows).
+_EXIT_LOOK_S = 0.5
+
+
+class Watched(Protocol):
+    """What the detectors read of the client, and the two ends they may report."""
+
+    launcher: EngineLauncher | None
+    engine_pids: list[int]  # kept current: a restarted engine's pid replaces the dead one's
+    inflight: InFlight
+
+    @property
+    def ended(self) -> bool: ...
+
+    def fail(self, reason: str) -> None:
+        """The client ends: every request fails, the server exits non-zero."""
+
+    def stop(self, reason: str) -> None:
+        """The client ends because an engine was stopped on purpose."""
+
+    async def call_utility(self, method: str, *args: Any, engine: int = 0) -> Any: ...
+
+
+class GuardedTasks:
+    """The client's background tasks: kept in a set (the event loop holds a task only
+    weakly), and guarded: one that raises is logged with its traceback and, when `fatal`,
+    ends the client (`fail`), so that nothing is left waiting on a reader that is gone."""
+
+    def __init__(self, fail: Callable[[str], None], closed: Callable[[], bool]) -> None:
+        self._fail = fail
+        self._closed = closed
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None], what: str, fatal: bool = True) -> None:
+        task = asyncio.get_running_loop().create_task(self._guard(coro, what, fatal))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guard(self, coro: Coroutine[Any, Any, None], what: str, fatal: bool) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self._closed():
+                return
+            logger.exception("The %s failed", what)
+            if fatal:
+                self._fail(f"the front end's {what} failed: {type(e).__name__}: {e}")
+
+    def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+class EngineWatch:
+    """The detectors of one client. `mode` says who restarts its engines; `local_ranks` are
+    the engines of this host (with the supervisor's: watched by pid); `unwatched` those whose
+    death only a disconnect and a silence show (another host's, or the supervisor's when it
+    does not restart them)."""
+
+    def __init__(
+        self,
+        client: Watched,
+        restarts: EngineRestarts,
+        mode: RestartMode,
+        local_ranks: range,
+        num_engines: int,
+        started_here: bool,
+    ) -> None:
+        self.client = client
+        self.restarts = restarts
+        self.mode = mode
+        self.local_ranks = local_ranks
+        # This host's engines are watched as processes: by the sentinel (ours), or by pid.
+        watched = local_ranks if started_here or mode is RestartMode.FOLLOW else ()
+        self.unwatched = [rank for rank in range(num_engines) if rank not in watched]
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
+        # (when, what) of this host's engine processes that exited: explains a disconnect
+        self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
+
+    def start(self, tasks: GuardedTasks, sockets: list[tuple[zmq.Socket[Any], str]]) -> None:
+        """Run the watches (in the running loop); `sockets`: (monitor socket, what it
+        watches) of each socket whose peers may leave."""
+        self.loop = asyncio.get_running_loop()
+        tasks.spawn(self.watch_stalls(), "engine stall watch")
+        if self.mode is RestartMode.FOLLOW:
+            tasks.spawn(self.watch_processes(), "engine process watch")
+        for monitor, name in sockets:
+            tasks.spawn(self.watch_peers(monitor, name), f"{name} socket watch")
+
+    # -- the process sentinel (the process monitor's thread) ------------------------------
+
+    def on_child_death(self, child: ChildProcess) -> bool:
+        """One of our processes ended: a dead engine core or DP coordinator is restarted
+        (OWN); returns whether it is (else the client ends: `MPClient._on_child_death`)."""
+        self._exits.append(
+            (time.monotonic(), f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+        )
+        launcher, loop = self.client.launcher, self.loop
+        if child.exitcode == 0 or self.mode is not RestartMode.OWN:
+            return False
+        if launcher is None or loop is None:  # (before the loop runs: the client ends)
+            return False
+        cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
+        if child is launcher.coordinator:
+            loop.call_soon_threadsafe(self._guarded, self.restarts.coordinator_died, cause)
+            return True
+        for i, engine in enumerate(launcher.engines):
+            if engine is child:
+                rank = launcher.start_rank + i
+                loop.call_soon_threadsafe(self._guarded, self.restarts.died, rank, cause)
+                return True
+        return False
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """A report the process monitor scheduled; one that raises ends the client (an
+        engine must not stay `restarting` with nobody restarting it)."""
+        try:
+            fn(*args)
+        except Exception as e:
+            logger.exception("Handling a child's death failed")
+            self.client.fail(f"handling a child's death failed: {type(e).__name__}: {e}")
+
+    # -- frames on the output socket ------------------------------------------------------
+
+    def on_control_frame(self, frame: bytes) -> bool:
+        """`ENGINE_CORE_DEAD`: the engine exits next, and its exit is what restarts it (the
+        client ends when nobody restarts it: returns False, nothing more to read).
+        `ENGINE_CORE_STOPPED`: it answered every request and stopped on purpose, so the
+        client stops (other engines may still finish theirs: True)."""
+        if frame == ENGINE_CORE_STOPPED:
+            self.client.stop("an engine core was stopped")
+        elif frame == ENGINE_CORE_DEAD and self.mode is RestartMode.OFF:
+            self.client.fail("an engine core reported a fatal error (see its log)")
+            return False
+        elif frame == ENGINE_CORE_DEAD:
+            logger.warning("An engine core reported a fatal error (see its log)")
+        return True
+
+    # -- hellos on the request socket -----------------------------------------------------
+
+    def expect_hello(self, rank: int) -> asyncio.Future[None]:
+        """The restart of `rank` (OWN) waits for its new process's hello on this future
+        (`forget_hello` when done)."""
+        assert self.loop is not None
+        hello: asyncio.Future[None] = self.loop.create_future()
+        self._awaiting_hello[rank] = hello
+        return hello
+
+    def forget_hello(self, rank: int) -> None:
+        self._awaiting_hello.pop(rank, None)
+
+    async def on_new_launch(self, rank: int, pid: int) -> None:
+        """A new launch of engine `rank` said hello: ours (a restart waits for it), or the
+        supervisor's, which replaced a process that died (seen by the pid watch, or not yet)."""
+        awaited = self._awaiting_hello.get(rank)
+        if awaited is not None and not awaited.done():
+            awaited.set_result(None)
+        elif self.mode is RestartMode.FOLLOW:
+            if self.restarts.states[rank] is not EngineState.RESTARTING:
+                self.restarts.down(rank, f"EngineCore_DP{rank} was restarted (it died)")
+            self.client.engine_pids[rank] = pid
+            await self.restarts.back(rank, "(restarted by the supervisor)")
+
+    # -- the pid watch (the supervisor's engines) -----------------------------------------
+
+    async def watch_processes(self) -> None:
+        """An engine core of this host whose process (`engine_pids[rank]`) is gone is
+        `restarting` at once: /health/ready says so and new requests wait, until the
+        supervisor's new engine says hello."""
+        processes: dict[int, psutil.Process | None] = {}
+        pids = self.client.engine_pids
+        while not self.client.ended:
+            await asyncio.sleep(0.25)
+            for rank in self.local_ranks:
+                pid = pids[rank]
+                if not pid or self.restarts.states[rank] is EngineState.RESTARTING:
+                    continue
+                if pid not in processes:
+                    processes[pid] = process_of(pid)
+                if not running(processes[pid]):
+                    killed = self.restarts.kill_cause(rank)
+                    gone = f"EngineCore_DP{rank} (pid {pid}) is gone"
+                    if killed is not None:
+                        gone = f"{killed}: killed (pid {pid})"
+                    self.restarts.down(rank, f"{gone}; its supervisor restarts it")
+
+    # -- the stall watch ------------------------------------------------------------------
+
+    async def watch_stalls(self) -> None:
+        """Each quarter second, how long each busy engine has gone without finishing a step."""
+        restarts = self.restarts
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for rank, state in enumerate(restarts.states):
+                busy = state.serves and self.client.inflight.count(rank) > 0
+                restarts.stall(rank, now - restarts.last_progress[rank] if busy else None)
+
+    # -- peers leaving a socket, and the ping that follows --------------------------------
+
+    async def watch_peers(self, monitor: zmq.Socket[Any], name: str) -> None:
+        """Log each peer that leaves the socket `name`, with what explains it (an engine
+        process that exited, and how; an engine that does not answer), or else the hint
+        that libzmq drops a peer that sends more than TREADLE_ZMQ_MAX_MSG_BYTES. A peer
+        leaving the request socket may be an `unwatched` engine whose process or host is
+        gone: each such engine must then answer a call within ENGINE_PING_TIMEOUT_S (a bare
+        disconnect would let any local process that connects and leaves kill the server). A
+        silent one is lost, and the others serve on, when restarts are on and some are left;
+        otherwise the client ends."""
+        sock = zmq.asyncio.Socket.from_socket(monitor)
+        while True:
+            event = parse_monitor_message(await sock.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED or self.client.ended:
+                continue
+            silent: list[int] = []
+            if name == "request" and self.unwatched:
+                silent = await self._silent_engines()
+                states = self.restarts.states
+                left = sum(state is not EngineState.LOST for state in states) - len(silent)
+                if silent and (left == 0 or self.mode is RestartMode.OFF):
+                    self.client.fail(f"engine core(s) {silent} disconnected and do not answer")
+                    return
+                if silent:  # the others serve on
+                    await self.restarts.lost(silent)
+            exits = await self._engine_exits()
+            if silent:
+                exits.append(f"engine core(s) {silent} do not answer (lost)")
+            if exits:
+                logger.warning("A peer of the %s socket disconnected: %s", name, "; ".join(exits))
+            else:  # nothing else explains it
+                logger.warning(
+                    "A peer of the %s socket disconnected (it closed, or sent a message "
+                    "larger than TREADLE_ZMQ_MAX_MSG_BYTES=%d)",
+                    name,
+                    envs.zmq_max_msg_bytes(),
+                )
+
+    async def _engine_exits(self) -> list[str]:
+        """What explains a peer leaving: engine processes of this host that exited lately
+        (ours with their exit codes; a supervisor's by pid), looked for during a moment."""
+        launcher = self.client.launcher
+        deadline = time.monotonic() + _EXIT_LOOK_S
+        while True:
+            now = time.monotonic()
+            found = {what for when, what in self._exits if now - when < _EXIT_EXPLAINS_S}
+            if launcher is not None:
+                for child in launcher.engines:
+                    code = child.exitcode  # once: a restart may swap the process meanwhile
+                    if code is not None:
+                        found.add(f"{child.describe()} exited: {describe_exit(code)}")
+            else:
+                for rank in self.local_ranks:
+                    pid = self.client.engine_pids[rank]
+                    if pid and not running(process_of(pid)):
+                        found.add(f"EngineCore_DP{rank} (pid {pid}) exited")
+            if found or now > deadline:
+                return sorted(found)
+            await asyncio.sleep(0.1)
+
+    async def _silent_engines(self) -> list[int]:
+        """The `unwatched` engines that serve and do not answer a call in time."""
+
+        async def answers(engine: int) -> bool:
+            try:
+                call = self.client.call_utility("get_stats", engine=engine)
+                await asyncio.wait_for(call, ENGINE_PING_TIMEOUT_S)
+                return True
+            except (TimeoutError, EngineDeadError):
+                return False
+
+        states = self.restarts.states
+        ranks = [e for e in self.unwatched if states[e].serves]
+        replies = await asyncio.gather(*(answers(e) for e in ranks))
+        return [e for e, ok in zip(ranks, replies, strict=True) if not ok]
+
+
+def process_of(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def running(process: psutil.Process | None) -> bool:
+    """Whether the process runs (not gone, not a zombie, not a new one on a reused pid)."""
+    try:
+        return (
+            process is not None
+            and process.is_running()
+            and process.status() != psutil.STATUS_ZOMBIE
+        )
+    except psutil.Error:
+        return False
