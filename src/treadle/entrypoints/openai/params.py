@@ -122,6 +122,8 @@ def structured_outputs(req: AnyRequest) -> StructuredOutputsParams | None:
                 "%s is deprecated (as in vLLM): use structured_outputs.%s instead", name, kind
             )
         given.append((name, name, {kind: value}))
+    if req.grammar is not None:  # llama.cpp's field (GBNF), not deprecated
+        given.append(("grammar", "grammar", {"grammar": req.grammar}))
     if not given:
         return None
     if len(given) > 1:

@@ -200,6 +200,8 @@ class _SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # llama.cpp's name: a GBNF (or Lark) grammar, the same as `structured_outputs.grammar`
+    grammar: str | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:{id}"
     # vLLM's: the prompt's and each choice's token ids in the response (and its stream)
     return_token_ids: bool | None = None
