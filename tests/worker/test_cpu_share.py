@@ -211,7 +211,20 @@ def test_busy_neighbours_take_a_thread_and_give_it_back(
             for loop in loops:
                 loop.kill()
                 loop.wait()
-        wait_for("Model threads 1 -> 2 of 2", 60)
+        cpus = set(os.sched_getaffinity(0))
+        before = read_proc(cpus)
+        try:
+            wait_for("Model threads 1 -> 2 of 2", 30)
+        except AssertionError:
+            after = read_proc(cpus)
+            assert before is not None and after is not None
+            idle = (after.idle_s - before.idle_s) / (after.when - before.when)
+            if idle < cpu_share.GROW_IDLE:  # other work on this machine kept both cores busy
+                pytest.skip(
+                    f"only {idle:.2f} of a core was idle after the busy loops stopped: no core "
+                    "to give back (runs when nothing else keeps this machine busy)"
+                )
+            raise
     finally:
         llm.terminate()
         try:
