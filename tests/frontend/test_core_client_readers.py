@@ -14,13 +14,13 @@ import msgspec
 import pytest
 
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
-from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.frontend.async_client import AsyncMPClient
 from treadle.frontend.core_client import EngineDeadError
 from treadle.frontend.output_reader import OutputReader
 from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound
 from treadle.ipc.serial import MsgpackEncoder
 from treadle.sampling_params import SamplingParams
+from treadle.wire.control import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.wire.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,

@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -34,6 +33,7 @@ from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound, i
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.zmq_utils import make_zmq_socket, split_zmq_path
 from treadle.logger import init_logger
+from treadle.wire.control import COORDINATOR, UtilityRequest
 from treadle.wire.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -45,9 +45,6 @@ from treadle.wire.engine import (
 
 logger = init_logger(__name__)
 
-ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"  # a fatal error: fail every request
-ENGINE_CORE_STOPPED = b"ENGINE_CORE_STOPPED"  # stopped by a signal: every request was answered
-COORDINATOR = -1  # output_queue "client" that means the DP coordinator
 LINGER_MS = 2000
 # tcp peers (engines on another host) check each other with ZMTP heartbeats.
 _HEARTBEAT_IVL_MS = 1000
@@ -56,15 +53,6 @@ _RECONNECT_S = 1.0
 
 InputItem = tuple[EngineCoreRequestType, Any]
 OutputItem = tuple[int, EngineCoreOutputs] | bytes | None
-
-
-class UtilityRequest(msgspec.Struct, array_like=True):
-    """Front end -> engine core: call `EngineCore.<method>(*args)`, answer `call_id`."""
-
-    client_index: int
-    call_id: int
-    method: str
-    args: list[Any] = []
 
 
 class FrontEndGone(RuntimeError):
@@ -177,7 +165,7 @@ class InputReader:
         addr = self.addresses[index]
         if split_zmq_path(addr)[0] == "tcp":
             reason = f"the front end at {addr} disconnected; exiting"
-            self.input_queue.put((EngineCoreRequestType.WAKEUP, reason))
+            self.input_queue.put((EngineCoreRequestType.FRONTEND_GONE, reason))
             return
         logger.warning(
             "The connection to the front end at %s dropped (it closed, or it sent a message "

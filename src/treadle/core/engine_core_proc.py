@@ -48,16 +48,12 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.engine_core import EngineCore
 from treadle.core.engine_core_io import (
-    COORDINATOR,
-    ENGINE_CORE_DEAD,
-    ENGINE_CORE_STOPPED,
     LINGER_MS,
     FrontEndGone,
     InputItem,
     InputReader,
     OutputItem,
     OutputWriter,
-    UtilityRequest,
     send_to_all,
 )
 from treadle.executor.multiproc import ExecutorStoppedError
@@ -66,6 +62,13 @@ from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ReadyPipe, at_parent_death
 from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger, set_process_name
+from treadle.wire.control import (
+    COORDINATOR,
+    ENGINE_CORE_DEAD,
+    ENGINE_CORE_STOPPED,
+    Handshake,
+    UtilityRequest,
+)
 from treadle.wire.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -78,41 +81,12 @@ from treadle.wire.engine import (
 )
 from treadle.wire.topology import EngineChannels
 
-__all__ = [
-    "ENGINE_CORE_DEAD",
-    "ENGINE_CORE_STOPPED",
-    "EngineCoreProc",
-    "Handshake",
-    "UtilityRequest",
-    "run_engine_core",
-]
+__all__ = ["EngineCoreProc", "run_engine_core"]
 
 logger = init_logger(__name__)
 
 _POLL_MS = 1000
 _COORDINATOR_STATS_INTERVAL_S = 0.05
-
-
-class Handshake(msgspec.Struct, omit_defaults=True):
-    """Messages on the handshake socket, in both directions, and the engine's first message
-    on each front end's request socket (`ipc/engine_auth.py`)."""
-
-    status: str  # HELLO | ADDRESSES | READY
-    inputs: list[str] = []
-    outputs: list[str] = []
-    coordinator_input: str = ""  # XPUB of the DP coordinator (the engine subscribes)
-    coordinator_output: str = ""  # PULL of the DP coordinator (the engine pushes)
-    num_blocks: int = 0
-    max_model_len: int = 0
-    vocab_size: int = 0
-    pid: int = 0  # the engine core's process (READY): front ends on its host watch it
-    rank: int = 0  # HELLO, READY and the first message on a request socket: the DP rank
-    # HELLO and READY: the secret the engine's own launcher gave it (the launcher on this host
-    # answers only the process it started; an engine of another host is taken on first use).
-    secret: bytes = b""
-    launch: int = 0  # ADDRESSES, and the first message on a request socket: this launch's number
-    tokens: list[bytes] = []  # ADDRESSES: per front end, `engine_token(its key, rank, launch)`
-    token: bytes = b""  # the first message on a request socket: that front end's token
 
 
 @dataclass
@@ -214,9 +188,18 @@ class EngineCoreProc:
             addresses = decode(hs.recv())
             if len(addresses.tokens) != len(addresses.inputs):
                 raise RuntimeError("the front end sent no token for each of its request sockets")
-            self.engine = EngineCore(config, engine_index=dp_rank)
-            self.engine.aborts_queue = self.aborts_queue
-            self.engine.executor.failure_callback = self._executor_failed
+            self.engine = EngineCore(
+                config,
+                engine_index=dp_rank,
+                aborts_queue=self.aborts_queue,
+                on_executor_failure=self._executor_failed,
+                channels=EngineChannels(
+                    inputs=addresses.inputs,
+                    outputs=addresses.outputs,
+                    coordinator_input=addresses.coordinator_input,
+                    coordinator_output=addresses.coordinator_output,
+                ),
+            )
             info = Handshake(
                 "READY",
                 num_blocks=self.engine.num_blocks,
@@ -237,12 +220,6 @@ class EngineCoreProc:
         # A front end killed -9 leaves its ROUTER's and PULL's socket files; if it was this
         # process's parent (one API server), this engine removes them as it goes too.
         at_parent_death(lambda: remove_ipc_files([*addresses.inputs, *addresses.outputs]))
-        self.engine.channels = EngineChannels(
-            inputs=addresses.inputs,
-            outputs=addresses.outputs,
-            coordinator_input=addresses.coordinator_input,
-            coordinator_output=addresses.coordinator_output,
-        )
         self.reader = InputReader(
             self.ctx,
             addresses.inputs,
@@ -412,7 +389,7 @@ class EngineCoreProc:
             self._call_utility(payload)
         elif kind is EngineCoreRequestType.EXECUTOR_FAILED:
             raise payload if isinstance(payload, Exception) else RuntimeError(payload)
-        elif kind is EngineCoreRequestType.WAKEUP:  # the front end is gone
+        elif kind is EngineCoreRequestType.FRONTEND_GONE:
             raise FrontEndGone(payload)
 
     def _executor_failed(self, reason: str, stopped: bool = False) -> None:

@@ -24,7 +24,6 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from treadle import envs
-from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.frontend.core_client import EngineDeadError
 from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_state import EngineState, RestartMode
@@ -32,6 +31,7 @@ from treadle.frontend.inflight import InFlight
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.process import ChildProcess, describe_exit
 from treadle.logger import init_logger
+from treadle.wire.control import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 
 logger = init_logger(__name__)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.ipc.inbound import DropLog
 from treadle.ipc.serial import MsgpackDecoder
 from treadle.logger import init_logger
+from treadle.wire.control import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs
 
 logger = init_logger(__name__)

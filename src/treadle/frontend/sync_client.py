@@ -12,9 +12,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from treadle.config import EngineConfig
-from treadle.core.engine_core_proc import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.frontend.core_client import EngineDeadError, EngineInfo, MPClient, settle_utility
 from treadle.logger import init_logger
+from treadle.wire.control import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from treadle.worker.worker import check_config
 
