@@ -87,6 +87,7 @@ class EngineCore:
         self.grammars = GrammarMatchers(config.model.model, self.vocab_size)
         self._compiling: list[tuple[Request, Future[Any]]] = []
         self._crash_token = envs.test_crash_on_token()
+        self._raise_token = envs.test_raise_on_token()
         self.periodic_stats = (
             None if config.frontend.disable_log_stats else PeriodicStats(engine_index)
         )
@@ -203,7 +204,7 @@ class EngineCore:
         per_client, self._refused = self._refused, {}
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
-            if self._crash_token is not None:
+            if self._crash_token is not None or self._raise_token is not None:
                 self._crash_if_poisoned(sched)
             grammar_rows = self.scheduler.grammar_rows(sched)
             if grammar_rows:
@@ -233,9 +234,12 @@ class EngineCore:
             logger.info("%s", line)
 
     def _crash_if_poisoned(self, sched: SchedulerOutput) -> None:
-        """The test-only fault hook (`TREADLE_TEST_CRASH_ON_TOKEN`)."""
+        """The test-only fault hooks (`TREADLE_TEST_CRASH_ON_TOKEN`, `..._RAISE_ON_TOKEN`)."""
         for new in sched.new_requests:
-            if self._crash_token in new.token_ids[: new.num_prompt_tokens]:
+            prompt = new.token_ids[: new.num_prompt_tokens]
+            if self._raise_token is not None and self._raise_token in prompt:
+                raise RuntimeError(f"TREADLE_TEST_RAISE_ON_TOKEN: raising on {new.request_id!r}")
+            if self._crash_token is not None and self._crash_token in prompt:
                 logger.error("TREADLE_TEST_CRASH_ON_TOKEN: crashing on %r", new.request_id)
                 faulthandler.disable()
                 signal.signal(signal.SIGSEGV, signal.SIG_DFL)

@@ -7,8 +7,8 @@ which release the GIL and overlap the model step.
   polls them and the DP coordinator's XSUB, decodes, checks and puts `(type, payload)` on the
   input queue; ABORTs also go on the eager aborts queue.
 - `OutputWriter` takes `(client_index, EngineCoreOutputs)` from the output queue, encodes it
-  into reused buffers and sends it zero-copy on that client's PUSH; a bare `bytes` item (the
-  `ENGINE_CORE_DEAD` or `ENGINE_CORE_STOPPED` frame) goes to every front end; `None` ends it.
+  into reused buffers and sends it zero-copy on that client's PUSH; a list of frames (the
+  `ENGINE_CORE_DEAD` message, `ENGINE_CORE_STOPPED`) goes to every front end; `None` ends it.
 
 Neither thread can die silently. A message that cannot be used (malformed, of an unknown
 type, naming a client index with no socket, too large to send) is dropped and logged, and the
@@ -52,7 +52,7 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 _RECONNECT_S = 1.0
 
 InputItem = tuple[EngineCoreRequestType, Any]
-OutputItem = tuple[int, EngineCoreOutputs] | bytes | None
+OutputItem = tuple[int, EngineCoreOutputs] | list[bytes] | None  # (client, outputs) | frames
 
 
 class FrontEndGone(RuntimeError):
@@ -266,9 +266,9 @@ class OutputWriter:
         )
         try:
             while (item := self.output_queue.get()) is not None:
-                if isinstance(item, bytes):  # ENGINE_CORE_DEAD / STOPPED go to every front end
+                if isinstance(item, list):  # ENGINE_CORE_DEAD / STOPPED go to every front end
                     for sock in sockets:
-                        sock.send(item)
+                        sock.send_multipart(item)
                     continue
                 try:
                     self._send(sockets, coordinator, *item)
@@ -329,12 +329,12 @@ class OutputWriter:
             self._in_flight.append((buf, tracker))
 
 
-def send_to_all(ctx: zmq.Context[Any], addresses: list[str], frame: bytes) -> None:
-    """Send one frame to every front end from the calling thread (when the output thread is
-    gone and the engine must still say that it died)."""
+def send_to_all(ctx: zmq.Context[Any], addresses: list[str], frames: list[bytes]) -> None:
+    """Send one message to every front end from the calling thread (when the output thread
+    is gone and the engine must still say that it died)."""
     for addr in addresses:
         sock = make_zmq_socket(ctx, addr, zmq.PUSH, linger=LINGER_MS)
         try:
-            sock.send(frame)
+            sock.send_multipart(frames)
         finally:
             sock.close(linger=LINGER_MS)

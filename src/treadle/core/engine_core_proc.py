@@ -23,7 +23,8 @@ Ends:
   gets its final (aborted) output, then every front end gets the frame `ENGINE_CORE_STOPPED`;
   the process logs a clean shutdown and exits 0.
 - Failed: any other error (the executor, a worker dying, an IO thread) is logged with its
-  traceback; every front end gets the frame `ENGINE_CORE_DEAD`; exit 1.
+  traceback; every front end gets `ENGINE_CORE_DEAD` with a `DeathReport` (the error, its
+  last frames, the last lines logged here); exit 1.
 
 With data parallelism the engine also talks to the DP coordinator: it pushes its stats and its
 idle/busy transitions (`start_wave`, `wave_complete`) and subscribes to START_DP_WAVE. An
@@ -61,11 +62,13 @@ from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ReadyPipe, at_parent_death
 from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
-from treadle.logger import init_logger, set_process_name
+from treadle.logger import LogTail, init_logger, set_process_name
 from treadle.wire.control import (
     COORDINATOR,
     ENGINE_CORE_DEAD,
     ENGINE_CORE_STOPPED,
+    MAX_LOG_LINES,
+    DeathReport,
     Handshake,
     UtilityRequest,
 )
@@ -138,7 +141,10 @@ def run_engine_core(
         signal.signal(sig, on_signal)
     if config.parallel.world_size == 1:  # the model runs here (TP workers set their own)
         torch.set_num_threads(config.parallel.model_threads())
-    proc = EngineCoreProc(config, handshake_address, dp_rank, shutdown, shutdown_timeout, secret)
+    tail = LogTail.attach(MAX_LOG_LINES)  # what a death report quotes (the loading's lines too)
+    proc = EngineCoreProc(
+        config, handshake_address, dp_rank, shutdown, shutdown_timeout, secret, tail
+    )
     ready.send_ready()
     proc.run()
 
@@ -152,8 +158,10 @@ class EngineCoreProc:
         shutdown: _Shutdown,
         shutdown_timeout: float,
         secret: bytes = b"",
+        log_tail: LogTail | None = None,
     ) -> None:
         self.dp_rank = dp_rank
+        self.log_tail = log_tail
         self.shutdown = shutdown
         self.shutdown_timeout = shutdown_timeout
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -261,12 +269,12 @@ class EngineCoreProc:
             self._stop()
         except SystemExit as e:
             if e.code not in (0, None):
-                self._die()
+                self._die(e)
                 raise
             self._stop()  # a third signal: at once
         except BaseException as e:
             logger.exception("Engine core failed; telling the front ends")
-            self._die()
+            self._die(e)
             raise SystemExit(1) from e
         else:
             self._stop()
@@ -279,22 +287,26 @@ class EngineCoreProc:
             self._abort_all()
         except Exception:  # the scheduler may be half way through a step that was cut short
             logger.warning("Could not abort the running requests", exc_info=True)
-        self.output_queue.put(ENGINE_CORE_STOPPED)
+        self.output_queue.put([ENGINE_CORE_STOPPED])
         self.output_queue.put(None)
         self.output_thread.join(10.0)
         self.engine.shutdown()
         logger.info("Engine core stopped")
 
-    def _die(self) -> None:
-        """A fatal error: every front end hears ENGINE_CORE_DEAD (from here if the output
-        thread is gone); the workers are stopped, or exiting would wait on them."""
+    def _die(self, error: BaseException) -> None:
+        """A fatal error: every front end hears ENGINE_CORE_DEAD with the `DeathReport` of
+        `error` and this process's last log lines before it (from here if the output thread
+        is gone); the workers are stopped, or exiting would wait on them."""
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        lines = list(self.log_tail.lines) if self.log_tail is not None else []
+        report = DeathReport.of(self.dp_rank, error, lines)
+        dead = [ENGINE_CORE_DEAD, msgspec.msgpack.encode(report)]
         if self.output_thread.is_alive():
-            self.output_queue.put(ENGINE_CORE_DEAD)
+            self.output_queue.put(dead)
             self.output_queue.put(None)
             self.output_thread.join(5.0)
         else:
-            send_to_all(self.ctx, self.output_addresses, ENGINE_CORE_DEAD)
+            send_to_all(self.ctx, self.output_addresses, dead)
         self.engine.shutdown()
 
     def _busy_loop(self) -> None:

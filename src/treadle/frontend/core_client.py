@@ -87,6 +87,11 @@ class RequestKilledEngineError(RuntimeError):
     ) -> None:
         super().__init__(message)
 
+    @classmethod
+    def of(cls, cause: str) -> RequestKilledEngineError:
+        """The error, saying how the engine died the second time."""
+        return cls(f"{cls()}; the second time: {cause}")
+
 
 @dataclass(frozen=True)
 class EngineInfo:

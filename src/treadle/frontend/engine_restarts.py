@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from treadle.config import RestartConfig
 from treadle.frontend.engine_router import EngineRouter
-from treadle.frontend.engine_state import EngineState
+from treadle.frontend.engine_state import Death, EngineState
 from treadle.frontend.inflight import InFlight
 from treadle.logger import init_logger
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest
@@ -163,8 +163,9 @@ class RestartHost(Protocol):
     def fail_calls(self, rank: int, cause: str) -> None:
         """Fail the utility calls waiting for the engine."""
 
-    def fail_poisoned(self, rank: int, request_ids: list[str]) -> None:
-        """End requests the dead-letter rule failed (`RequestKilledEngineError`)."""
+    def fail_poisoned(self, rank: int, request_ids: list[str], cause: str) -> None:
+        """End requests the dead-letter rule failed (`RequestKilledEngineError`, saying
+        `cause`: how the engine died the second time)."""
 
     def on_event(self, kind: str, engine: int, count: int) -> None: ...
 
@@ -193,6 +194,7 @@ class EngineRestarts:
         # Why we killed an engine process (a stall): its death is reported with it. Cleared
         # when the death is seen (`down`), so that its next process can be killed too.
         self._kill_cause: dict[int, str] = {}
+        self.last_death: list[Death | None] = [None] * num_engines  # for /topology
         self._waiting = 0
         self.max_waiting = max_waiting
 
@@ -254,11 +256,16 @@ class EngineRestarts:
 
     # -- reports: deaths and returns ------------------------------------------------------
 
-    def died(self, rank: int, cause: str) -> None:
-        """Our engine process died: restart it if the budget allows, else end the client."""
+    def died(self, rank: int, death: Death) -> None:
+        """Our engine process died: restart it if the budget allows, else end the client.
+        Its log line, `/topology` and the requests it fails say why (`Death.describe`)."""
         if self.host.ended:
             return
-        cause = self._kill_cause.get(rank, cause)
+        killed = self._kill_cause.get(rank)
+        if killed is not None:
+            death = Death(f"{killed}: killed ({death.cause})", death.report, death.time)
+        self.last_death[rank] = death
+        cause = death.describe()
         sequence = restart_child(
             f"EngineCore_DP{rank}",
             cause,
@@ -297,9 +304,9 @@ class EngineRestarts:
             self.states[rank] = EngineState.LOST
             host.router.gone.add(rank)
             self._up[rank].set()  # (whoever waits for it fails in the client)
-            moved[rank] = self._take_requests(
-                rank, f"EngineCore_DP{rank} does not answer; it is lost"
-            )
+            death = Death(f"EngineCore_DP{rank} does not answer; it is lost")
+            self.last_death[rank] = death
+            moved[rank] = self._take_requests(rank, death.cause)
         for rank, rids in moved.items():
             await host.send_abort(rank, rids)  # in case it still runs them after all
             for rid in rids:
@@ -329,7 +336,7 @@ class EngineRestarts:
         )
         if poisoned:
             host.router.owners(poisoned)
-            host.fail_poisoned(rank, poisoned)
+            host.fail_poisoned(rank, poisoned, cause)
             host.on_event("poisoned", rank, len(poisoned))
         return resume
 
