@@ -32,6 +32,7 @@ def _configure() -> None:
         return
     _configured = True
     handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(envs.logging_level())  # (a `LogTail` may take more)
     handler.addFilter(_ProcessFilter())
     handler.setFormatter(
         logging.Formatter(
@@ -51,8 +52,9 @@ def init_logger(name: str) -> logging.Logger:
 
 
 class LogTail(logging.Handler):
-    """The last `size` lines this process logged (an engine core's death report carries
-    them); `attach` adds one to treadle's logger."""
+    """The last `size` lines this process logged at INFO or above, whatever the level that
+    stderr shows (an engine core's death report carries them); `attach` adds one to
+    treadle's logger."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -66,6 +68,9 @@ class LogTail(logging.Handler):
     @classmethod
     def attach(cls, size: int) -> LogTail:
         tail = cls(size)
+        tail.setLevel(logging.INFO)
         _configure()
-        logging.getLogger("treadle").addHandler(tail)
+        root = logging.getLogger("treadle")
+        root.addHandler(tail)
+        root.setLevel(min(root.level, logging.INFO))
         return tail

@@ -269,12 +269,13 @@ class EngineCoreProc:
             self._stop()
         except SystemExit as e:
             if e.code not in (0, None):
-                self._die(e)
+                self._die(self._death_report(e))
                 raise
             self._stop()  # a third signal: at once
         except BaseException as e:
+            report = self._death_report(e)  # (its log tail without the traceback below)
             logger.exception("Engine core failed; telling the front ends")
-            self._die(e)
+            self._die(report)
             raise SystemExit(1) from e
         else:
             self._stop()
@@ -293,13 +294,16 @@ class EngineCoreProc:
         self.engine.shutdown()
         logger.info("Engine core stopped")
 
-    def _die(self, error: BaseException) -> None:
-        """A fatal error: every front end hears ENGINE_CORE_DEAD with the `DeathReport` of
-        `error` and this process's last log lines before it (from here if the output thread
-        is gone); the workers are stopped, or exiting would wait on them."""
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    def _death_report(self, error: BaseException) -> DeathReport:
+        """`error`, where it was raised, and this process's last log lines before it."""
         lines = list(self.log_tail.lines) if self.log_tail is not None else []
-        report = DeathReport.of(self.dp_rank, error, lines)
+        return DeathReport.of(self.dp_rank, error, lines)
+
+    def _die(self, report: DeathReport) -> None:
+        """A fatal error: every front end hears ENGINE_CORE_DEAD with its `report` (from here
+        if the output thread is gone); the workers are stopped, or exiting would wait on
+        them."""
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         dead = [ENGINE_CORE_DEAD, msgspec.msgpack.encode(report)]
         if self.output_thread.is_alive():
             self.output_queue.put(dead)

@@ -188,6 +188,15 @@ class MultiprocExecutor:
             if not ok:
                 if self._a_worker_stopped():  # a collective cut short by a rank that left
                     raise ExecutorStoppedError(self.failure)
+                dead = [
+                    f"{w.describe()} died: {describe_exit(code)}"
+                    for w in self.workers
+                    if (code := w.exitcode) not in (None, 0)
+                ]
+                if dead:  # what cut its collective short comes first
+                    raise RuntimeError(
+                        f"the executor failed: {'; '.join(dead)} (Worker_TP{rank}: {result})"
+                    )
                 raise RuntimeError(f"Worker failed with error '{result}'")
             results.append(result)
         return results

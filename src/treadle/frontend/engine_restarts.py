@@ -272,13 +272,13 @@ class EngineRestarts:
             self.budget,
             lambda: self.host.respawn(rank),
             self.host.fail,
-            down=lambda message: self.down(rank, message),
+            down=lambda message: self.down(rank, message, death),
             back=lambda took: self.back(rank, f"{took:.1f} s after it died"),
         )
         if sequence is not None:
             self.host.spawn(sequence, f"restart of engine core {rank}")
 
-    def down(self, rank: int, cause: str) -> None:
+    def down(self, rank: int, cause: str, death: Death | None = None) -> None:
         """The engine is gone: new requests wait for it, calls to it fail, and its requests
         are staged to resume, but those the dead-letter rule (`InFlight.on_engine_death`)
         fails: in flight at a death before without progress since."""
@@ -286,7 +286,9 @@ class EngineRestarts:
         self.states[rank] = EngineState.RESTARTING
         self._up[rank].clear()
         self._staged[rank].clear()
-        self._staged[rank].extend(self._take_requests(rank, cause))
+        if death is not None:
+            self.last_death[rank] = death
+        self._staged[rank].extend(self._take_requests(rank, cause, death))
 
     def kill_cause(self, rank: int) -> str | None:
         """Why we killed the engine's process, until its death is seen."""
@@ -306,7 +308,7 @@ class EngineRestarts:
             self._up[rank].set()  # (whoever waits for it fails in the client)
             death = Death(f"EngineCore_DP{rank} does not answer; it is lost")
             self.last_death[rank] = death
-            moved[rank] = self._take_requests(rank, death.cause)
+            moved[rank] = self._take_requests(rank, death.cause, death)
         for rank, rids in moved.items():
             await host.send_abort(rank, rids)  # in case it still runs them after all
             for rid in rids:
@@ -318,7 +320,7 @@ class EngineRestarts:
             if state is EngineState.UP and self._staged[target] and self._probation[target] is None:
                 await self._release_next(target)  # (a restarting one releases them when back)
 
-    def _take_requests(self, rank: int, cause: str) -> list[str]:
+    def _take_requests(self, rank: int, cause: str, death: Death | None) -> list[str]:
         """The engine's requests to resume; fails those in flight at a death before it."""
         host = self.host
         self.stalled[rank] = False
@@ -336,7 +338,7 @@ class EngineRestarts:
         )
         if poisoned:
             host.router.owners(poisoned)
-            host.fail_poisoned(rank, poisoned, cause)
+            host.fail_poisoned(rank, poisoned, death.describe() if death else cause)
             host.on_event("poisoned", rank, len(poisoned))
         return resume
 

@@ -249,8 +249,8 @@ class EngineWatch:
                     if killed is not None:
                         gone = f"{killed}: killed (pid {pid})"
                     death = Death(gone, self.reports.pop(rank, None))
-                    self.restarts.down(rank, f"{death.describe()}; its supervisor restarts it")
-                    self.restarts.last_death[rank] = death
+                    message = f"{death.describe()}; its supervisor restarts it"
+                    self.restarts.down(rank, message, death)
 
     # -- the stall watch ------------------------------------------------------------------
 
