@@ -53,6 +53,14 @@ def test_crash_on_token() -> int | None:
     return None if value in (None, "") else int(value)
 
 
+def test_raise_on_token() -> int | None:
+    """Test-only fault hook, off unless set: an engine core that schedules a request whose
+    prompt holds this token id raises a RuntimeError in its step, as a bug would (the death
+    report tests)."""
+    value = os.environ.get("TREADLE_TEST_RAISE_ON_TOKEN")
+    return None if value in (None, "") else int(value)
+
+
 def worker_multiproc_method() -> str | None:
     return os.environ.get("TREADLE_WORKER_MULTIPROC_METHOD") or None
 

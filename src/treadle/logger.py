@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import os
 import sys
@@ -30,6 +32,7 @@ def _configure() -> None:
         return
     _configured = True
     handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(envs.logging_level())  # (a `LogTail` may take more)
     handler.addFilter(_ProcessFilter())
     handler.setFormatter(
         logging.Formatter(
@@ -46,3 +49,28 @@ def _configure() -> None:
 def init_logger(name: str) -> logging.Logger:
     _configure()
     return logging.getLogger(name if name.startswith("treadle") else f"treadle.{name}")
+
+
+class LogTail(logging.Handler):
+    """The last `size` lines this process logged at INFO or above, whatever the level that
+    stderr shows (an engine core's death report carries them); `attach` adds one to
+    treadle's logger."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.lines: collections.deque[str] = collections.deque(maxlen=size)
+        self.setFormatter(logging.Formatter("%(levelname)s [%(filename)s:%(lineno)d] %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):  # (a line that cannot be formatted: skipped)
+            self.lines.append(self.format(record).splitlines()[0])
+
+    @classmethod
+    def attach(cls, size: int) -> LogTail:
+        tail = cls(size)
+        tail.setLevel(logging.INFO)
+        _configure()
+        root = logging.getLogger("treadle")
+        root.addHandler(tail)
+        root.setLevel(min(root.level, logging.INFO))
+        return tail

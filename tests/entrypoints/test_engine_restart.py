@@ -23,6 +23,7 @@ from openai import OpenAI
 from serve_helpers import TREADLE, RemoteServer, assert_no_leftovers
 
 POISON_TOKEN = 49000  # the fault hook crashes the engine on a prompt holding it
+RAISE_TOKEN = 49001  # the other one makes it raise in its step
 STREAMS = 16
 MAX_TOKENS = 96
 STALL_S = 5  # a prefill step on two loaded cores may take seconds
@@ -36,7 +37,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
             "--engine-stall-timeout", str(STALL_S), "--engine-stall-kill-timeout", "20",
         ],
         tmp_path_factory.mktemp("restart"),
-        env={"TREADLE_TEST_CRASH_ON_TOKEN": str(POISON_TOKEN)},
+        env={
+            "TREADLE_TEST_CRASH_ON_TOKEN": str(POISON_TOKEN),
+            "TREADLE_TEST_RAISE_ON_TOKEN": str(RAISE_TOKEN),
+        },
     )  # fmt: skip
     yield srv
     srv.stop()
@@ -167,6 +171,28 @@ def test_a_request_that_crashes_the_engine_twice_fails_and_the_others_resume(
     wait_ready(server, timeout=60)
 
 
+def test_an_engine_that_raises_says_why_in_the_error_the_topology_and_the_log(
+    server: RemoteServer,
+) -> None:
+    raised = "RuntimeError: TREADLE_TEST_RAISE_ON_TOKEN: raising on"
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "SmolLM2-135M-Instruct", "prompt": [1, 2, RAISE_TOKEN], "max_tokens": 4},
+        timeout=120,
+    )  # it kills the engine, is resumed, kills it again: it fails with the second death
+    message = resp.json()["error"]["message"]
+    assert resp.status_code == 500 and "died twice" in message and raised in message, message
+    assert "the EngineCore_DP0 process died: exit code 1; it raised" in message
+    wait_ready(server, timeout=60)
+    death = httpx.get(server.url + "/topology", timeout=30).json()["engines"][0]["last_death"]
+    assert death["cause"] == "the EngineCore_DP0 process died: exit code 1"
+    assert death["error"].startswith(raised)
+    assert death["frames"][-1].startswith("engine_core.py:"), death
+    assert any("Engine ready" in line for line in death["log_tail"]), death
+    lines = [line for line in server.output().splitlines() if "Restarting it" in line]
+    assert sum(raised in line and "exit code 1" in line for line in lines) == 2, lines
+
+
 def test_a_stopped_engine_is_not_ready_and_a_long_stall_is_restarted(
     server: RemoteServer,
 ) -> None:
@@ -272,6 +298,10 @@ def test_a_dead_tp_worker_restarts_its_engine_and_the_stream_goes_on(
     wait_ready(srv, timeout=60)
     assert srv.pid_of("treadle::Worker_TP1") != worker
     assert metric(srv, "engine_restarts_total") == 1
+    death = httpx.get(srv.url + "/topology", timeout=30).json()["engines"][0]["last_death"]
+    said = f"Worker_TP1 (pid {worker}) died: killed by signal 9 (SIGKILL)"
+    assert said in death["error"], death
+    assert any(said in line and "Restarting it" in line for line in srv.output().splitlines())
 
 
 def streams_across_a_kill(

@@ -104,5 +104,5 @@ def test_a_restarted_engine_is_taken_back(server: RemoteServer) -> None:
     ]
     assert len(lines) == 2, lines  # the request and the output socket
     for line in lines:
-        assert f"EngineCore_DP0 (pid {pid}) exited: killed by SIGKILL" in line, line
+        assert f"EngineCore_DP0 (pid {pid}) exited: killed by signal 9 (SIGKILL)" in line, line
         assert "TREADLE_ZMQ_MAX_MSG_BYTES" not in line, line

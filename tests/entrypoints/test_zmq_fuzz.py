@@ -26,11 +26,11 @@ from serve_helpers import RemoteServer
 from zmq.utils.monitor import parse_monitor_message
 
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
-from treadle.core.engine_core_proc import UtilityRequest
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.zmq_utils import get_bound_address, get_open_zmq_ipc_path, make_zmq_socket
 from treadle.sampling_params import SamplingParams
+from treadle.wire.control import UtilityRequest
 from treadle.wire.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -156,7 +156,7 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
         ([ADD, b"\xc1garbage"], "Dropped a malformed message"),
         ([b"\x09", good], "Dropped a malformed message"),  # no such type byte
         ([EngineCoreRequestType.EXECUTOR_FAILED.value, good], "is not accepted from a front end"),
-        ([EngineCoreRequestType.WAKEUP.value, b"\xa0"], "is not accepted from a front end"),
+        ([EngineCoreRequestType.FRONTEND_GONE.value, b"\xa0"], "is not accepted from a front end"),
         ([ADD, good[: len(good) // 2]], "Dropped a malformed message"),  # truncated msgpack
         ([ADD, msgspec.msgpack.encode(["id", "not a list", 3])], "Dropped a malformed message"),
         ([ABORT, msgspec.msgpack.encode({"a": 1})], "Dropped a malformed message"),

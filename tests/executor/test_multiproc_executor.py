@@ -108,8 +108,10 @@ def _segments() -> set[str]:
 def test_a_killed_worker_takes_the_engine_down_and_leaves_nothing(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
     shm_before = _segments()
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", tensor_parallel_size=2)
-    os.kill(_pid("treadle::Worker_TP1"), signal.SIGKILL)
-    with pytest.raises(EngineDeadError):
+    worker = _pid("treadle::Worker_TP1")
+    os.kill(worker, signal.SIGKILL)
+    said = rf"RuntimeError: .*Worker_TP1 \(pid {worker}\) died: killed by signal 9 \(SIGKILL\)"
+    with pytest.raises(EngineDeadError, match=said):
         llm.generate(PROMPTS, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
     deadline = time.monotonic() + 10
     while _titles() and time.monotonic() < deadline:

@@ -14,13 +14,21 @@ import msgspec
 import pytest
 
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
-from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.frontend.async_client import AsyncMPClient
 from treadle.frontend.core_client import EngineDeadError
 from treadle.frontend.output_reader import OutputReader
 from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound
 from treadle.ipc.serial import MsgpackEncoder
 from treadle.sampling_params import SamplingParams
+from treadle.wire.control import (
+    ENGINE_CORE_DEAD,
+    ENGINE_CORE_STOPPED,
+    MAX_ERROR_CHARS,
+    MAX_FRAMES,
+    MAX_LINE_CHARS,
+    MAX_LOG_LINES,
+    DeathReport,
+)
 from treadle.wire.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -94,6 +102,52 @@ def test_output_reader_passes_good_outputs_and_control_frames() -> None:
     assert reader.read([ENGINE_CORE_DEAD]) == ENGINE_CORE_DEAD
     assert reader.read([ENGINE_CORE_STOPPED]) == ENGINE_CORE_STOPPED
     assert reader.drops.dropped == 0
+
+
+def raised_report(engine_index: int = 1) -> DeathReport:
+    def step() -> None:
+        raise RuntimeError("boom " + "x" * 5000)
+
+    try:
+        step()
+    except RuntimeError as e:
+        return DeathReport.of(engine_index, e, [f"INFO line {i} " + "y" * 500 for i in range(20)])
+    raise AssertionError
+
+
+def test_a_death_report_is_bounded_and_says_what_raised_where() -> None:
+    report = raised_report()
+    assert report.error.startswith("RuntimeError: boom x") and len(report.error) == 1000
+    assert (
+        report.frames[-1].startswith("test_core_client_readers.py:")
+        and "in step" in (report.frames[-1])
+    )
+    assert len(report.log_tail) == MAX_LOG_LINES and report.log_tail[-1].startswith("INFO line 19")
+    assert all(len(line) <= MAX_LINE_CHARS for line in report.log_tail + report.frames)
+    assert report.describe() == f"{report.error} (at {report.frames[-1]})"
+    reader = OutputReader(num_engines=2, vocab_size=100)
+    assert reader.read([ENGINE_CORE_DEAD, msgspec.msgpack.encode(report)]) == report
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        (b"\xc1", "malformed death report"),
+        (msgspec.msgpack.encode([0, "E", [], [], "extra"]), "malformed death report"),
+        (msgspec.msgpack.encode([-1, "E"]), "malformed death report"),
+        (msgspec.msgpack.encode([2, "E"]), "unknown engine index 2"),
+        (msgspec.msgpack.encode([0, "E" * (MAX_ERROR_CHARS + 1)]), "malformed death report"),
+        (msgspec.msgpack.encode([0, "E", ["f"] * (MAX_FRAMES + 1)]), "malformed death report"),
+        (msgspec.msgpack.encode([0, "E", [], ["l" * 10_000]]), "malformed death report"),
+        (b"\x00" * 100_000, "too large"),
+    ],
+)
+def test_a_bad_death_report_is_dropped_but_the_death_stays(
+    payload: bytes, why: str, records: list[logging.LogRecord]
+) -> None:
+    reader = OutputReader(num_engines=2, vocab_size=100)
+    assert reader.read([ENGINE_CORE_DEAD, payload]) == ENGINE_CORE_DEAD
+    assert reader.drops.dropped == 1 and why in records[0].getMessage()
 
 
 def test_drop_log_writes_a_burst_then_one_line_a_second(

@@ -49,7 +49,7 @@ class Host:
 
     def fail_calls(self, rank: int, cause: str) -> None: ...
 
-    def fail_poisoned(self, rank: int, request_ids: list[str]) -> None:
+    def fail_poisoned(self, rank: int, request_ids: list[str], cause: str) -> None:
         self.failed += request_ids
 
     def on_event(self, kind: str, engine: int, count: int) -> None: ...

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from treadle.frontend.engine_state import Death
 from treadle.frontend.topology import FrontEnd, build_topology
+from treadle.wire.control import DeathReport
 from treadle.wire.engine import SchedulerStats
 from treadle.wire.topology import EngineChannels, EngineReport, ProcessInfo, QueueInfo
 
@@ -147,6 +149,26 @@ def test_engine_entries_carry_the_load() -> None:
     assert e0["prefix_cache_hit_rate"] == 0.25 and e0["tp_size"] == 2
     assert (e0["steps_per_s"], e0["generated_tokens_per_s"]) == (12.5, 25.0)
     assert (engines[1]["host"], engines[1]["pid"], engines[1]["tp_size"]) == ("back", 200, 1)
+
+
+def test_an_engine_entry_carries_its_last_death() -> None:
+    report = DeathReport(0, "RuntimeError: boom", ["engine_core.py:210 in step"], ["INFO hi"])
+    death = Death("the EngineCore_DP0 process died: exit code 1", report, time=5.0)
+    fe = front(["ready", "ready"])
+    fe.last_deaths = [death.to_json(), None]
+    engines = build_topology(fe, [report0(), report1()])["engines"]
+    assert engines[0]["last_death"] == {
+        "time": 5.0,
+        "cause": "the EngineCore_DP0 process died: exit code 1",
+        "error": "RuntimeError: boom",
+        "frames": ["engine_core.py:210 in step"],
+        "log_tail": ["INFO hi"],
+    }
+    assert "last_death" not in engines[1]
+    assert death.describe() == (
+        "the EngineCore_DP0 process died: exit code 1; it raised RuntimeError: boom "
+        "(at engine_core.py:210 in step)"
+    )
 
 
 def test_a_restarting_engine_and_one_that_does_not_answer() -> None:

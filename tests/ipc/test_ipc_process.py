@@ -187,7 +187,9 @@ def test_wait_for_ready_times_out(children: list[ChildProcess]) -> None:
 def test_child_killed_before_ready(children: list[ChildProcess]) -> None:
     children.append(start_process(ipc_children.silent_sleeper, "Victim", ctx=FORK))
     children[0].process.kill()  # dies without a word, like an OOM kill
-    with pytest.raises(ChildDiedError, match=r"Victim .* before it was ready: killed by SIGKILL"):
+    with pytest.raises(
+        ChildDiedError, match=r"Victim .* before it was ready: killed by signal 9 \(SIGKILL\)"
+    ):
         wait_for_ready(children, timeout=30)
 
 
@@ -205,7 +207,7 @@ def test_monitor_reports_which_child_died(children: list[ChildProcess]) -> None:
     try:
         children[1].process.kill()
         assert event.wait(10)
-        assert died == [("Worker_TP1", "killed by SIGKILL")]
+        assert died == [("Worker_TP1", "killed by signal 9 (SIGKILL)")]
     finally:
         monitor.stop()
 
@@ -247,5 +249,5 @@ def test_forked_siblings_do_not_hold_each_others_death_pipe(
 def test_describe_exit() -> None:
     assert describe_exit(None) == "still running"
     assert describe_exit(0) == "exit code 0"
-    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(-9) == "killed by signal 9 (SIGKILL)"
     assert describe_exit(-200) == "killed by signal 200"

@@ -33,18 +33,13 @@ from treadle.ipc.zmq_utils import (
     make_zmq_socket,
 )
 from treadle.logger import init_logger
+from treadle.wire.control import CoordinatorAddresses
 from treadle.wire.engine import DPStats, EngineCoreOutputs, StartDPWave
 
 logger = init_logger(__name__)
 
 PUBLISH_INTERVAL_S = 0.1
 IDLE_PUBLISH_INTERVAL_S = 3.0
-
-
-class CoordinatorAddresses(msgspec.Struct, array_like=True):
-    front_publish: str  # XPUB -> front ends
-    engine_stats: str  # PULL <- engines
-    engine_publish: str  # XPUB -> engines
 
 
 def run_dp_coordinator(

@@ -8,6 +8,7 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -47,10 +48,27 @@ TOPOLOGY_CACHE_S = 0.5
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+    """The step and what it needs. The engine core process passes its collaborators here
+    (the offline `LLM` and the tests pass none): `aborts_queue`, aborts that arrive during a
+    forward pass, applied before its tokens are added so an aborted request gets no more
+    outputs; `on_executor_failure(reason, stopped)`, called from the executor's monitor thread
+    at once when a worker dies, even while idle; `channels`, the endpoints the handshake gave
+    this engine (for `get_topology`)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_index: int = 0,
+        *,
+        aborts_queue: queue.Queue[list[str]] | None = None,
+        on_executor_failure: Callable[[str, bool], None] | None = None,
+        channels: EngineChannels | None = None,
+    ) -> None:
         start = time.monotonic()
         self.engine_index = engine_index
-        self.executor = make_executor(config)
+        self.aborts_queue = aborts_queue
+        self.channels = channels
+        self.executor = make_executor(config, on_executor_failure)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
         self.max_model_len = _fit_max_model_len(
@@ -69,9 +87,7 @@ class EngineCore:
         self.grammars = GrammarMatchers(config.model.model, self.vocab_size)
         self._compiling: list[tuple[Request, Future[Any]]] = []
         self._crash_token = envs.test_crash_on_token()
-        # Set by the engine core process: aborts that arrive during a forward pass are applied
-        # before its tokens are added, so an aborted request gets no more outputs.
-        self.aborts_queue: queue.Queue[list[str]] | None = None
+        self._raise_token = envs.test_raise_on_token()
         self.periodic_stats = (
             None if config.frontend.disable_log_stats else PeriodicStats(engine_index)
         )
@@ -79,9 +95,7 @@ class EngineCore:
         size, concurrency = kv_cache_lines(
             self.num_blocks, config.cache.block_size, bytes_per_block, self.max_model_len
         )
-        # For `get_topology`: step rates, and the endpoints the engine core process set.
-        self.meter = StepMeter()
-        self.channels: EngineChannels | None = None
+        self.meter = StepMeter()  # step rates, for `get_topology`
         self._topology: tuple[float, EngineReport] | None = None
         logger.info(
             "Engine ready in %.1f s: %s, max_model_len %d",
@@ -190,7 +204,7 @@ class EngineCore:
         per_client, self._refused = self._refused, {}
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
-            if self._crash_token is not None:
+            if self._crash_token is not None or self._raise_token is not None:
                 self._crash_if_poisoned(sched)
             grammar_rows = self.scheduler.grammar_rows(sched)
             if grammar_rows:
@@ -220,9 +234,12 @@ class EngineCore:
             logger.info("%s", line)
 
     def _crash_if_poisoned(self, sched: SchedulerOutput) -> None:
-        """The test-only fault hook (`TREADLE_TEST_CRASH_ON_TOKEN`)."""
+        """The test-only fault hooks (`TREADLE_TEST_CRASH_ON_TOKEN`, `..._RAISE_ON_TOKEN`)."""
         for new in sched.new_requests:
-            if self._crash_token in new.token_ids[: new.num_prompt_tokens]:
+            prompt = new.token_ids[: new.num_prompt_tokens]
+            if self._raise_token is not None and self._raise_token in prompt:
+                raise RuntimeError(f"TREADLE_TEST_RAISE_ON_TOKEN: raising on {new.request_id!r}")
+            if self._crash_token is not None and self._crash_token in prompt:
                 logger.error("TREADLE_TEST_CRASH_ON_TOKEN: crashing on %r", new.request_id)
                 faulthandler.disable()
                 signal.signal(signal.SIGSEGV, signal.SIG_DFL)
@@ -262,8 +279,11 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
-    """World size 1: the worker lives here. Otherwise one worker process per rank."""
+def make_executor(
+    config: EngineConfig, on_failure: Callable[[str, bool], None] | None = None
+) -> UniProcExecutor | MultiprocExecutor:
+    """World size 1: the worker lives here. Otherwise one worker process per rank, whose
+    death is reported to `on_failure(reason, stopped)`."""
     if config.parallel.pipeline_parallel_size != 1:
         raise ValueError("pipeline parallelism is not supported yet: use pipeline_parallel_size 1")
     if config.parallel.world_size == 1:
@@ -271,7 +291,7 @@ def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
     arch = read_arch(resolve_model(config.model.model))
     check_parallel_layout(arch, config.parallel.tensor_parallel_size)
     max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
-    return MultiprocExecutor(config, arch, max_model_len)
+    return MultiprocExecutor(config, arch, max_model_len, on_failure)
 
 
 def _fit_max_model_len(max_model_len: int, kv_capacity: int, explicit: bool) -> int:

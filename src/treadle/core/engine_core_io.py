@@ -7,8 +7,8 @@ which release the GIL and overlap the model step.
   polls them and the DP coordinator's XSUB, decodes, checks and puts `(type, payload)` on the
   input queue; ABORTs also go on the eager aborts queue.
 - `OutputWriter` takes `(client_index, EngineCoreOutputs)` from the output queue, encodes it
-  into reused buffers and sends it zero-copy on that client's PUSH; a bare `bytes` item (the
-  `ENGINE_CORE_DEAD` or `ENGINE_CORE_STOPPED` frame) goes to every front end; `None` ends it.
+  into reused buffers and sends it zero-copy on that client's PUSH; a list of frames (the
+  `ENGINE_CORE_DEAD` message, `ENGINE_CORE_STOPPED`) goes to every front end; `None` ends it.
 
 Neither thread can die silently. A message that cannot be used (malformed, of an unknown
 type, naming a client index with no socket, too large to send) is dropped and logged, and the
@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -34,6 +33,7 @@ from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound, i
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.zmq_utils import make_zmq_socket, split_zmq_path
 from treadle.logger import init_logger
+from treadle.wire.control import COORDINATOR, UtilityRequest
 from treadle.wire.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -45,9 +45,6 @@ from treadle.wire.engine import (
 
 logger = init_logger(__name__)
 
-ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"  # a fatal error: fail every request
-ENGINE_CORE_STOPPED = b"ENGINE_CORE_STOPPED"  # stopped by a signal: every request was answered
-COORDINATOR = -1  # output_queue "client" that means the DP coordinator
 LINGER_MS = 2000
 # tcp peers (engines on another host) check each other with ZMTP heartbeats.
 _HEARTBEAT_IVL_MS = 1000
@@ -55,16 +52,7 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 _RECONNECT_S = 1.0
 
 InputItem = tuple[EngineCoreRequestType, Any]
-OutputItem = tuple[int, EngineCoreOutputs] | bytes | None
-
-
-class UtilityRequest(msgspec.Struct, array_like=True):
-    """Front end -> engine core: call `EngineCore.<method>(*args)`, answer `call_id`."""
-
-    client_index: int
-    call_id: int
-    method: str
-    args: list[Any] = []
+OutputItem = tuple[int, EngineCoreOutputs] | list[bytes] | None  # (client, outputs) | frames
 
 
 class FrontEndGone(RuntimeError):
@@ -177,7 +165,7 @@ class InputReader:
         addr = self.addresses[index]
         if split_zmq_path(addr)[0] == "tcp":
             reason = f"the front end at {addr} disconnected; exiting"
-            self.input_queue.put((EngineCoreRequestType.WAKEUP, reason))
+            self.input_queue.put((EngineCoreRequestType.FRONTEND_GONE, reason))
             return
         logger.warning(
             "The connection to the front end at %s dropped (it closed, or it sent a message "
@@ -278,9 +266,9 @@ class OutputWriter:
         )
         try:
             while (item := self.output_queue.get()) is not None:
-                if isinstance(item, bytes):  # ENGINE_CORE_DEAD / STOPPED go to every front end
+                if isinstance(item, list):  # ENGINE_CORE_DEAD / STOPPED go to every front end
                     for sock in sockets:
-                        sock.send(item)
+                        sock.send_multipart(item)
                     continue
                 try:
                     self._send(sockets, coordinator, *item)
@@ -341,12 +329,12 @@ class OutputWriter:
             self._in_flight.append((buf, tracker))
 
 
-def send_to_all(ctx: zmq.Context[Any], addresses: list[str], frame: bytes) -> None:
-    """Send one frame to every front end from the calling thread (when the output thread is
-    gone and the engine must still say that it died)."""
+def send_to_all(ctx: zmq.Context[Any], addresses: list[str], frames: list[bytes]) -> None:
+    """Send one message to every front end from the calling thread (when the output thread
+    is gone and the engine must still say that it died)."""
     for addr in addresses:
         sock = make_zmq_socket(ctx, addr, zmq.PUSH, linger=LINGER_MS)
         try:
-            sock.send(frame)
+            sock.send_multipart(frames)
         finally:
             sock.close(linger=LINGER_MS)

@@ -23,7 +23,8 @@ Ends:
   gets its final (aborted) output, then every front end gets the frame `ENGINE_CORE_STOPPED`;
   the process logs a clean shutdown and exits 0.
 - Failed: any other error (the executor, a worker dying, an IO thread) is logged with its
-  traceback; every front end gets the frame `ENGINE_CORE_DEAD`; exit 1.
+  traceback; every front end gets `ENGINE_CORE_DEAD` with a `DeathReport` (the error, its
+  last frames, the last lines logged here); exit 1.
 
 With data parallelism the engine also talks to the DP coordinator: it pushes its stats and its
 idle/busy transitions (`start_wave`, `wave_complete`) and subscribes to START_DP_WAVE. An
@@ -48,16 +49,12 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.engine_core import EngineCore
 from treadle.core.engine_core_io import (
-    COORDINATOR,
-    ENGINE_CORE_DEAD,
-    ENGINE_CORE_STOPPED,
     LINGER_MS,
     FrontEndGone,
     InputItem,
     InputReader,
     OutputItem,
     OutputWriter,
-    UtilityRequest,
     send_to_all,
 )
 from treadle.executor.multiproc import ExecutorStoppedError
@@ -65,7 +62,16 @@ from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ReadyPipe, at_parent_death
 from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
-from treadle.logger import init_logger, set_process_name
+from treadle.logger import LogTail, init_logger, set_process_name
+from treadle.wire.control import (
+    COORDINATOR,
+    ENGINE_CORE_DEAD,
+    ENGINE_CORE_STOPPED,
+    MAX_LOG_LINES,
+    DeathReport,
+    Handshake,
+    UtilityRequest,
+)
 from treadle.wire.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -78,41 +84,12 @@ from treadle.wire.engine import (
 )
 from treadle.wire.topology import EngineChannels
 
-__all__ = [
-    "ENGINE_CORE_DEAD",
-    "ENGINE_CORE_STOPPED",
-    "EngineCoreProc",
-    "Handshake",
-    "UtilityRequest",
-    "run_engine_core",
-]
+__all__ = ["EngineCoreProc", "run_engine_core"]
 
 logger = init_logger(__name__)
 
 _POLL_MS = 1000
 _COORDINATOR_STATS_INTERVAL_S = 0.05
-
-
-class Handshake(msgspec.Struct, omit_defaults=True):
-    """Messages on the handshake socket, in both directions, and the engine's first message
-    on each front end's request socket (`ipc/engine_auth.py`)."""
-
-    status: str  # HELLO | ADDRESSES | READY
-    inputs: list[str] = []
-    outputs: list[str] = []
-    coordinator_input: str = ""  # XPUB of the DP coordinator (the engine subscribes)
-    coordinator_output: str = ""  # PULL of the DP coordinator (the engine pushes)
-    num_blocks: int = 0
-    max_model_len: int = 0
-    vocab_size: int = 0
-    pid: int = 0  # the engine core's process (READY): front ends on its host watch it
-    rank: int = 0  # HELLO, READY and the first message on a request socket: the DP rank
-    # HELLO and READY: the secret the engine's own launcher gave it (the launcher on this host
-    # answers only the process it started; an engine of another host is taken on first use).
-    secret: bytes = b""
-    launch: int = 0  # ADDRESSES, and the first message on a request socket: this launch's number
-    tokens: list[bytes] = []  # ADDRESSES: per front end, `engine_token(its key, rank, launch)`
-    token: bytes = b""  # the first message on a request socket: that front end's token
 
 
 @dataclass
@@ -164,7 +141,10 @@ def run_engine_core(
         signal.signal(sig, on_signal)
     if config.parallel.world_size == 1:  # the model runs here (TP workers set their own)
         torch.set_num_threads(config.parallel.model_threads())
-    proc = EngineCoreProc(config, handshake_address, dp_rank, shutdown, shutdown_timeout, secret)
+    tail = LogTail.attach(MAX_LOG_LINES)  # what a death report quotes (the loading's lines too)
+    proc = EngineCoreProc(
+        config, handshake_address, dp_rank, shutdown, shutdown_timeout, secret, tail
+    )
     ready.send_ready()
     proc.run()
 
@@ -178,8 +158,10 @@ class EngineCoreProc:
         shutdown: _Shutdown,
         shutdown_timeout: float,
         secret: bytes = b"",
+        log_tail: LogTail | None = None,
     ) -> None:
         self.dp_rank = dp_rank
+        self.log_tail = log_tail
         self.shutdown = shutdown
         self.shutdown_timeout = shutdown_timeout
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -214,9 +196,18 @@ class EngineCoreProc:
             addresses = decode(hs.recv())
             if len(addresses.tokens) != len(addresses.inputs):
                 raise RuntimeError("the front end sent no token for each of its request sockets")
-            self.engine = EngineCore(config, engine_index=dp_rank)
-            self.engine.aborts_queue = self.aborts_queue
-            self.engine.executor.failure_callback = self._executor_failed
+            self.engine = EngineCore(
+                config,
+                engine_index=dp_rank,
+                aborts_queue=self.aborts_queue,
+                on_executor_failure=self._executor_failed,
+                channels=EngineChannels(
+                    inputs=addresses.inputs,
+                    outputs=addresses.outputs,
+                    coordinator_input=addresses.coordinator_input,
+                    coordinator_output=addresses.coordinator_output,
+                ),
+            )
             info = Handshake(
                 "READY",
                 num_blocks=self.engine.num_blocks,
@@ -237,12 +228,6 @@ class EngineCoreProc:
         # A front end killed -9 leaves its ROUTER's and PULL's socket files; if it was this
         # process's parent (one API server), this engine removes them as it goes too.
         at_parent_death(lambda: remove_ipc_files([*addresses.inputs, *addresses.outputs]))
-        self.engine.channels = EngineChannels(
-            inputs=addresses.inputs,
-            outputs=addresses.outputs,
-            coordinator_input=addresses.coordinator_input,
-            coordinator_output=addresses.coordinator_output,
-        )
         self.reader = InputReader(
             self.ctx,
             addresses.inputs,
@@ -284,12 +269,13 @@ class EngineCoreProc:
             self._stop()
         except SystemExit as e:
             if e.code not in (0, None):
-                self._die()
+                self._die(self._death_report(e))
                 raise
             self._stop()  # a third signal: at once
         except BaseException as e:
+            report = self._death_report(e)  # (its log tail without the traceback below)
             logger.exception("Engine core failed; telling the front ends")
-            self._die()
+            self._die(report)
             raise SystemExit(1) from e
         else:
             self._stop()
@@ -302,22 +288,29 @@ class EngineCoreProc:
             self._abort_all()
         except Exception:  # the scheduler may be half way through a step that was cut short
             logger.warning("Could not abort the running requests", exc_info=True)
-        self.output_queue.put(ENGINE_CORE_STOPPED)
+        self.output_queue.put([ENGINE_CORE_STOPPED])
         self.output_queue.put(None)
         self.output_thread.join(10.0)
         self.engine.shutdown()
         logger.info("Engine core stopped")
 
-    def _die(self) -> None:
-        """A fatal error: every front end hears ENGINE_CORE_DEAD (from here if the output
-        thread is gone); the workers are stopped, or exiting would wait on them."""
+    def _death_report(self, error: BaseException) -> DeathReport:
+        """`error`, where it was raised, and this process's last log lines before it."""
+        lines = list(self.log_tail.lines) if self.log_tail is not None else []
+        return DeathReport.of(self.dp_rank, error, lines)
+
+    def _die(self, report: DeathReport) -> None:
+        """A fatal error: every front end hears ENGINE_CORE_DEAD with its `report` (from here
+        if the output thread is gone); the workers are stopped, or exiting would wait on
+        them."""
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        dead = [ENGINE_CORE_DEAD, msgspec.msgpack.encode(report)]
         if self.output_thread.is_alive():
-            self.output_queue.put(ENGINE_CORE_DEAD)
+            self.output_queue.put(dead)
             self.output_queue.put(None)
             self.output_thread.join(5.0)
         else:
-            send_to_all(self.ctx, self.output_addresses, ENGINE_CORE_DEAD)
+            send_to_all(self.ctx, self.output_addresses, dead)
         self.engine.shutdown()
 
     def _busy_loop(self) -> None:
@@ -412,7 +405,7 @@ class EngineCoreProc:
             self._call_utility(payload)
         elif kind is EngineCoreRequestType.EXECUTOR_FAILED:
             raise payload if isinstance(payload, Exception) else RuntimeError(payload)
-        elif kind is EngineCoreRequestType.WAKEUP:  # the front end is gone
+        elif kind is EngineCoreRequestType.FRONTEND_GONE:
             raise FrontEndGone(payload)
 
     def _executor_failed(self, reason: str, stopped: bool = False) -> None:

@@ -87,7 +87,13 @@ def check_parallel_layout(arch: ModelArch, tp: int) -> None:
 
 
 class MultiprocExecutor:
-    def __init__(self, config: EngineConfig, arch: ModelArch, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        max_model_len: int,
+        failure_callback: Callable[[str, bool], None] | None = None,
+    ) -> None:
         self.world_size = config.parallel.world_size
         # What the workers' collectives run on (`run_worker` picks the same), for /topology.
         self.collective_backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -95,9 +101,8 @@ class MultiprocExecutor:
         self.arch = arch
         self.failure: str | None = None
         self.stopped = False  # the failure is a worker that exited 0
-        # Set by the engine core process: told at once when a worker dies, even while idle:
-        # `failure_callback(reason, stopped)`.
-        self.failure_callback: Callable[[str, bool], None] | None = None
+        # Told at once when a worker dies, even while idle: `failure_callback(reason, stopped)`.
+        self.failure_callback = failure_callback
         self.workers: list[ChildProcess] = []
         self.reply_queues: list[MessageQueue] = []
         self.reply_handles: list[Handle] = []
@@ -183,6 +188,15 @@ class MultiprocExecutor:
             if not ok:
                 if self._a_worker_stopped():  # a collective cut short by a rank that left
                     raise ExecutorStoppedError(self.failure)
+                dead = [
+                    f"{w.describe()} died: {describe_exit(code)}"
+                    for w in self.workers
+                    if (code := w.exitcode) not in (None, 0)
+                ]
+                if dead:  # what cut its collective short comes first
+                    raise RuntimeError(
+                        f"the executor failed: {'; '.join(dead)} (Worker_TP{rank}: {result})"
+                    )
                 raise RuntimeError(f"Worker failed with error '{result}'")
             results.append(result)
         return results

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from treadle.config import EngineConfig
@@ -13,7 +12,6 @@ from treadle.worker.worker import Worker
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        self.failure_callback: Callable[[str, bool], None] | None = None  # never: no workers
         self.worker = Worker(config)
         self.worker.load_model()
 

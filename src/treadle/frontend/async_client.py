@@ -157,7 +157,7 @@ class AsyncMPClient(MPClient):
             item = self.reader.read(await sock.recv_multipart(copy=False))
             if item is None:
                 continue
-            if isinstance(item, bytes):
+            if not isinstance(item, EngineCoreOutputs):  # a death or a stop
                 if not self.watch.on_control_frame(item):
                     return  # the client ended
                 continue  # (other engines may still finish their requests)
@@ -300,8 +300,8 @@ class AsyncMPClient(MPClient):
                 if fut is not None and not fut.done():
                     fut.set_exception(EngineDeadError(cause))
 
-    def fail_poisoned(self, rank: int, request_ids: list[str]) -> None:
-        self.listener.on_failed(rank, request_ids, RequestKilledEngineError())
+    def fail_poisoned(self, rank: int, request_ids: list[str], cause: str) -> None:
+        self.listener.on_failed(rank, request_ids, RequestKilledEngineError.of(cause))
 
     def on_event(self, kind: str, engine: int, count: int) -> None:
         self.listener.on_event(kind, engine, count)

@@ -220,6 +220,9 @@ class AsyncLLM:
         sock = self.client.coordinator_socket
         return get_bound_address(sock) if sock is not None else ""
 
+    def last_deaths(self) -> list[dict[str, Any] | None]:
+        return [d.to_json() if d else None for d in self.client.restarts.last_death]
+
     # -- health: /health (liveness) and /health/ready (readiness) --------------------------
     #
     # Both answer at once from what the front end knows; neither waits for an engine. An

@@ -37,7 +37,6 @@ import zmq
 
 from treadle import envs
 from treadle.config import EngineConfig
-from treadle.core.engine_core_proc import Handshake, UtilityRequest
 from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.output_reader import OutputReader
@@ -52,6 +51,7 @@ from treadle.ipc.zmq_utils import (
     make_zmq_socket,
 )
 from treadle.logger import init_logger
+from treadle.wire.control import Handshake, UtilityRequest
 from treadle.wire.engine import EngineCoreRequest, EngineCoreRequestType, UtilityOutput
 
 logger = init_logger(__name__)
@@ -86,6 +86,11 @@ class RequestKilledEngineError(RuntimeError):
         ),
     ) -> None:
         super().__init__(message)
+
+    @classmethod
+    def of(cls, cause: str) -> RequestKilledEngineError:
+        """The error, saying how the engine died the second time."""
+        return cls(f"{cls()}; the second time: {cause}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ mode is `RestartMode`, set once per client:
 | process sentinel (`ProcessMonitor`), OWN | our engine core exits non-zero | `died` | `restart_child`: spend the budget, `down`, restart the rank, `back`; none left or the restart fails: the client ends |
 | process sentinel, OWN | our DP coordinator exits non-zero | `coordinator_died` | `restart_child` on the same addresses (it holds no request) |
 | process sentinel, OFF (or exit 0) | an engine or the coordinator ends | client dead (or stopped) | every request fails, /health 503, exit 1 (stopped: exit 0) |
-| `ENGINE_CORE_DEAD` frame | an engine raised | OFF: client dead | else logged: its exit follows and is reported |
+| `ENGINE_CORE_DEAD` frame | an engine raised (its `DeathReport`) | OFF: client dead | else logged and kept: its exit follows and is reported with it |
 | `ENGINE_CORE_STOPPED` frame | an engine stopped on purpose | client stopped | the server stops cleanly |
 | pid watch (psutil), FOLLOW | the supervisor's engine's pid is gone | `down` | new requests wait, its requests are staged |
 | hello of a new launch, FOLLOW | the supervisor restarted it | `down` (if not seen), `back` | staged requests resume one at a time |
@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from treadle.config import RestartConfig
 from treadle.frontend.engine_router import EngineRouter
-from treadle.frontend.engine_state import EngineState
+from treadle.frontend.engine_state import Death, EngineState
 from treadle.frontend.inflight import InFlight
 from treadle.logger import init_logger
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest
@@ -163,8 +163,9 @@ class RestartHost(Protocol):
     def fail_calls(self, rank: int, cause: str) -> None:
         """Fail the utility calls waiting for the engine."""
 
-    def fail_poisoned(self, rank: int, request_ids: list[str]) -> None:
-        """End requests the dead-letter rule failed (`RequestKilledEngineError`)."""
+    def fail_poisoned(self, rank: int, request_ids: list[str], cause: str) -> None:
+        """End requests the dead-letter rule failed (`RequestKilledEngineError`, saying
+        `cause`: how the engine died the second time)."""
 
     def on_event(self, kind: str, engine: int, count: int) -> None: ...
 
@@ -193,6 +194,7 @@ class EngineRestarts:
         # Why we killed an engine process (a stall): its death is reported with it. Cleared
         # when the death is seen (`down`), so that its next process can be killed too.
         self._kill_cause: dict[int, str] = {}
+        self.last_death: list[Death | None] = [None] * num_engines  # for /topology
         self._waiting = 0
         self.max_waiting = max_waiting
 
@@ -254,24 +256,29 @@ class EngineRestarts:
 
     # -- reports: deaths and returns ------------------------------------------------------
 
-    def died(self, rank: int, cause: str) -> None:
-        """Our engine process died: restart it if the budget allows, else end the client."""
+    def died(self, rank: int, death: Death) -> None:
+        """Our engine process died: restart it if the budget allows, else end the client.
+        Its log line, `/topology` and the requests it fails say why (`Death.describe`)."""
         if self.host.ended:
             return
-        cause = self._kill_cause.get(rank, cause)
+        killed = self._kill_cause.get(rank)
+        if killed is not None:
+            death = Death(f"{killed}: killed ({death.cause})", death.report, death.time)
+        self.last_death[rank] = death
+        cause = death.describe()
         sequence = restart_child(
             f"EngineCore_DP{rank}",
             cause,
             self.budget,
             lambda: self.host.respawn(rank),
             self.host.fail,
-            down=lambda message: self.down(rank, message),
+            down=lambda message: self.down(rank, message, death),
             back=lambda took: self.back(rank, f"{took:.1f} s after it died"),
         )
         if sequence is not None:
             self.host.spawn(sequence, f"restart of engine core {rank}")
 
-    def down(self, rank: int, cause: str) -> None:
+    def down(self, rank: int, cause: str, death: Death | None = None) -> None:
         """The engine is gone: new requests wait for it, calls to it fail, and its requests
         are staged to resume, but those the dead-letter rule (`InFlight.on_engine_death`)
         fails: in flight at a death before without progress since."""
@@ -279,7 +286,9 @@ class EngineRestarts:
         self.states[rank] = EngineState.RESTARTING
         self._up[rank].clear()
         self._staged[rank].clear()
-        self._staged[rank].extend(self._take_requests(rank, cause))
+        if death is not None:
+            self.last_death[rank] = death
+        self._staged[rank].extend(self._take_requests(rank, cause, death))
 
     def kill_cause(self, rank: int) -> str | None:
         """Why we killed the engine's process, until its death is seen."""
@@ -297,9 +306,9 @@ class EngineRestarts:
             self.states[rank] = EngineState.LOST
             host.router.gone.add(rank)
             self._up[rank].set()  # (whoever waits for it fails in the client)
-            moved[rank] = self._take_requests(
-                rank, f"EngineCore_DP{rank} does not answer; it is lost"
-            )
+            death = Death(f"EngineCore_DP{rank} does not answer; it is lost")
+            self.last_death[rank] = death
+            moved[rank] = self._take_requests(rank, death.cause, death)
         for rank, rids in moved.items():
             await host.send_abort(rank, rids)  # in case it still runs them after all
             for rid in rids:
@@ -311,7 +320,7 @@ class EngineRestarts:
             if state is EngineState.UP and self._staged[target] and self._probation[target] is None:
                 await self._release_next(target)  # (a restarting one releases them when back)
 
-    def _take_requests(self, rank: int, cause: str) -> list[str]:
+    def _take_requests(self, rank: int, cause: str, death: Death | None) -> list[str]:
         """The engine's requests to resume; fails those in flight at a death before it."""
         host = self.host
         self.stalled[rank] = False
@@ -329,7 +338,7 @@ class EngineRestarts:
         )
         if poisoned:
             host.router.owners(poisoned)
-            host.fail_poisoned(rank, poisoned)
+            host.fail_poisoned(rank, poisoned, death.describe() if death else cause)
             host.on_event("poisoned", rank, len(poisoned))
         return resume
 

@@ -1,5 +1,6 @@
-"""The words of an engine's life, as the front end uses them: each engine's state, and who
-restarts this client's engines (the table of what happens when is in `engine_restarts.py`).
+"""The words of an engine's life, as the front end uses them: each engine's state, who
+restarts this client's engines, and what is known of its last death (the table of what
+happens when is in `engine_restarts.py`).
 
 Both enums are `str`-valued, so log lines, `/topology` and the dashboard carry the same
 strings as before (`f"{state}"` is its value; so is its JSON).
@@ -7,7 +8,12 @@ strings as before (`f"{state}"` is its value; so is its JSON).
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
+
+from treadle.wire.control import DeathReport
 
 
 class EngineState(StrEnum):
@@ -57,3 +63,31 @@ class RestartMode(StrEnum):
         if max_engine_restarts == 0:
             return cls.OFF
         return cls.OWN if started_here else cls.FOLLOW
+
+
+@dataclass(frozen=True)
+class Death:
+    """One death of an engine, as its restart log line, `/topology` (`last_death`) and the
+    error of a request it failed say it: how it ended, as the detector saw it (an exit code or
+    signal, a stall kill, a silence), and the engine's own report when it raised."""
+
+    cause: str  # e.g. "the EngineCore_DP0 process died: exit code 1"
+    report: DeathReport | None = None
+    time: float = field(default_factory=time.time)
+
+    def describe(self) -> str:
+        """The cause, and what the engine raised: "...: exit code 1; it raised
+        RuntimeError: boom (at engine_core.py:210 in step)"."""
+        if self.report is None:
+            return self.cause
+        return f"{self.cause}; it raised {self.report.describe()}"
+
+    def to_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"time": self.time, "cause": self.cause}
+        if self.report is not None:
+            entry.update(
+                error=self.report.error,
+                frames=self.report.frames,
+                log_tail=self.report.log_tail,
+            )
+        return entry

@@ -24,14 +24,14 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from treadle import envs
-from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.frontend.core_client import EngineDeadError
 from treadle.frontend.engine_restarts import EngineRestarts
-from treadle.frontend.engine_state import EngineState, RestartMode
+from treadle.frontend.engine_state import Death, EngineState, RestartMode
 from treadle.frontend.inflight import InFlight
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.process import ChildProcess, describe_exit
 from treadle.logger import init_logger
+from treadle.wire.control import ENGINE_CORE_STOPPED, DeathReport
 
 logger = init_logger(__name__)
 
@@ -43,6 +43,8 @@ _EXIT_EXPLAINS_S = 5.0
 # How long a disconnect waits for the exit that explains it (a process's sockets close just
 # before its exit shows).
 _EXIT_LOOK_S = 0.5
+# How long an engine's exit 1 waits for its death report (sent just before it exits).
+_REPORT_WAIT_S = 0.5
 
 
 class Watched(Protocol):
@@ -119,6 +121,8 @@ class EngineWatch:
         watched = local_ranks if started_here or mode is RestartMode.FOLLOW else ()
         self.unwatched = [rank for rank in range(num_engines) if rank not in watched]
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.tasks: GuardedTasks | None = None
+        self.reports: dict[int, DeathReport] = {}  # rank -> its death report, until its death
         self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
         # (when, what) of this host's engine processes that exited: explains a disconnect
         self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
@@ -126,7 +130,7 @@ class EngineWatch:
     def start(self, tasks: GuardedTasks, sockets: list[tuple[zmq.Socket[Any], str]]) -> None:
         """Run the watches (in the running loop); `sockets`: (monitor socket, what it
         watches) of each socket whose peers may leave."""
-        self.loop = asyncio.get_running_loop()
+        self.loop, self.tasks = asyncio.get_running_loop(), tasks
         tasks.spawn(self.watch_stalls(), "engine stall watch")
         if self.mode is RestartMode.FOLLOW:
             tasks.spawn(self.watch_processes(), "engine process watch")
@@ -144,7 +148,7 @@ class EngineWatch:
         launcher, loop = self.client.launcher, self.loop
         if child.exitcode == 0 or self.mode is not RestartMode.OWN:
             return False
-        if launcher is None or loop is None:  # (before the loop runs: the client ends)
+        if launcher is None or loop is None or self.tasks is None:  # (before the loop runs)
             return False
         cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
         if child is launcher.coordinator:
@@ -152,10 +156,18 @@ class EngineWatch:
             return True
         for i, engine in enumerate(launcher.engines):
             if engine is child:
-                rank = launcher.start_rank + i
-                loop.call_soon_threadsafe(self._guarded, self.restarts.died, rank, cause)
+                death = self._died(launcher.start_rank + i, cause, child.exitcode)
+                loop.call_soon_threadsafe(self.tasks.spawn, death, "engine death report")
                 return True
         return False
+
+    async def _died(self, rank: int, cause: str, exitcode: int | None) -> None:
+        """Report the death with the engine's own report: an engine core that raised sent it
+        before its exit 1, and it may still wait in the output socket for a moment."""
+        deadline = time.monotonic() + _REPORT_WAIT_S
+        while exitcode == 1 and rank not in self.reports and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.restarts.died(rank, Death(cause, self.reports.pop(rank, None)))
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         """A report the process monitor scheduled; one that raises ends the client (an
@@ -168,18 +180,26 @@ class EngineWatch:
 
     # -- frames on the output socket ------------------------------------------------------
 
-    def on_control_frame(self, frame: bytes) -> bool:
-        """`ENGINE_CORE_DEAD`: the engine exits next, and its exit is what restarts it (the
-        client ends when nobody restarts it: returns False, nothing more to read).
-        `ENGINE_CORE_STOPPED`: it answered every request and stopped on purpose, so the
-        client stops (other engines may still finish theirs: True)."""
+    def on_control_frame(self, frame: bytes | DeathReport) -> bool:
+        """`ENGINE_CORE_DEAD` (a `DeathReport`, or the bare frame): the engine exits next,
+        and its exit is what restarts it, reported with this report (the client ends when
+        nobody restarts it: returns False, nothing more to read). `ENGINE_CORE_STOPPED`: it
+        answered every request and stopped on purpose, so the client stops (other engines
+        may still finish theirs: True)."""
         if frame == ENGINE_CORE_STOPPED:
             self.client.stop("an engine core was stopped")
-        elif frame == ENGINE_CORE_DEAD and self.mode is RestartMode.OFF:
-            self.client.fail("an engine core reported a fatal error (see its log)")
+            return True
+        what = "an engine core reported a fatal error (see its log)"
+        if isinstance(frame, DeathReport):
+            rank = frame.engine_index
+            what = f"EngineCore_DP{rank} failed: {frame.describe()}"
+            self.reports[rank] = frame
+            if self.mode is RestartMode.OFF:
+                self.restarts.last_death[rank] = Death(f"EngineCore_DP{rank} failed", frame)
+        if self.mode is RestartMode.OFF:
+            self.client.fail(what)
             return False
-        elif frame == ENGINE_CORE_DEAD:
-            logger.warning("An engine core reported a fatal error (see its log)")
+        logger.warning("%s; its exit follows", what[:1].upper() + what[1:])
         return True
 
     # -- hellos on the request socket -----------------------------------------------------
@@ -228,7 +248,9 @@ class EngineWatch:
                     gone = f"EngineCore_DP{rank} (pid {pid}) is gone"
                     if killed is not None:
                         gone = f"{killed}: killed (pid {pid})"
-                    self.restarts.down(rank, f"{gone}; its supervisor restarts it")
+                    death = Death(gone, self.reports.pop(rank, None))
+                    message = f"{death.describe()}; its supervisor restarts it"
+                    self.restarts.down(rank, message, death)
 
     # -- the stall watch ------------------------------------------------------------------
 

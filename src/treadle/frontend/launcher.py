@@ -31,8 +31,8 @@ import zmq
 
 from treadle import envs
 from treadle.config import EngineConfig
-from treadle.core.dp_coordinator import CoordinatorAddresses, run_dp_coordinator
-from treadle.core.engine_core_proc import Handshake, run_engine_core
+from treadle.core.dp_coordinator import run_dp_coordinator
+from treadle.core.engine_core_proc import run_engine_core
 from treadle.ipc.engine_auth import engine_token
 from treadle.ipc.inbound import DropLog, inbound_options
 from treadle.ipc.process import (
@@ -49,6 +49,7 @@ from treadle.ipc.zmq_utils import (
     remove_ipc_files,
 )
 from treadle.logger import init_logger
+from treadle.wire.control import CoordinatorAddresses, Handshake
 from treadle.worker.worker import check_config
 
 logger = init_logger(__name__)

@@ -1,8 +1,10 @@
 """What a front end takes from its PULL socket (channel 2), before anything acts on it.
 
 A message is one of:
-- the single frame `ENGINE_CORE_DEAD` (an engine failed) or `ENGINE_CORE_STOPPED` (an engine
-  was stopped on purpose, after answering every request it had);
+- `ENGINE_CORE_DEAD` (an engine failed) with its `DeathReport` (decoded within its bounds,
+  and for a known engine; a bad one is dropped, and the death stays, without a report), or
+  the single frame `ENGINE_CORE_STOPPED` (an engine was stopped on purpose, after answering
+  every request it had);
 - `[msgpack EngineCoreOutputs][aux...]` from engine `engine_index`, whose token ids lie in the
   vocabulary and whose logprobs have one row of matching lengths per token.
 
@@ -17,10 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from treadle.core.engine_core_io import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.ipc.inbound import DropLog
 from treadle.ipc.serial import MsgpackDecoder
 from treadle.logger import init_logger
+from treadle.wire.control import (
+    ENGINE_CORE_DEAD,
+    ENGINE_CORE_STOPPED,
+    DeathReport,
+    decode_death_report,
+)
 from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs
 
 logger = init_logger(__name__)
@@ -37,13 +44,14 @@ class OutputReader:
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
         self.drops = DropLog(logger)
 
-    def read(self, frames: Sequence[Any]) -> EngineCoreOutputs | bytes | None:
-        """The outputs, a control frame (`ENGINE_CORE_DEAD`/`ENGINE_CORE_STOPPED`), or None
-        for a message that was dropped (and logged)."""
-        if len(frames) == 1 and len(frames[0]) in _CONTROL:
+    def read(self, frames: Sequence[Any]) -> EngineCoreOutputs | DeathReport | bytes | None:
+        """The outputs, an engine's death report, a control frame (`ENGINE_CORE_DEAD` without
+        a usable report, `ENGINE_CORE_STOPPED`), or None for a message that was dropped (and
+        logged)."""
+        if len(frames) in (1, 2) and len(frames[0]) in _CONTROL:
             control = _CONTROL[len(frames[0])]
             if bytes(frames[0]) == control:
-                return control
+                return self._death_report(frames[1]) if len(frames) == 2 else control
         try:
             outputs: EngineCoreOutputs = self.decoder.decode(frames)
         except Exception as e:
@@ -59,6 +67,16 @@ class OutputReader:
             self.drops.drop("Dropped an engine output: %s", problem)
             return None
         return outputs
+
+    def _death_report(self, payload: Any) -> DeathReport | bytes:
+        try:
+            report = decode_death_report(bytes(payload))
+            if report.engine_index >= self.num_engines:
+                raise ValueError(f"unknown engine index {report.engine_index}")
+        except Exception as e:
+            self.drops.drop("Dropped a malformed death report (%d bytes): %s", len(payload), e)
+            return ENGINE_CORE_DEAD
+        return report
 
     def check(self, outputs: EngineCoreOutputs) -> str | None:
         """Why `outputs` cannot be used, or None."""

@@ -12,9 +12,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from treadle.config import EngineConfig
-from treadle.core.engine_core_proc import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED
 from treadle.frontend.core_client import EngineDeadError, EngineInfo, MPClient, settle_utility
 from treadle.logger import init_logger
+from treadle.wire.control import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED, DeathReport
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from treadle.worker.worker import check_config
 
@@ -55,6 +55,9 @@ class SyncMPClient(MPClient):
             item = self.reader.read(self.output_socket.recv_multipart(copy=False))
             if item is None:
                 continue
+            if isinstance(item, DeathReport):
+                self._mark_dead(f"the engine core failed: {item.describe()}")
+                return
             if item == ENGINE_CORE_DEAD:
                 self._mark_dead("the engine core reported a fatal error (see its log)")
                 return

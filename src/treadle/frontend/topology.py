@@ -21,7 +21,7 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
@@ -57,6 +57,10 @@ class Engines(Protocol):
         """Per DP rank, one of STATES (never "starting": the engine's processes are)."""
         ...
 
+    def last_deaths(self) -> list[dict[str, Any] | None]:
+        """Per DP rank, its last death as JSON (`Death.to_json`), or None."""
+        ...
+
     async def topology_report(self, rank: int) -> Any:
         """The engine's answer to `get_topology` (raises if it cannot answer)."""
         ...
@@ -76,6 +80,7 @@ class FrontEnd:
     local: list[ProcessInfo]  # this host's treadle processes (psutil)
     engine_states: list[EngineState]  # per DP rank, one of STATES
     coordinator_front: str = ""  # the coordinator's XPUB that the API servers SUB to
+    last_deaths: list[dict[str, Any] | None] = field(default_factory=list)  # per DP rank
 
 
 def node_id(p: ProcessInfo) -> str:
@@ -124,6 +129,7 @@ async def front_end(engines: Engines) -> FrontEnd:
         local=local,
         engine_states=engines.shown_states(),
         coordinator_front=engines.coordinator_address(),
+        last_deaths=engines.last_deaths(),
     )
 
 
@@ -175,7 +181,10 @@ def build_topology(fe: FrontEnd, reports: Sequence[EngineReport | None]) -> dict
             ours = e.get("dp_rank") == rank and e["role"] in ("EngineCore", "Worker")
             if ours and known and e["state"] != EngineState.DEAD:
                 e["state"] = state
-        engines.append(engine_entry(rank, state, report))
+        entry = engine_entry(rank, state, report)
+        if rank < len(fe.last_deaths) and fe.last_deaths[rank] is not None:
+            entry["last_death"] = fe.last_deaths[rank]
+        engines.append(entry)
     me = by_id.get(f"{fe.host}:{fe.pid}")
     if me is not None and EngineState.DEAD in fe.engine_states:
         me["state"] = EngineState.DEAD

@@ -9,7 +9,7 @@ ARCHITECTURE §1 (titles), §5 (parent death) and §7 (start methods). A child s
     wait_for_ready([child], timeout) <------- ready.send_ready(payload)   (or FAILED + traceback)
     keeps the death pipe's write end         a daemon thread blocks on the read end:
         (process exit closes it)       EOF -> SIGTERM to itself; os._exit(1) `grace_s` later
-    ProcessMonitor: sentinels -> "NAME (pid P) died: killed by SIGKILL"
+    ProcessMonitor: sentinels -> "NAME (pid P) died: killed by signal 9 (SIGKILL)"
     shutdown_processes: join -> SIGTERM -> SIGKILL, each with a timeout
 
 With fork, a child inherits every fd of its parent, including the death pipes of its siblings,
@@ -91,12 +91,12 @@ def set_process_title(name: str) -> None:
 
 
 def describe_exit(exitcode: int | None) -> str:
-    """`exit code 1`, `killed by SIGKILL`, or `still running`."""
+    """`exit code 1`, `killed by signal 9 (SIGKILL)`, or `still running`."""
     if exitcode is None:
         return "still running"
     if exitcode < 0:
         try:
-            return f"killed by {signal.Signals(-exitcode).name}"
+            return f"killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"

@@ -19,8 +19,8 @@ class EngineCoreRequestType(enum.Enum):
     START_DP_WAVE = b"\x02"
     UTILITY = b"\x03"
     # Internal sentinels, never sent by a front end.
-    EXECUTOR_FAILED = b"\x04"
-    WAKEUP = b"\x05"
+    EXECUTOR_FAILED = b"\x04"  # the executor or an IO thread failed: (reason or exception)
+    FRONTEND_GONE = b"\x05"  # the front end of another host disconnected: (reason)
     REFUSE = b"\x06"  # an ADD that did not decode: (request_id, client_index, reason)
 
 
