@@ -195,6 +195,9 @@ class Kernels:
         built_for = lib.treadle_kernel_isa().decode()
         if built_for != isa:  # the compiler ignored the level's flags
             raise OSError(f"{path.name} was built for {built_for!r}, not {isa!r}")
+        lib.gguf_linear_i8_max_rows.restype = ctypes.c_int
+        # rows up to which int8 activations take the integer dot products (beyond: float32)
+        self.int8_max_rows = int(lib.gguf_linear_i8_max_rows())
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None

@@ -40,6 +40,7 @@ static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, in
 #endif
 
 const char* treadle_kernel_isa(void) { return TREADLE_ISA; }
+int gguf_linear_i8_max_rows(void) { return I8_MAX_ROWS; }
 
 void paged_decode_attention_f32(
     const float* q, int64_t q_row_stride,          /* q[r, head, :] at q + r*stride + head*d */
@@ -171,13 +172,17 @@ void gguf_linear_f32(
     free(xc);
 }
 
-/* The same product with x's rows quantized to int8 blocks of 32 (int8.h), every row count on
-   the integer tiles: rows go I8_ROWS at a time over a tile that stays in L1. */
+/* The same product with x's rows quantized to int8 blocks of 32 (int8.h), up to I8_MAX_ROWS
+   rows (beyond: gguf_linear_f32): rows go I8_ROWS at a time over a tile that stays in L1. */
 void gguf_linear_i8(
     const float* x, int64_t x_row_stride, int64_t M, int64_t K,
     const void* tiles, int kind, int64_t N,
     float* y, int64_t y_row_stride, int num_threads)
 {
+    if (M > I8_MAX_ROWS) {
+        gguf_linear_f32(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads);
+        return;
+    }
     const int64_t nb = K / 32;
     const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = nb * TILE_N * block_bytes(kind);
