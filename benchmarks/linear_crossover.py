@@ -1,9 +1,11 @@
-"""Where the GGUF-block kernel stops beating oneDNN's packed float32 GEMM, per ISA level.
+"""Where the GGUF-block kernel stops beating oneDNN's packed float32 GEMM, per ISA level, and
+what int8 activations (`--cpu-activation-dtype int8`) gain on the blocks.
 
 For the default model's linear shapes (one decoder layer's qkv, o, gate_up and down projections,
 Q4_1 blocks, and the Q8_0 LM head), times a step's worth of products at 1 to 128 rows on the
-blocks (`GGUFLinear`) and on oneDNN's packed weight (`PackedLinear`), alternating the two so that
-both see the same machine, and prints the ratio per row count. Each level runs in its own
+blocks with float32 activations (`GGUFLinear`), on the blocks with int8 activations, and on
+oneDNN's packed weight (`PackedLinear`), alternating the three so that all see the same
+machine, and prints the ratios per row count. Each level runs in its own
 process with TREADLE_CPU_ISA set, so that oneDNN and PyTorch are capped at the same level
 (`envs.apply_cpu_isa_caps`). `linear_method.GGUF_MAX_ROWS` holds the crossovers measured here
 and in the engine.
@@ -27,8 +29,16 @@ LAYER = [(576, 960, "Q4_1"), (576, 576, "Q4_1"), (576, 3072, "Q4_1"), (1536, 576
 HEAD = [(576, 49152, "Q8_0")]
 
 
-def measure(isa: str, threads: int, repeats: int) -> dict[str, dict[int, tuple[float, float]]]:
-    """In this process (TREADLE_CPU_ISA already set): {shape set: {rows: (blocks ms, packed ms)}}."""
+def measure(
+    isa: str,
+    threads: int,
+    repeats: int,
+    rows_list: list[int],
+    stat: str = "median",
+    clock: str = "wall",
+) -> dict[str, dict[int, tuple[float, float, float]]]:
+    """In this process (TREADLE_CPU_ISA already set):
+    {shape set: {rows: (blocks ms, int8 blocks ms, packed ms)}}."""
     import numpy as np
     import torch
 
@@ -53,23 +63,32 @@ def measure(isa: str, threads: int, repeats: int) -> dict[str, dict[int, tuple[f
         packed = linear_method.pack_weight(weight)
         assert packed is not None, "oneDNN packing is unavailable here"
         dense = linear_method.PackedLinear(weight, packed)
-        return linear_method.GGUFLinear(kernels, quant, dense, 1 << 20), dense
+        int8 = kernels.with_activations("int8")
+        return (
+            linear_method.GGUFLinear(kernels, quant, dense, 1 << 20),
+            linear_method.GGUFLinear(int8, quant, dense, 1 << 20),
+            dense,
+        )
 
-    results: dict[str, dict[int, tuple[float, float]]] = {}
+    # cpu: this process's CPU time, blind to the time the OS gives its threads to others (a
+    # busy machine), but it also counts threads that spin: use it with --threads 1
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    results: dict[str, dict[int, tuple[float, float, float]]] = {}
     for label, shapes in (("layer", LAYER), ("lm_head", HEAD)):
         pairs = [methods(*s) for s in shapes]
         results[label] = {}
-        for rows in ROWS:
+        for rows in rows_list:
             xs = [torch.randn(rows, s[0]) for s in shapes]
-            times: tuple[list[float], list[float]] = ([], [])
+            times: tuple[list[float], ...] = ([], [], [])
             for _ in range(repeats):
-                for which in (0, 1):  # alternate: both see the same machine
-                    start = time.perf_counter()
+                for which in (0, 1, 2):  # alternate: all see the same machine
+                    start = now()
                     for _ in range(5):
                         for pair, x in zip(pairs, xs, strict=True):
                             pair[which].apply(x, None)
-                    times[which].append((time.perf_counter() - start) / 5 * 1e3)
-            results[label][rows] = (statistics.median(times[0]), statistics.median(times[1]))
+                    times[which].append((now() - start) / 5 * 1e3)
+            pick = min if stat == "min" else statistics.median
+            results[label][rows] = (pick(times[0]), pick(times[1]), pick(times[2]))
     return results
 
 
@@ -78,16 +97,27 @@ def main() -> int:
     parser.add_argument("--isa", default=None, help="one level; default: every level this CPU runs")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: see measure")
+    parser.add_argument(
+        "--stat", choices=["median", "min"], default="median", help="min: on a busy machine"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.isa, args.threads, args.repeats)))
+        rows_list = [int(r) for r in args.rows.split(",")]
+        print(
+            json.dumps(
+                measure(args.isa, args.threads, args.repeats, rows_list, args.stat, args.clock)
+            )
+        )
         return 0
     from treadle.model.cpu_kernels import available_isas
 
     for isa in [args.isa] if args.isa else available_isas():
         env = dict(os.environ, TREADLE_CPU_ISA=isa, TREADLE_LOGGING_LEVEL="WARNING")
         cmd = [sys.executable, __file__, "--child", "--isa", isa, "--threads", str(args.threads)]
+        cmd += ["--rows", args.rows, "--stat", args.stat, "--clock", args.clock]
         out = subprocess.run(
             cmd + ["--repeats", str(args.repeats)], env=env, capture_output=True, text=True
         )
@@ -95,14 +125,20 @@ def main() -> int:
             print(out.stderr, file=sys.stderr)
             return out.returncode
         results = json.loads(out.stdout)
-        print(f"\n{isa} ({args.threads} threads): ms per call set, GGUF blocks vs oneDNN packed")
-        print(f"{'rows':>5s}  {'layer blk':>9s} {'packed':>8s} {'ratio':>6s}   "
-              f"{'head blk':>9s} {'packed':>8s} {'ratio':>6s}")  # fmt: skip
-        for rows in ROWS:
-            lb, lp = results["layer"][str(rows)]
-            hb, hp = results["lm_head"][str(rows)]
+        print(
+            f"\n{isa} ({args.threads} threads, {args.stat} {args.clock} time): ms per call set; GGUF blocks (float32 "
+            "activations), blocks with int8 activations, oneDNN packed; ratios: blk/int8, "
+            "packed/blk"
+        )
+        print(f"{'rows':>5s}  {'layer blk':>9s} {'int8':>7s} {'packed':>7s} {'b/i8':>5s} "
+              f"{'p/b':>5s}   {'head blk':>8s} {'int8':>7s} {'packed':>7s} {'b/i8':>5s} "
+              f"{'p/b':>5s}")  # fmt: skip
+        for rows in [int(r) for r in args.rows.split(",")]:
+            lb, li, lp = results["layer"][str(rows)]
+            hb, hi, hp = results["lm_head"][str(rows)]
             print(
-                f"{rows:5d}  {lb:9.3f} {lp:8.3f} {lp / lb:6.2f}   {hb:9.3f} {hp:8.3f} {hp / hb:6.2f}"
+                f"{rows:5d}  {lb:9.3f} {li:7.3f} {lp:7.3f} {lb / li:5.2f} {lp / lb:5.2f}   "
+                f"{hb:8.3f} {hi:7.3f} {hp:7.3f} {hb / hi:5.2f} {hp / hb:5.2f}"
             )
     return 0
 

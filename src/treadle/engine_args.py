@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from treadle.config import (
+    CPU_ACTIVATION_DTYPES,
     CacheConfig,
     EngineConfig,
     FrontendConfig,
@@ -165,6 +166,12 @@ class EngineArgs:
     seed: int = arg(ModelConfig.seed, group="model", area=ModelConfig)
     max_logprobs: int = arg(ModelConfig.max_logprobs, group="model", area=ModelConfig)
     generation_config: str = arg(ModelConfig.generation_config, group="model", area=ModelConfig)
+    cpu_activation_dtype: str = arg(
+        ModelConfig.cpu_activation_dtype,
+        group="model",
+        area=ModelConfig,
+        choices=CPU_ACTIVATION_DTYPES,
+    )
     block_size: int = arg(CacheConfig.block_size, group="cache", area=CacheConfig)
     kv_cache_memory: int | None = arg(
         None,
@@ -254,6 +261,11 @@ class EngineArgs:
                 f"--generation-config {gen!r}: give auto, vllm or a directory that holds a "
                 "generation_config.json"
             )
+        if self.cpu_activation_dtype not in CPU_ACTIVATION_DTYPES:
+            raise ValueError(
+                f"--cpu-activation-dtype {self.cpu_activation_dtype!r}: choose one of "
+                f"{', '.join(CPU_ACTIVATION_DTYPES)}"
+            )
         served, also = served_names(self.model, self.served_model_name)
         config = EngineConfig(
             model=ModelConfig(
@@ -266,6 +278,7 @@ class EngineArgs:
                 max_logprobs=self.max_logprobs,
                 tokenizer=None if self.tokenizer is None else os.path.abspath(path),
                 generation_config=gen,
+                cpu_activation_dtype=self.cpu_activation_dtype,
             ),
             cache=CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),

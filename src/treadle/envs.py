@@ -93,7 +93,7 @@ def cpu_kernels() -> bool:
 
 
 def cpu_isa() -> str | None:
-    """Force the CPU kernels' ISA level (avx512, avx2, portable); unset: the CPU's best."""
+    """Force the CPU kernels' ISA level (avx512vnni, avx512, avx2, portable); unset: the CPU's best."""
     value = os.environ.get("TREADLE_CPU_ISA", "").strip().lower()
     return value or None
 

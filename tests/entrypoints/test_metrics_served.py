@@ -151,7 +151,9 @@ def test_start_up_facts_are_logged(loaded) -> None:  # type: ignore[no-untyped-d
         r"request: [\d.]+x",
         log,
     )
-    assert re.search(r"Model runs on .*(avx512|avx2|portable|PyTorch).* with \d+ threads", log)
+    assert re.search(
+        r"Model runs on .*(avx512vnni|avx512|avx2|portable|PyTorch).* with \d+ threads", log
+    )
 
 
 def test_vllm_metrics_have_vllms_types_labels_and_buckets(loaded) -> None:  # type: ignore[no-untyped-def]

@@ -119,7 +119,11 @@ def test_offline_llm_raises_the_same_words_before_starting_anything(tiny: str) -
     [
         ("TREADLE_CPU_THREADS", "abc", "TREADLE_CPU_THREADS='abc': give a number of threads"),
         ("TREADLE_CPU_THREADS", "0", "TREADLE_CPU_THREADS='0': give a number of threads"),
-        ("TREADLE_CPU_ISA", "avx9", "TREADLE_CPU_ISA='avx9': choose one of avx512, avx2, portable"),
+        (
+            "TREADLE_CPU_ISA",
+            "avx9",
+            "TREADLE_CPU_ISA='avx9': choose one of avx512vnni, avx512, avx2, portable",
+        ),
     ],
 )
 def test_bad_cpu_environment_is_refused_before_starting(

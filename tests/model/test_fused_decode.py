@@ -42,20 +42,25 @@ def decode_step(
         return model(ids, positions, kv_caches, meta)
 
 
-@pytest.mark.parametrize("isa", cpu_kernels.available_isas())
+@pytest.mark.parametrize(
+    ("isa", "activations"),
+    [(isa, "float32") for isa in cpu_kernels.available_isas()]
+    + [(cpu_kernels.available_isas()[0], "int8")],
+)
 def test_fused_decode_matches_the_modules(
-    default_model_path: str, isa: str, monkeypatch: pytest.MonkeyPatch
+    default_model_path: str, isa: str, activations: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TREADLE_CPU_ISA", isa)
     monkeypatch.setattr(cpu_kernels, "_selected", [])
     source = resolve_model(default_model_path)
     arch = read_arch(source)
-    model = load_model(source, arch, torch.float32, torch.device("cpu"), 512)
+    model = load_model(source, arch, torch.float32, torch.device("cpu"), 512, activations)
     fused = model.fused
     if linear_method.GGUF_MAX_ROWS[isa] == 0:  # no linear layer on the blocks: no fused path
         assert fused is None
         return
     assert fused is not None and fused.kernels.isa == isa
+    assert fused.kernels.activations == activations
     torch.manual_seed(0)
     shape = (model.num_kv_heads, 64, 16, model.head_dim)
     caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(model.num_layers)]

@@ -2,12 +2,14 @@
 library per level, and typed calls into it.
 
 The kernels: decode/prefill attention over the paged KV cache (`paged_decode_attention`),
-linear layers on GGUF blocks (`gguf_linear`, see `quantized.py`) and the small per-layer ops
+linear layers on GGUF blocks (`gguf_linear`, see `quantized.py`; float32 activations, or int8
+ones with integer dot products: `with_activations`) and the small per-layer ops
 (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write), and the structured-output
-bitmask applied to the logits, float32 throughout.
+bitmask applied to the logits, float32 throughout but for the int8 activations.
 
-ISA levels, best first: `avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C), `portable`
-(no flags: any CPU the compiler targets). The level is chosen once per process from the CPU's
+ISA levels, best first: `avx512vnni` (x86-64-v4 and AVX512-VNNI, for the int8 dot products),
+`avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C), `portable` (no flags: any CPU the
+compiler targets). The level is chosen once per process from the CPU's
 flags (`detect_isa`), or forced with `TREADLE_CPU_ISA` (a level this CPU can run: a lower one
 lets the AVX2 path be tested and measured on an AVX-512 machine; `treadle/__init__.py` then also
 caps PyTorch's and oneDNN's own kernels at that level, so the whole process behaves as on such
@@ -25,6 +27,7 @@ OpenMP resolves to the `libgomp.so.1` PyTorch already loaded, so both share one 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import os
@@ -37,19 +40,25 @@ from pathlib import Path
 import torch
 
 from treadle import envs
+from treadle.config import CPU_ACTIVATION_DTYPES
 from treadle.logger import init_logger
 
 logger = init_logger(__name__)
 
-ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
+ISA_LEVELS = ("avx512vnni", "avx512", "avx2", "portable")  # best first
+_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}
 # The CPU flags (as /proc/cpuinfo names them) each x86 level's code needs.
 _LEVEL_CPU_FLAGS = {
-    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"},
+    "avx512vnni": _AVX512 | {"avx512_vnni"},
+    "avx512": _AVX512,
     "avx2": {"avx2", "fma", "f16c"},
 }
 # Compiler flags per level: the psABI level names (GCC >= 11, Clang >= 12), then the same
 # feature set spelled out for older compilers.
 _LEVEL_CC_FLAGS = {
+    "avx512vnni": (["-march=x86-64-v4", "-mavx512vnni"],
+                   ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
+                    "-mavx2", "-mfma", "-mf16c"]),
     "avx512": (["-march=x86-64-v4"], ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
                                        "-mavx2", "-mfma", "-mf16c"]),
     "avx2": (["-march=x86-64-v3"], ["-mavx2", "-mfma", "-mf16c"]),
@@ -57,7 +66,7 @@ _LEVEL_CC_FLAGS = {
 }  # fmt: skip
 _COMMON_CC_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_kernels.c", "common.h", "avx512.h", "avx2.h", "portable.h")
+_SOURCES = ("cpu_kernels.c", "common.h", "avx512.h", "avx2.h", "portable.h", "int8.h")
 
 
 def cpu_flags() -> set[str]:
@@ -80,7 +89,7 @@ def detect_isa() -> str:
     if not flags:  # no /proc/cpuinfo (e.g. macOS): PyTorch's own cpuid reading
         capability = torch.backends.cpu.get_cpu_capability().lower()
         return {"avx512": "avx512", "avx2": "avx2"}.get(capability, "portable")
-    for level in ("avx512", "avx2"):
+    for level in ("avx512vnni", "avx512", "avx2"):
         if _LEVEL_CPU_FLAGS[level] <= flags:
             return level
     return "portable"
@@ -161,6 +170,7 @@ _SIGNATURES = {
     + [i64] * 6
     + [f32, i64, c_int],
     "gguf_linear_f32": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
+    "gguf_linear_i8": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
     "rms_norm_f32": [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int],
     "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
     "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
@@ -172,22 +182,43 @@ _SIGNATURES = {
 
 
 class Kernels:
-    """One ISA level's compiled library, with a typed method per kernel."""
+    """One ISA level's compiled library, with a typed method per kernel. `activations`: how
+    the GGUF-block linear layers take their input (`gguf_linear` and the fused decode):
+    float32 (exact), or int8 blocks of 32 with integer dot products (`csrc/int8.h`)."""
 
     def __init__(self, isa: str, path: Path) -> None:
         self.isa = isa
         self.path = path
+        self.activations = "float32"
         lib = ctypes.CDLL(str(path))
         lib.treadle_kernel_isa.restype = ctypes.c_char_p
         built_for = lib.treadle_kernel_isa().decode()
         if built_for != isa:  # the compiler ignored the level's flags
             raise OSError(f"{path.name} was built for {built_for!r}, not {isa!r}")
+        lib.gguf_linear_i8_max_rows.restype = ctypes.c_int
+        # rows up to which int8 activations take the integer dot products (beyond: float32)
+        self.int8_max_rows = int(lib.gguf_linear_i8_max_rows())
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         self._lib = lib
         # Raw: its arguments are the structs fused_decode.py lays out.
         self.decode_layers = lib.decode_layers_f32
+        self._gguf_linear = lib.gguf_linear_f32
+
+    def with_activations(self, dtype: str) -> Kernels:
+        """The same library with the GGUF-block linear layers on `dtype` activations (one of
+        `CPU_ACTIVATION_DTYPES`); self where that is already so."""
+        if dtype not in CPU_ACTIVATION_DTYPES:
+            raise ValueError(f"activation dtype {dtype!r}: choose one of {CPU_ACTIVATION_DTYPES}")
+        if dtype == self.activations:
+            return self
+        other = copy.copy(self)
+        other.activations = dtype
+        other._gguf_linear = (
+            self._lib.gguf_linear_i8 if dtype == "int8" else self._lib.gguf_linear_f32
+        )
+        return other
 
     def paged_decode_attention(
         self,
@@ -214,12 +245,13 @@ class Kernels:
     def gguf_linear(
         self, x: torch.Tensor, tiles: torch.Tensor, kind: int, out_features: int
     ) -> torch.Tensor:
-        """x [M, K] (rows may be strided) times a weight in the tiled GGUF layout."""
+        """x [M, K] (rows may be strided) times a weight in the tiled GGUF layout, x taken as
+        `self.activations`."""
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, k = x.shape
         out = torch.empty(rows, out_features, dtype=torch.float32)
-        self._lib.gguf_linear_f32(
+        self._gguf_linear(
             x.data_ptr(), x.stride(0), rows, k, tiles.data_ptr(), kind, out_features,
             out.data_ptr(), out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
@@ -346,7 +378,8 @@ def for_model(device: torch.device, dtype: torch.dtype) -> Kernels | None:
 def describe(kernels: Kernels | None, device: torch.device, dtype: torch.dtype) -> str:
     """For the start-up log: which kernels a model runs on, and why not treadle's."""
     if kernels is not None:
-        return f"treadle's {kernels.isa} CPU kernels ({kernels.path.name})"
+        int8 = ", int8 activations on GGUF blocks" if kernels.activations == "int8" else ""
+        return f"treadle's {kernels.isa} CPU kernels ({kernels.path.name}{int8})"
     if device.type != "cpu" or dtype != torch.float32:
         return f"PyTorch ({device.type}, {str(dtype).removeprefix('torch.')})"
     if not envs.cpu_kernels():

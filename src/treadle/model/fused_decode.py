@@ -4,7 +4,8 @@ In a decode step of a few requests on the CPU, Python's dispatch of ~12 kernel c
 (module calls, tensor views, ctypes argument conversion) costs about as much as the arithmetic:
 ~4 ms of a ~12 ms single-stream step for the default model's 30 layers. Where every piece of a
 layer already runs on treadle's C kernels, the model hands the whole stack to one C function
-that calls the same kernels in the same order (so the results are the same bits), the way
+that calls the same kernels in the same order (so the results are the same bits, float32 or
+int8 activations as `Kernels.activations` says), the way
 vLLM replays a CUDA graph for decode steps on a GPU.
 
 It applies (`FusedDecoder.build`) when the model runs on the C kernels, at TP 1 (no
@@ -47,6 +48,7 @@ class _Model(ctypes.Structure):  # decode_model
         ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("num_layers", _i64), ("num_blocks", _i64),
         ("block_size", _i64), ("eps", _f), ("scale", _f), ("final_norm", _p),
+        ("int8_activations", _i32),
     ]  # fmt: skip
 
 
@@ -120,6 +122,7 @@ class FusedDecoder:
             eps=first.input_layernorm.eps,
             scale=first.self_attn.scale,
             final_norm=m.model.norm.weight.data_ptr(),
+            int8_activations=int(self.kernels.activations == "int8"),
         )
         self._layers, self._bound_to = layers, kv_caches
         return layers

@@ -46,7 +46,8 @@ SMALL_ROW_STEP = 8  # a remainder (or a batch) below ROW_BUCKET is padded to a m
 #   oneDNN streams 4x the bytes of the blocks, and every decode step stays fused.
 # - portable: the plain-C expansion (no byte-widening instruction in baseline x86-64) is 2-3x
 #   slower than oneDNN even at one row (0.53x for a layer's linears): never.
-GGUF_MAX_ROWS = {"avx512": 64, "avx2": 64, "portable": 0}
+# - avx512vnni: the avx512 level's float32 code, so its crossover.
+GGUF_MAX_ROWS = {"avx512vnni": 64, "avx512": 64, "avx2": 64, "portable": 0}
 
 
 class LinearMethod:

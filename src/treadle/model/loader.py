@@ -60,7 +60,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    cpu_activation_dtype: str = "float32",
 ) -> LlamaForCausalLM:
+    """The model, loaded and prepared; `cpu_activation_dtype`: the GGUF-block linear layers'
+    activations on treadle's CPU kernels (`Kernels.with_activations`; nothing elsewhere)."""
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
@@ -72,6 +75,8 @@ def load_model(
     )
     model.load_weights(weights)
     kernels = cpu_kernels.for_model(device, dtype)
+    if kernels is not None:
+        kernels = kernels.with_activations(cpu_activation_dtype)
     for module in model.modules():
         prepare = getattr(module, "prepare", None)
         if module is not model and callable(prepare):

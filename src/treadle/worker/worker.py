@@ -178,7 +178,14 @@ class Worker:
     def load_model(self) -> None:
         logger.info("Loading %s (%s, %s)", self.source.path, self.dtype, self.device)
         self._rss_before_load = _rss()
-        model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len)
+        model = load_model(
+            self.source,
+            self.arch,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.config.model.cpu_activation_dtype,
+        )
         self._weights_bytes = _rss() - self._rss_before_load
         self.runner = ModelRunner(
             model, self.device, self.dtype, self.config.cache.block_size, self.config.model.seed

@@ -2,7 +2,11 @@
    Included by cpu_kernels.c; it provides attend_d64, tile_rows_n, expand_tile and tile_gemm. */
 #include <immintrin.h>
 
+#if defined(__AVX512VNNI__)
+#define TREADLE_ISA "avx512vnni"  /* the same, and vpdpbusd for int8.h */
+#else
 #define TREADLE_ISA "avx512"
+#endif
 #define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
 #define HAVE_TILE_ROWS_N 1

@@ -4,6 +4,8 @@
      place;
    - gguf_linear_f32: y = x W^T with W kept in its GGUF blocks (Q4_0, Q4_1, Q8_0) and expanded
      to float32 on the fly, so that a decode step reads 0.75-1.25 bytes per weight instead of 4;
+   - gguf_linear_i8: the same product with x quantized to int8 blocks and integer dot products
+     (int8.h; `--cpu-activation-dtype int8`);
    - the small per-layer operations (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write);
    - the structured-output token bitmask applied to the logits in place.
 
@@ -20,6 +22,7 @@
 #else
 #include "portable.h"
 #endif
+#include "int8.h"
 
 #if defined(HAVE_TILE_ROWS_N)
 /* One tile (TILE_N outputs) for `rows` (1 or 2) rows of x: the level's tile_rows_n,
@@ -37,6 +40,7 @@ static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, in
 #endif
 
 const char* treadle_kernel_isa(void) { return TREADLE_ISA; }
+int gguf_linear_i8_max_rows(void) { return I8_MAX_ROWS; }
 
 void paged_decode_attention_f32(
     const float* q, int64_t q_row_stride,          /* q[r, head, :] at q + r*stride + head*d */
@@ -166,6 +170,38 @@ void gguf_linear_f32(
     }
     free(xsum);
     free(xc);
+}
+
+/* The same product with x's rows quantized to int8 blocks of 32 (int8.h), up to I8_MAX_ROWS
+   rows (beyond: gguf_linear_f32): rows go I8_ROWS at a time over a tile that stays in L1. */
+void gguf_linear_i8(
+    const float* x, int64_t x_row_stride, int64_t M, int64_t K,
+    const void* tiles, int kind, int64_t N,
+    float* y, int64_t y_row_stride, int num_threads)
+{
+    if (M > I8_MAX_ROWS) {
+        gguf_linear_f32(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads);
+        return;
+    }
+    const int64_t nb = K / 32;
+    const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
+    const int64_t tile_bytes = nb * TILE_N * block_bytes(kind);
+    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
+    float* xds = (float*)malloc(sizeof(float) * 2 * M * nb);
+    quantize_rows_q8(x, x_row_stride, M, K, xq, xds);
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < ntiles; t++) {
+        const char* tile = (const char*)tiles + t * tile_bytes;
+        for (int64_t r0 = 0; r0 < M; r0 += I8_ROWS) {
+            const int64_t rows = M - r0 < I8_ROWS ? M - r0 : I8_ROWS;
+            float out[TILE_N][I8_ROWS];
+            tile_rows_i8(tile, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows, out);
+            for (int j = 0; j < TILE_N && t * TILE_N + j < N; j++)
+                for (int64_t r = 0; r < rows; r++) y[(r0 + r) * y_row_stride + t * TILE_N + j] = out[j][r];
+        }
+    }
+    free(xq);
+    free(xds);
 }
 
 /* ---- The small per-layer operations -------------------------------------------------------
@@ -313,7 +349,8 @@ void apply_token_bitmask_f32(float* logits, int64_t row_stride, const int64_t* r
        r += a Wo, h = RMSNorm(r)                        post-attention norm
        x = (silu(h Wgate) * h Wup) Wdown
 
-   and after the last layer out = RMSNorm(r + x) (the final norm). */
+   and after the last layer out = RMSNorm(r + x) (the final norm). The linear layers are
+   gguf_linear_f32 or, with int8_activations, gguf_linear_i8. */
 
 typedef struct {
     const float* input_norm;
@@ -333,6 +370,7 @@ typedef struct {
     int64_t num_blocks, block_size;
     float eps, scale;
     const float* final_norm;
+    int32_t int8_activations;  /* the linear layers on gguf_linear_i8, not _f32 */
 } decode_model;
 
 void decode_layers_f32(
@@ -353,12 +391,15 @@ void decode_layers_f32(
     float* attn = (float*)malloc(sizeof(float) * M * q_size);
     float* gate_up = (float*)malloc(sizeof(float) * M * 2 * I);
     float* act = (float*)malloc(sizeof(float) * M * I);
+    void (*const linear)(const float*, int64_t, int64_t, int64_t, const void*, int, int64_t,
+                         float*, int64_t, int) =
+        m->int8_activations ? gguf_linear_i8 : gguf_linear_f32;
     memcpy(residual, emb, sizeof(float) * M * H);
     for (int64_t l = 0; l < m->num_layers; l++) {
         const decode_layer* L = layers + l;
         if (l == 0) rms_norm_f32(residual, H, M, H, L->input_norm, m->eps, h, H, num_threads);
         else add_rms_norm_f32(residual, x, M, H, L->input_norm, m->eps, h, num_threads);
-        gguf_linear_f32(h, H, M, H, L->qkv, L->qkv_kind, qkv_size, qkv, qkv_size, num_threads);
+        linear(h, H, M, H, L->qkv, L->qkv_kind, qkv_size, qkv, qkv_size, num_threads);
         if (L->qkv_bias)
             for (int64_t r = 0; r < M; r++)
                 for (int64_t i = 0; i < qkv_size; i++) qkv[r * qkv_size + i] += L->qkv_bias[i];
@@ -369,12 +410,12 @@ void decode_layers_f32(
         paged_decode_attention_f32(qkv, qkv_size, L->k_cache, L->v_cache, block_table,
                                    table_stride, lens, attn, q_size, M, m->heads, m->kv_heads, d,
                                    m->num_blocks, m->block_size, m->scale, max_len, num_threads);
-        gguf_linear_f32(attn, q_size, M, q_size, L->o, L->o_kind, H, x, H, num_threads);
+        linear(attn, q_size, M, q_size, L->o, L->o_kind, H, x, H, num_threads);
         add_rms_norm_f32(residual, x, M, H, L->post_norm, m->eps, h, num_threads);
-        gguf_linear_f32(h, H, M, H, L->gate_up, L->gate_up_kind, 2 * I, gate_up, 2 * I,
+        linear(h, H, M, H, L->gate_up, L->gate_up_kind, 2 * I, gate_up, 2 * I,
                         num_threads);
         silu_and_mul_f32(gate_up, M, I, act, num_threads);
-        gguf_linear_f32(act, I, M, I, L->down, L->down_kind, H, x, H, num_threads);
+        linear(act, I, M, I, L->down, L->down_kind, H, x, H, num_threads);
     }
     add_rms_norm_f32(residual, x, M, H, m->final_norm, m->eps, out, num_threads);
     free(residual); free(h); free(x); free(qkv); free(attn); free(gate_up); free(act);

@@ -1,0 +1,129 @@
+"""The int8-activation GGUF kernel (`csrc/int8.h`, `gguf_linear_i8`) against a reference in
+Python that quantizes the activations the same way and takes the integer dot products exactly:
+at every ISA level this CPU runs (avx512vnni: vpdpbusd on two blocks at once, avx512: the same
+with maddubs + madd, avx2: maddubs + madd on one block, portable: plain loops), for Q4_0, Q4_1 and Q8_0 blocks, 1 to 11 rows (every remainder of the
+levels' row groups), strided rows, output sizes that are not whole tiles. Only the float32
+sums of the per-block terms may differ in order, so the tolerance is tight. Beyond the level's
+`int8_max_rows` the product is the float32 kernel's, to the bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.model import cpu_kernels
+from treadle.model.cpu_kernels import Kernels
+from treadle.model.linear_method import DenseLinear, GGUFLinear
+from treadle.model.quantized import GGUFBlocks, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None,
+    reason="no C compiler here (or TREADLE_CPU_KERNELS=0): the kernel cannot be built",
+)
+
+
+@pytest.fixture(params=cpu_kernels.available_isas())
+def kernels(request: pytest.FixtureRequest) -> Kernels:
+    return cpu_kernels.kernels_for(request.param).with_activations("int8")
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> GGUFBlocks:
+    """Valid GGUF blocks: half scales (and Q4_1 mins), random quants (Q8_0: -128 included)."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    d = (rng.random((rows, nb, 1)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+    if kind == "Q8_0":
+        parts = [d, rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)]
+    else:
+        qs = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
+        m = (-rng.random((rows, nb, 1)) * 0.1).astype(np.float16).view(np.uint8)
+        parts = [d, m, qs] if kind == "Q4_1" else [d, qs]
+    return GGUFBlocks(kind, np.concatenate(parts, axis=-1).reshape(rows, -1))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_1 in float32 as the kernel does it: per block of 32, d = max|x| / 127,
+    p = round(x / d) (half to even), s = d * sum(p). Returns p [M, nb, 32] int64, d and s
+    [M, nb] float32."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    p = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int64)
+    s = d * p.sum(-1).to(torch.float32)
+    return p, d, s
+
+
+def weight_quants(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, nb, 32] int64, d and m [N, nb] float32 with w = d q + m (Q4_0: m = -8 d in half
+    precision, as the kernel's layout)."""
+    n = blocks.raw.shape[0]
+    nbytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[blocks.kind]
+    raw = blocks.raw.reshape(n, -1, nbytes)
+    d16 = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    if blocks.kind == "Q8_0":
+        q = raw[..., 2:].copy().view(np.int8).astype(np.int64)
+        m16 = np.zeros_like(d16)
+    else:
+        qs = raw[..., -16:].astype(np.int64)
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        m16 = (
+            raw[..., 2:4].copy().view(np.float16)[..., 0]
+            if blocks.kind == "Q4_1"
+            else d16 * np.float16(-8)
+        )
+    return (
+        torch.from_numpy(q),
+        torch.from_numpy(d16.astype(np.float32)),
+        torch.from_numpy(m16.astype(np.float32)),
+    )
+
+
+def reference(x: torch.Tensor, blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, the sum of |terms|) in float64 from the exact integer dot products per block."""
+    p, dx, sx = quantize_activations(x)
+    q, dw, mw = weight_quants(blocks)
+    sumi = torch.einsum("rbi,nbi->rnb", p, q).to(torch.float64)
+    terms = (dw[None].double() * dx[:, None].double()) * sumi + mw[None].double() * sx[
+        :, None
+    ].double()
+    return terms.sum(-1), terms.abs().sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 11])
+def test_int8_kernel_matches_the_exact_integer_reference(
+    kernels: Kernels, kind: str, rows: int
+) -> None:
+    blocks = random_blocks(kind, 203, 576, seed=rows)  # 203: not a whole number of tiles
+    weight = QuantizedWeight.build([blocks], 203, torch.device("cpu"))
+    assert weight is not None
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 700)[:, 50:626]  # strided rows
+    x[0, :32] = 0.0  # a block of zeros (d = 0)
+    got = GGUFLinear(kernels, weight, DenseLinear(torch.empty(0)), max_rows=1 << 20).apply(x, None)
+    if rows > kernels.int8_max_rows:
+        exact = cpu_kernels.kernels_for(kernels.isa)
+        assert torch.equal(got, exact.gguf_linear(x, weight.tiles, weight.kind, 203))
+        return
+    expected, magnitude = reference(x.contiguous(), blocks)
+    # float32 sums of 18 blocks' terms in another order: a few ulps of their magnitude
+    assert ((got.double() - expected).abs() <= 1e-6 * magnitude + 1e-30).all()
+
+
+def test_int8_is_close_to_float32_and_the_exact_path_stays(kernels: Kernels) -> None:
+    """int8 activations move a product by about 1% of its size; the float32 kernels of the same
+    level are untouched by `with_activations`."""
+    blocks = random_blocks("Q4_1", 64, 1536, seed=0)
+    weight = QuantizedWeight.build([blocks], 64, torch.device("cpu"))
+    assert weight is not None
+    x = torch.randn(4, 1536)
+    exact = cpu_kernels.kernels_for(kernels.isa)
+    assert exact.activations == "float32" and kernels.activations == "int8"
+    a = exact.gguf_linear(x, weight.tiles, weight.kind, 64)
+    b = kernels.gguf_linear(x, weight.tiles, weight.kind, 64)
+    assert not torch.equal(a, b)
+    assert (a - b).norm() <= 0.02 * a.norm()
+    assert exact.with_activations("float32") is exact
+    with pytest.raises(ValueError, match="int4"):
+        exact.with_activations("int4")
