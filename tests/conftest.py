@@ -79,6 +79,12 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):  # type: ignor
 
 
 @pytest.fixture(scope="session")
+def tiny_model_builder():  # type: ignore[no-untyped-def]
+    """`build_tiny_model` itself, for a test that needs a model of its own (other overrides)."""
+    return build_tiny_model
+
+
+@pytest.fixture(scope="session")
 def default_model_path() -> str:
     from treadle.config import default_model_path
 

@@ -72,6 +72,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # The token ids of `bad_words` (each word with and without a leading space), set by the
     # front end's `InputProcessor`, which has the tokenizer; the engine core bans by these.
     bad_words_token_ids: list[list[int]] | None = None
+    # llama.cpp's `infill` sampler after top-k/top-p/min-p (its /infill's plug-ins ask for it):
+    # end the middle when end-of-generation tokens (eos and `stop_token_ids`) are likely,
+    # merge tokens whose text starts another's, keep only the likely ones (worker/sampler.py).
+    infill: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

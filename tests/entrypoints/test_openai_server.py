@@ -325,6 +325,25 @@ def test_llamacpp_props_and_apply_template(server: RemoteServer) -> None:
         assert param in json.dumps(bad.json()["error"]), bad.text
 
 
+def test_llamacpp_infill_needs_fim_tokens_and_completion_serves(server: RemoteServer) -> None:
+    """The default model has no FIM tokens: /infill is a 400 naming them; llama.cpp's
+    /completion answers with its fields, the same greedy text as /v1/completions."""
+    body = {"input_prefix": "def f():", "input_suffix": "", "n_predict": 4}
+    resp = httpx.post(server.url + "/infill", json=body)
+    assert resp.status_code == 400, resp.text
+    assert "<|fim_prefix|>" in resp.json()["error"]["message"]
+    body = {"prompt": "The capital of France is", "n_predict": 5, "temperature": 0}
+    resp = httpx.post(server.url + "/completion", json=body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["stop"] is True and out["tokens_predicted"] == len(out["tokens"]) <= 5
+    v1 = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0},
+    ).json()
+    assert out["content"] == v1["choices"][0]["text"]
+
+
 # -- lifecycle: separate small servers on the tiny model -------------------------------------------
 
 

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from treadle.model import cpu_kernels
-from treadle.worker.sampler import Sampler, SamplingRow, _apply_grammar
+from treadle.worker.sampler import (
+    Infill,
+    Sampler,
+    SamplingRow,
+    TokenPieces,
+    _apply_grammar,
+    infill_probs,
+)
 
 VOCAB = 32
 CPU = torch.device("cpu")
@@ -319,3 +326,60 @@ def test_logprobs_are_the_raw_distribution_s_before_bias_and_masks():
     assert tokens == [2] and lps[0] is not None
     assert lps[0].logprobs[0][0] == pytest.approx(float(raw[2]))
     assert lps[0].ranks[0] == int((raw > raw[2]).sum()) + 1
+
+
+# -- llama.cpp's infill sampler ------------------------------------------------------------
+
+
+def infill_of(texts: dict[int, str], end_ids: set[int], eot: int = 0) -> Infill:
+    """An `Infill` whose token texts are `texts` (others: empty, as special tokens)."""
+
+    class FakeTokenizer:
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return texts.get(ids[0], "")
+
+    return Infill(frozenset(end_ids), eot, TokenPieces(lambda: FakeTokenizer()))
+
+
+def probs_of(values: dict[int, float]) -> torch.Tensor:
+    p = torch.zeros(VOCAB)
+    for token, v in values.items():
+        p[token] = v
+    return p
+
+
+def test_infill_ends_when_end_of_generation_is_likely_enough() -> None:
+    # 3 * p_end * n = 3 * 0.15 * 3 = 1.35 > p_text = 0.85: only the end remains;
+    # 3 * 0.05 * 3 = 0.45 < 0.95: the text tokens stay
+    infill = infill_of({1: "a", 2: "b"}, end_ids={5})
+    out = infill_probs(probs_of({1: 0.45, 2: 0.40, 5: 0.15}), infill)
+    assert out[5] == 1.0 and out.sum() == 1.0
+    out = infill_probs(probs_of({1: 0.50, 2: 0.45, 5: 0.05}), infill)
+    assert out[5] < 1.0
+
+
+def test_infill_merges_tokens_whose_text_starts_another_and_drops_the_unlikely() -> None:
+    # "ret" starts "return": the likelier one ("return") takes the other's probability; 0.1 goes
+    texts = {1: "return", 2: "ret", 3: "x", 4: "yield"}
+    infill = infill_of(texts, end_ids={9})
+    out = infill_probs(probs_of({1: 0.4, 2: 0.3, 3: 0.2, 4: 0.1}), infill)
+    assert out[2] == 0 and out[4] == 0
+    # after the merge: return 0.7, x 0.2 (both >= 0.2), then the 1 / (2 + 1) cut drops x
+    assert out[1] == pytest.approx(1.0)
+
+
+def test_infill_with_nothing_likely_left_ends_with_eot() -> None:
+    texts = {i: f"t{i}" for i in range(1, 8)}
+    texts.update({i: f"u{i}" for i in range(8, 15)})
+    infill = infill_of(texts, end_ids={20}, eot=20)
+    out = infill_probs(probs_of({i: 1 / 14 for i in range(1, 15)}), infill)
+    assert out[20] == 1.0
+
+
+def test_infill_rows_sample_only_what_the_infill_sampler_keeps() -> None:
+    texts = {1: "return", 2: "ret", 3: "x", 4: "yield"}
+    logits = torch.full((1, VOCAB), -30.0)
+    logits[0, [1, 2, 3, 4]] = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    row = make_row(infill=infill_of(texts, end_ids={9}))
+    assert set(draws(logits, row, 50)) == {1}
+    assert len(set(draws(logits, make_row(), 200))) > 1  # without it: all four come up

@@ -14,7 +14,7 @@ from treadle.model.llama import LlamaForCausalLM
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.sampler import Sampler, SamplingRow
+from treadle.worker.sampler import Infill, Sampler, SamplingRow, TokenPieces
 
 _PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions scored per batch of logits (256 x a 49k vocabulary: 50 MB of float32)."""
@@ -53,8 +53,11 @@ class ModelRunner:
         dtype: torch.dtype,
         block_size: int,
         seed: int,
+        pieces: TokenPieces | None = None,
     ) -> None:
+        """`pieces`: token texts for the infill sampler (none: requests asking for it fail)."""
         self.model = model
+        self.pieces = pieces
         # Dense -inf masks only for a backend that reads them (the C kernels read lengths).
         self.needs_mask = model.attention_backend.needs_mask
         self.device = device
@@ -298,4 +301,14 @@ class ModelRunner:
             logit_bias=state.logit_bias,
             allowed_token_ids=state.allowed_token_ids,
             bad_words_token_ids=p.bad_words_token_ids or [],
+            infill=self._infill(p, state) if p.infill else None,
         )
+
+    def _infill(self, p: SamplingParams, state: RequestState) -> Infill:
+        if self.pieces is None:
+            raise RuntimeError("the infill sampler needs the tokenizer's token texts")
+        ends = frozenset(p.stop_token_ids) | (
+            frozenset() if state.eos_token_id is None else {state.eos_token_id}
+        )
+        eot = state.eos_token_id if state.eos_token_id is not None else min(ends, default=0)
+        return Infill(ends, eot, self.pieces)

@@ -18,6 +18,7 @@ from treadle.model.loader import load_model, read_arch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.cpu_share import ThreadGovernor
 from treadle.worker.model_runner import ModelRunner
+from treadle.worker.sampler import TokenPieces
 
 logger = init_logger(__name__)
 
@@ -187,8 +188,14 @@ class Worker:
             self.config.model.cpu_activation_dtype,
         )
         self._weights_bytes = _rss() - self._rss_before_load
+        source = self.source
         self.runner = ModelRunner(
-            model, self.device, self.dtype, self.config.cache.block_size, self.config.model.seed
+            model,
+            self.device,
+            self.dtype,
+            self.config.cache.block_size,
+            self.config.model.seed,
+            TokenPieces(functools.partial(_load_tokenizer, source)),
         )
 
     def determine_num_blocks(self) -> int:
@@ -234,3 +241,11 @@ class Worker:
         output = self.runner.execute_model(sched)
         self.threads.after_step()
         return output
+
+
+def _load_tokenizer(source: ModelSource) -> object:
+    """The tokenizer, for the infill sampler's token texts (imported here: transformers is
+    slow to import and most workers never need it)."""
+    from treadle.tokenizer import load_tokenizer
+
+    return load_tokenizer(source)

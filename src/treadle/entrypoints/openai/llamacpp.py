@@ -8,17 +8,25 @@ field names:
 - `POST /apply-template`: `{"messages": [...]}` in, `{"prompt": text}` out: the chat as the
   model's template renders it, with the assistant's turn opened (as a chat request would be).
 
-Both are guarded by `--api-key` (`KEYED_PATHS`), as llama.cpp guards them.
+- `POST /completion` (and `/completions`) and `POST /infill`: llama.cpp's own generation
+  endpoints (item 1), in `llamacpp_completion.py`.
+
+All are guarded by `--api-key` (`KEYED_PATHS`), as llama.cpp guards them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 import treadle
+from treadle.entrypoints.openai.llamacpp_completion import (
+    LlamaCompletionRequest,
+    LlamaCompletionServing,
+)
 from treadle.entrypoints.openai.openapi_responses import errors
 from treadle.entrypoints.openai.protocol import ChatMessage
 from treadle.entrypoints.openai.serving import OpenAIServing
@@ -26,7 +34,7 @@ from treadle.entrypoints.openai.tool_calls.plan import template_messages
 from treadle.frontend.input_processor import message_chars
 from treadle.validation import InvalidRequest
 
-KEYED_PATHS = ("/props", "/apply-template")
+KEYED_PATHS = ("/props", "/apply-template", "/completion", "/infill")
 
 
 class ApplyTemplateRequest(BaseModel):
@@ -85,3 +93,16 @@ def add_llamacpp_routes(app: FastAPI, serving: OpenAIServing) -> None:
         size = message_chars(messages)
         processor.check_chars(size, "messages")
         return {"prompt": await inputs.run(size, processor.render_chat, messages, True)}
+
+    completions = LlamaCompletionServing(serving)
+
+    @app.post("/completion", responses=errors(400, 404))
+    @app.post("/completions", responses=errors(400, 404), include_in_schema=False)
+    async def completion(req: LlamaCompletionRequest, raw: Request) -> Response:
+        """llama.cpp's completion endpoint (its fields and response shape)."""
+        return await completions.create(req, raw, infill=False)
+
+    @app.post("/infill", responses=errors(400, 404))
+    async def infill(req: LlamaCompletionRequest, raw: Request) -> Response:
+        """llama.cpp's fill-in-the-middle endpoint, for editor plug-ins."""
+        return await completions.create(req, raw, infill=True)

@@ -1,0 +1,248 @@
+"""llama.cpp's `/infill` and `/completion` (issue 26 item 1) against a tiny random Qwen2-style
+model whose tokenizer has FIM tokens: the prompt is laid out as llama.cpp lays it out (token
+ids compared through greedy decoding), streamed and not, with llama.vscode's and llama.vim's
+request shapes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serve_helpers import RemoteServer
+
+FIM_TOKENS = [
+    "<|fim_prefix|>",
+    "<|fim_suffix|>",
+    "<|fim_middle|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+]
+N_BATCH = 256  # --max-num-batched-tokens: llama.cpp's n_batch for the prefix/suffix split
+N_CTX = 512
+
+
+def build_fim_model(path: Path, build_tiny_model: Any) -> Path:
+    """A tiny Qwen2-style model whose tokenizer has Qwen2.5-Coder's FIM tokens."""
+    from transformers import AutoTokenizer
+
+    build_tiny_model(path, "qwen2", vocab_size=49152 + len(FIM_TOKENS) + 2)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(FIM_TOKENS, special_tokens=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory, tiny_model_builder: Any) -> Path:
+    return build_fim_model(tmp_path_factory.mktemp("tiny-fim"), tiny_model_builder)
+
+
+@pytest.fixture(scope="module")
+def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    args = [str(model), "--max-model-len", str(N_CTX), "--max-num-batched-tokens", str(N_BATCH)]
+    srv = RemoteServer(args, tmp_path_factory.mktemp("fim-server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def llama_cpp_layout(
+    tok: Any,
+    prefix: str,
+    suffix: str,
+    extra: list[dict[str, str]],
+    prompt: str,
+    n_predict: int,
+) -> list[int]:
+    """llama.cpp's `format_prompt_infill`, written out again for this test."""
+
+    def ids(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+
+    special = tok.convert_tokens_to_ids
+    repo, sep = special("<|repo_name|>"), special("<|file_sep|>")
+    ctx = [repo, *ids("myproject\n")]
+    for chunk in extra:
+        ctx += [sep, *ids(chunk["filename"] + "\n"), *ids(chunk["text"])]
+    ctx += [sep, *ids("filename\n")]
+    pre, suf, mid = ids(prefix), ids(suffix), ids(prompt)
+    take_pre = min(len(pre), 3 * N_BATCH // 4)
+    take_suf = min(len(suf), max(0, N_BATCH // 4 - 2 - len(mid)))
+    take_ctx = min(max(0, N_CTX - N_BATCH - 2 * n_predict), len(ctx))
+    return [
+        *(ctx[-take_ctx:] if take_ctx else []),
+        special("<|fim_prefix|>"),
+        *pre[len(pre) - take_pre :],
+        *mid,
+        special("<|fim_suffix|>"),
+        *suf[:take_suf],
+        special("<|fim_middle|>"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def end_ids(tokenizer: Any) -> list[int]:
+    """The tokens besides eos that end a llama.cpp generation (FIM pad/repo/separator...)."""
+    from treadle.entrypoints.openai.fim import end_of_generation_ids
+
+    return [t for t in end_of_generation_ids(tokenizer) if t != tokenizer.eos_token_id]
+
+
+def greedy_completion(
+    server: RemoteServer, prompt: list[int] | str, n: int, end_ids: list[int]
+) -> dict[str, Any]:
+    """The same prompt's greedy choice through /v1/completions (stopping where llama.cpp's
+    endpoints stop)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "return_token_ids": True,
+        "stop_token_ids": end_ids,
+    }
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return dict(r.json()["choices"][0])
+
+
+def vscode_request(**changes: Any) -> dict[str, Any]:
+    """llama.vscode's request body (its FIM request), greedy through `samplers`."""
+    body: dict[str, Any] = {
+        "id_slot": 0,
+        "input_prefix": "def add(a, b):\n    ",
+        "input_suffix": "\n\nprint(add(1, 2))\n",
+        "input_extra": [
+            {"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"},
+            {"filename": "main.py", "text": "import util\n"},
+        ],
+        "prompt": "return",
+        "n_predict": 8,
+        "top_k": 40,
+        "top_p": 0.99,
+        "stream": False,
+        "n_indent": 0,
+        "samplers": ["temperature"],
+        "temperature": 0,
+        "cache_prompt": True,
+        "t_max_prompt_ms": 500,
+        "t_max_predict_ms": 1000,
+    }
+    body.update(changes)
+    return body
+
+
+def sse_events(response: httpx.Response) -> list[dict[str, Any]]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def test_infill_lays_out_the_prompt_as_llama_cpp(
+    server: RemoteServer, tokenizer: Any, end_ids: list[int]
+) -> None:
+    body = vscode_request()
+    r = httpx.post(server.url + "/infill", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    expected = llama_cpp_layout(
+        tokenizer, body["input_prefix"], body["input_suffix"], body["input_extra"], "return", 8
+    )
+    assert out["tokens_evaluated"] == len(expected)
+    assert out["tokens"] == greedy_completion(server, expected, 8, end_ids)["token_ids"]
+    assert out["content"] == tokenizer.decode(out["tokens"], skip_special_tokens=True)
+    assert out["stop"] is True and out["stop_type"] in ("limit", "eos")
+    assert out["tokens_predicted"] == len(out["tokens"])
+    assert out["id_slot"] == 0
+    assert set(out["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms"}
+
+
+def test_long_inputs_are_cut_as_llama_cpp_cuts_them(
+    server: RemoteServer, tokenizer: Any, end_ids: list[int]
+) -> None:
+    """The prefix keeps its last 3/4 n_batch tokens, the suffix its first n_batch/4 - 2 -
+    len(prompt), the extra context what n_ctx - n_batch - 2 n_predict leaves."""
+    prefix = "".join(f"line_{i} = {i}\n" for i in range(200))
+    suffix = "".join(f"after_{i}()\n" for i in range(100))
+    extra = [{"filename": f"f{i}.py", "text": f"x{i} = {i}\n" * 20} for i in range(10)]
+    body = vscode_request(input_prefix=prefix, input_suffix=suffix, input_extra=extra, prompt="")
+    body["n_predict"] = 4
+    r = httpx.post(server.url + "/infill", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    expected = llama_cpp_layout(tokenizer, prefix, suffix, extra, "", 4)
+    assert len(expected) < len(tokenizer(prefix + suffix).input_ids)  # it was cut
+    assert r.json()["tokens_evaluated"] == len(expected)
+    assert r.json()["tokens"] == greedy_completion(server, expected, 4, end_ids)["token_ids"]
+
+
+def test_infill_streams_the_same_text(server: RemoteServer) -> None:
+    body = vscode_request(stream=True)
+    with httpx.stream("POST", server.url + "/infill", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    whole = httpx.post(server.url + "/infill", json=vscode_request(), timeout=60).json()
+    assert events[-1]["stop"] is True and "timings" in events[-1]
+    assert all(e["stop"] is False for e in events[:-1])
+    assert "".join(e["content"] for e in events) == whole["content"]
+
+
+def test_llama_vscode_sampler_chain_and_llama_vim_warm_up(server: RemoteServer) -> None:
+    """llama.vscode's own sampling (top_k 40, top_p 0.99, the infill sampler) answers; llama.vim's
+    warm-up (n_predict 0) reads the prompt only; `response_fields` picks the fields."""
+    body = vscode_request(samplers=["top_k", "top_p", "infill"], seed=7)
+    del body["temperature"]
+    r = httpx.post(server.url + "/infill", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens_predicted"] <= 8
+    warm = vscode_request(n_predict=0, samplers=[], response_fields=[""])
+    r = httpx.post(server.url + "/infill", json=warm, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {}
+    fields = ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"]
+    r = httpx.post(server.url + "/infill", json=vscode_request(response_fields=fields), timeout=60)
+    assert r.status_code == 200, r.text
+    assert set(r.json()) == set(fields)
+    assert r.json()["timings/predicted_n"] == 8 or r.json()["content"] is not None
+
+
+def test_completion_endpoint_matches_v1_completions(
+    server: RemoteServer, end_ids: list[int]
+) -> None:
+    body = {"prompt": "def f(x):", "n_predict": 6, "samplers": ["temperature"], "temperature": 0}
+    r = httpx.post(server.url + "/completion", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    v1 = greedy_completion(server, "def f(x):", 6, end_ids)
+    assert r.json()["tokens"] == v1["token_ids"]
+    assert r.json()["content"] == v1["text"]
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"samplers": ["mirostat_v3"]}, "samplers"),
+        ({"mirostat": 2}, "mirostat"),
+        ({"n_probs": 5}, "n_probs"),
+        ({"id_slot": 100000}, "id_slot"),
+        ({"cache_prompt": False}, "cache_prompt"),
+        ({"n_predict": -5}, "n_predict"),
+        ({"n_predict": 100000}, "max_tokens"),
+        ({"input_prefix": [1, 2, 10**9]}, "input_prefix"),
+        ({"grammar": "root ::= ("}, "grammar"),
+    ],
+)
+def test_bad_fields_are_400s(server: RemoteServer, change: dict[str, Any], param: str) -> None:
+    r = httpx.post(server.url + "/infill", json=vscode_request(**change), timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
