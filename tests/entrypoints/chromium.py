@@ -133,6 +133,21 @@ class Chromium:
         self._log.close()
 
 
+def check_screenshot(png: bytes) -> None:
+    """A real picture: sizable, many colours, no colour covering nearly all of it."""
+    width, height, rows = png_pixels(png)
+    assert width > 300 and height > 300, (width, height)
+    bpp = len(rows[0]) // width
+    counts: dict[bytes, int] = {}
+    for row in rows[::3]:
+        for i in range(0, len(row), bpp * 3):
+            pixel = row[i : i + 3]
+            counts[pixel] = counts.get(pixel, 0) + 1
+    total = sum(counts.values())
+    assert len(counts) > 30, f"only {len(counts)} colours"
+    assert max(counts.values()) / total < 0.9, "one colour covers the page"
+
+
 def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
     """(width, height, rows of RGB(A) bytes) of an 8-bit RGB or RGBA PNG."""
     assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from chromium import INSTALL_HINT, Chromium, chromium_path, png_pixels
+from chromium import INSTALL_HINT, Chromium, check_screenshot, chromium_path
 from serve_helpers import RemoteServer, channel_counts, check_topology
 
 KEY = "dash-s3cret"
@@ -79,21 +79,6 @@ def _stream_completions(server: RemoteServer, count: int, tokens: int) -> list[t
     return threads
 
 
-def _check_screenshot(png: bytes) -> None:
-    """A real picture: sizable, many colours, no colour covering nearly all of it."""
-    width, height, rows = png_pixels(png)
-    assert width > 300 and height > 300, (width, height)
-    bpp = len(rows[0]) // width
-    counts: dict[bytes, int] = {}
-    for row in rows[::3]:
-        for i in range(0, len(row), bpp * 3):
-            pixel = row[i : i + 3]
-            counts[pixel] = counts.get(pixel, 0) + 1
-    total = sum(counts.values())
-    assert len(counts) > 30, f"only {len(counts)} colours"
-    assert max(counts.values()) / total < 0.9, "one colour covers the page"
-
-
 def test_the_dashboard_draws_the_processes_and_live_charts_in_chromium(
     tp2: RemoteServer, tmp_path: Path
 ) -> None:
@@ -131,6 +116,6 @@ def test_the_dashboard_draws_the_processes_and_live_charts_in_chromium(
         for t in threads:
             t.join(120)
         assert browser.wait_for("window.dashboard.events.some(e => e.engines[0].ttft_p50 > 0)")
-        _check_screenshot(browser.screenshot(scale=0.5))
+        check_screenshot(browser.screenshot(scale=0.5))
     finally:
         browser.close()

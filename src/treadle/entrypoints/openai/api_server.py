@@ -27,6 +27,7 @@ from pydantic import ValidationError
 import treadle
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.body_limit import BodySizeLimit
+from treadle.entrypoints.openai.chat_page import add_chat_routes
 from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.entrypoints.openai.dashboard import KEYED_PATHS, add_dashboard_routes
 from treadle.entrypoints.openai.errors import HANDLED, APIError, error_body, error_for
@@ -195,6 +196,7 @@ def build_app(
         return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     add_dashboard_routes(app, engine)
+    add_chat_routes(app)
     add_llamacpp_routes(app, serving)
 
     @app.get("/v1/models")
