@@ -114,6 +114,10 @@ class CacheConfig:
     """Bytes of KV cache; default: 1 GiB on CPU, 90% of free device memory on CUDA."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of identical prompt prefixes."""
+    kv_cache_save_path: str | None = None
+    """A directory where prompts' KV blocks may be saved to files and restored from them
+    (llama.cpp's --slot-save-path: POST /slots/{id}?action=save|restore, /prompt_cache/...);
+    unset, saving and restoring are refused."""
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,9 @@ class EngineArgs:
     enable_prefix_caching: bool = arg(
         CacheConfig.enable_prefix_caching, group="cache", area=CacheConfig
     )
+    kv_cache_save_path: str | None = arg(
+        None, "--kv-cache-save-path", "--slot-save-path", group="cache", area=CacheConfig
+    )
     tensor_parallel_size: int = arg(
         1, "-tp", "--tensor-parallel-size", group="parallel", area=ParallelConfig
     )
@@ -266,6 +269,11 @@ class EngineArgs:
                 f"--cpu-activation-dtype {self.cpu_activation_dtype!r}: choose one of "
                 f"{', '.join(CPU_ACTIVATION_DTYPES)}"
             )
+        save_dir = self.kv_cache_save_path
+        if save_dir is not None and not os.path.isdir(os.path.expanduser(save_dir)):
+            raise ValueError(
+                f"--kv-cache-save-path {save_dir!r}: not a directory (create it first)"
+            )
         served, also = served_names(self.model, self.served_model_name)
         config = EngineConfig(
             model=ModelConfig(
@@ -280,7 +288,14 @@ class EngineArgs:
                 generation_config=gen,
                 cpu_activation_dtype=self.cpu_activation_dtype,
             ),
-            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching),
+            cache=CacheConfig(
+                self.block_size,
+                self.kv_cache_memory,
+                self.enable_prefix_caching,
+                None
+                if self.kv_cache_save_path is None
+                else os.path.abspath(os.path.expanduser(self.kv_cache_save_path)),
+            ),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,

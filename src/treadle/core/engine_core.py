@@ -17,6 +17,7 @@ from treadle.config import EngineConfig, resolve_model
 from treadle.core.engine_report import engine_report
 from treadle.core.engine_stats import PeriodicStats, StepMeter, kv_cache_lines
 from treadle.core.grammar_matchers import GrammarMatchers
+from treadle.core.prompt_cache import PromptCacheFiles
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
 from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
@@ -82,6 +83,9 @@ class EngineCore:
         self._refused: dict[int, list[EngineCoreOutput]] = {}
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len
+        )
+        self.prompt_files = PromptCacheFiles(
+            config, self.scheduler.kv, self.executor, self.vocab_size
         )
         # Structured-output requests wait here while their grammar compiles (in a thread).
         self.grammars = GrammarMatchers(config.model.model, self.vocab_size)
@@ -269,6 +273,19 @@ class EngineCore:
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """Run `method` on every worker (a utility call, as vLLM's `collective_rpc`)."""
         return self.executor.collective_rpc(method, tuple(args or ()))
+
+    def save_prompt_cache(self, token_ids: list[int], filename: str) -> dict[str, Any]:
+        """Write a prompt's cached KV blocks to `filename` in --kv-cache-save-path
+        (`core/prompt_cache.py`); a utility call."""
+        return self.prompt_files.save(token_ids, filename)
+
+    def restore_prompt_cache(self, filename: str) -> dict[str, Any]:
+        """Read a saved prompt's KV blocks into the prefix cache; a utility call."""
+        return self.prompt_files.restore(filename)
+
+    def cached_prompt_tokens(self, token_ids: list[int]) -> int:
+        """How many tokens of `token_ids` the prefix cache holds (whole blocks)."""
+        return len(self.scheduler.kv.cached_prefix(token_ids)) * self.scheduler.kv.block_size
 
     def reset_prefix_cache(self) -> bool:
         self.scheduler.kv.reset_prefix_cache()

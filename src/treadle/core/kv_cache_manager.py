@@ -34,6 +34,18 @@ class Block:
     tokens: tuple[int, ...] | None = None
 
 
+@dataclass(slots=True, eq=False)
+class RestoreSlot:
+    """A block held for one whole block of a prompt being restored from disk."""
+
+    block: Block
+    new: bool
+    """It is to be filled from the file (else it already held these tokens)."""
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
 def block_key(parent: bytes, token_ids: list[int]) -> bytes:
     """The key of a full block: sha256 of the parent's key and the block's token ids."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
@@ -134,6 +146,69 @@ class KVCacheManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block.block_id] = block
+
+    # -- prompt caches on disk (`worker/kv_file.py`) -----------------------------------------
+
+    def cached_prefix(self, token_ids: list[int]) -> list[Block]:
+        """The cached blocks of the longest whole-block prefix of `token_ids` (what saving a
+        prompt can write)."""
+        found: list[Block] = []
+        for key, parent, tokens in self._chain(token_ids):
+            block = self._cached(key, parent, tokens)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def claim_for_restore(self, token_ids: list[int]) -> list[RestoreSlot]:
+        """Hold a block for each whole block of `token_ids`, in order: one already cached for
+        it, else a free one to fill (the restore stops where no block is free). Each is held
+        (ref_count) until `finish_restore`."""
+        slots: list[RestoreSlot] = []
+        for key, parent, tokens in self._chain(token_ids):
+            block = self._cached(key, parent, tokens)
+            new = block is None
+            if block is None:
+                if not self.free or key in self.cached:  # (a collision: stop here)
+                    break
+                block = self._take_free_block()
+            else:
+                if block.ref_count == 0:
+                    del self.free[block.block_id]
+                block.ref_count += 1
+            slots.append(RestoreSlot(block, new, key, parent, tokens))
+        return slots
+
+    def finish_restore(self, slots: list[RestoreSlot], filled: bool) -> None:
+        """Register the filled blocks in the prefix cache (when `filled`) and let go of them
+        all, tail first (as a finished request's): they stay cached until their space is
+        needed."""
+        if filled:
+            for slot in slots:
+                if slot.new:
+                    block = slot.block
+                    block.hash, block.parent, block.tokens = slot.key, slot.parent, slot.tokens
+                    self.cached[slot.key] = block
+        for slot in reversed(slots):
+            slot.block.ref_count -= 1
+            if slot.block.ref_count == 0:
+                self.free[slot.block.block_id] = slot.block
+
+    def _chain(self, token_ids: list[int]) -> list[tuple[bytes, bytes, tuple[int, ...]]]:
+        """(key, parent key, tokens) of each whole block of `token_ids`."""
+        out, parent, size = [], self.root, self.block_size
+        for start in range(0, len(token_ids) - size + 1, size):
+            tokens = tuple(token_ids[start : start + size])
+            key = block_key(parent, list(tokens))
+            out.append((key, parent, tokens))
+            parent = key
+        return out
+
+    def _cached(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> Block | None:
+        block = self.cached.get(key)
+        if block is None or block.parent != parent or block.tokens != tokens:
+            return None
+        return block
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():

@@ -76,6 +76,18 @@ class LLM:
         """Call `method(*args)` on every worker; a worker's error raises `RuntimeError`."""
         return list(self.engine.call_utility("collective_rpc", method, list(args)))
 
+    def save_prompt_cache(self, prompt: PromptType, filename: str) -> dict[str, Any]:
+        """Save the KV blocks of a prompt run before (its whole blocks still in the prefix
+        cache) to `filename` in `kv_cache_save_path`: {"n_saved": tokens, "n_written": bytes,
+        ...}. Raises `ValueError` saying why nothing could be saved."""
+        _, ids = self.input_processor.tokenize(prompt)
+        return _answer(self.engine.call_utility("save_prompt_cache", ids, filename))
+
+    def restore_prompt_cache(self, filename: str) -> dict[str, Any]:
+        """Read a saved prompt's KV blocks into the prefix cache: the next request with that
+        prompt reads it from there. Raises `ValueError` for a file that does not fit."""
+        return _answer(self.engine.call_utility("restore_prompt_cache", filename))
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -181,6 +193,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         return list(params)
+
+
+def _answer(result: dict[str, Any]) -> dict[str, Any]:
+    if "error" in result:
+        raise ValueError(result["error"])
+    return {k: v for k, v in result.items() if k != "token_ids"}
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import psutil
 import torch
@@ -16,6 +17,7 @@ from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch
 from treadle.model.loader import load_model, read_arch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.worker import kv_file
 from treadle.worker.cpu_share import ThreadGovernor
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.sampler import TokenPieces
@@ -170,6 +172,7 @@ class Worker:
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
         self.runner: ModelRunner | None = None
         self._rss_before_load = self._weights_bytes = 0  # for the memory line
+        self._fingerprint: str | None = None  # of the weights, for prompt-cache files
         parallel = config.parallel
         self.threads = ThreadGovernor(
             parallel.model_threads(),
@@ -231,6 +234,34 @@ class Worker:
         """This rank's bytes of one KV block (for the engine core's start-up log)."""
         assert self.runner is not None
         return self.runner.kv_bytes_per_block()
+
+    def save_kv_blocks(self, path: str, block_ids: list[int], header: dict[str, Any]) -> int:
+        """Write these blocks' KV to this rank's file of `path` (`kv_file.py`); its bytes."""
+        assert self.runner is not None
+        header = {**header, **self._kv_identity()}
+        return kv_file.save_blocks(
+            kv_file.rank_path(path, self.rank), self.runner.kv_caches, block_ids, header
+        )
+
+    def load_kv_blocks(self, path: str, targets: dict[int, int]) -> int:
+        """Copy blocks of this rank's file of `path` into the cache (`targets`: index in the
+        file -> block id), after checking the file fits this model and cache; its bytes."""
+        assert self.runner is not None
+        return kv_file.load_blocks(
+            kv_file.rank_path(path, self.rank), self.runner.kv_caches, targets, self._kv_identity()
+        )
+
+    def kv_identity(self) -> dict[str, Any]:
+        """What a prompt-cache file must say to fit this rank (`kv_file.py`)."""
+        assert self.runner is not None
+        return {**kv_file.layout(self.runner.kv_caches), **self._kv_identity()}
+
+    def _kv_identity(self) -> dict[str, Any]:
+        assert self.runner is not None
+        if self._fingerprint is None:
+            self._fingerprint = kv_file.model_fingerprint(self.runner.model)
+        tp = self.config.parallel.tensor_parallel_size
+        return {"fingerprint": self._fingerprint, "tp_size": tp, "tp_rank": self.rank}
 
     def check_health(self, payload: object = None) -> bool:
         """A no-op round trip; the control-path benchmark sends payloads through it."""
