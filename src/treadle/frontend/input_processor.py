@@ -163,6 +163,15 @@ class InputProcessor:
             tensor = tensor.detach().cpu().contiguous()
         return embeds_format.check_tensor(tensor, width, self.max_model_len)
 
+    def check_embeds_length(self, embeds: torch.Tensor) -> None:
+        """Embeddings (after any truncation) that leave room for an output token."""
+        if embeds.shape[0] >= self.max_model_len:
+            raise InvalidRequest(
+                embeds_format.PARAM,
+                f"have {embeds.shape[0]} rows, but this model's maximum context length is "
+                f"{self.max_model_len} tokens (with room for at least one output token)",
+            )
+
     def _embeds_width(self) -> int:
         if self.hidden_size is None:
             raise embeds_format.disabled()
@@ -259,12 +268,7 @@ class InputProcessor:
         k = params.truncate_prompt_tokens
         if k is not None and embeds.shape[0] > k:
             embeds = embeds[embeds.shape[0] - k :]
-        if embeds.shape[0] >= self.max_model_len:
-            raise InvalidRequest(
-                embeds_format.PARAM,
-                f"have {embeds.shape[0]} rows, but this model's maximum context length is "
-                f"{self.max_model_len} tokens (with room for at least one output token)",
-            )
+        self.check_embeds_length(embeds)
         if params.prompt_logprobs is not None:
             raise InvalidRequest(
                 "prompt_logprobs",
