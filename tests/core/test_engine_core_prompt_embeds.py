@@ -75,3 +75,22 @@ def test_a_bad_tensor_is_refused_and_the_engine_goes_on(
     assert [o.finish_reason for o in bad] == [FinishReason.ERROR]
     assert match in str(bad[0].stop_reason)
     assert sum(len(o.new_token_ids) for o in outs if o.request_id == "good") == 4
+
+
+def test_a_resumed_embeddings_request_continues_exactly(llm: LLM) -> None:
+    """A request resumed after its engine died carries its embeddings again (the front end
+    re-sends the request it first sent, `frontend/inflight.py`) and continues its stream."""
+    from treadle.frontend.inflight import InFlight
+
+    embeds = torch.randn(20, HIDDEN) * 0.05
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = embeds_request("whole", embeds, params=params)
+    whole = [t for o in run(llm.engine_core, [first]) for t in o.new_token_ids]
+    assert len(whole) == 12
+    inflight = InFlight()
+    inflight.add(embeds_request("again", embeds, params=params), engine=0)
+    inflight.requests["again"].output_token_ids = whole[:5]
+    resumed = inflight.resumed("again")
+    assert resumed is not None and resumed.prompt_embeds is not None
+    rest = [t for o in run(llm.engine_core, [resumed]) for t in o.new_token_ids]
+    assert rest == whole[5:]

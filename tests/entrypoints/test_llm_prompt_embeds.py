@@ -141,3 +141,31 @@ def test_without_the_flag_embeddings_are_refused_naming_it(model_dir: Path) -> N
         with pytest.raises(InvalidRequest, match="--enable-prompt-embeds") as e:
             call(torch.randn(2, 64))  # type: ignore[arg-type]
         assert e.value.param == "prompt_embeds"
+
+
+def test_tensor_parallel_workers_all_get_the_rows(
+    model_dir: Path, table: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-tp 2: the rows reach both workers through the shared-memory queue, in a chunk and
+    (10 KiB chunks, a 15 KiB tensor) over its overflow socket."""
+    monkeypatch.setenv("TREADLE_MQ_MAX_CHUNK_BYTES_MB", "0.01")
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        enable_prompt_embeds=True,
+        tensor_parallel_size=2,
+    )
+    try:
+        short = ids_of(llm, TEXTS[1])
+        long = (ids_of(llm, TEXTS[0]) + ids_of(llm, TEXTS[2])) * 3
+        long = long[:60]
+        prompts = [{"prompt_token_ids": short}, {"prompt_token_ids": long}]
+        by_ids = llm.generate(prompts, GREEDY, use_tqdm=False)  # type: ignore[arg-type]
+        embeds = [{"prompt_embeds": table[short]}, {"prompt_embeds": table[long]}]
+        by_embeds = llm.generate(embeds, GREEDY, use_tqdm=False)  # type: ignore[arg-type]
+        assert [o.outputs[0].token_ids for o in by_embeds] == [
+            o.outputs[0].token_ids for o in by_ids
+        ]
+    finally:
+        llm.shutdown()
