@@ -166,6 +166,9 @@ class EngineArgs:
     seed: int = arg(ModelConfig.seed, group="model", area=ModelConfig)
     max_logprobs: int = arg(ModelConfig.max_logprobs, group="model", area=ModelConfig)
     generation_config: str = arg(ModelConfig.generation_config, group="model", area=ModelConfig)
+    enable_prompt_embeds: bool = arg(
+        ModelConfig.enable_prompt_embeds, group="model", area=ModelConfig
+    )
     cpu_activation_dtype: str = arg(
         ModelConfig.cpu_activation_dtype,
         group="model",
@@ -287,6 +290,7 @@ class EngineArgs:
                 tokenizer=None if self.tokenizer is None else os.path.abspath(path),
                 generation_config=gen,
                 cpu_activation_dtype=self.cpu_activation_dtype,
+                enable_prompt_embeds=self.enable_prompt_embeds,
             ),
             cache=CacheConfig(
                 self.block_size,

@@ -10,6 +10,10 @@ with nothing else reachable. Accepted: one plain dense tensor of float32, float1
 stored (not compressed), every value finite. The base64 length is capped before decoding and
 every size is checked against the bytes actually there before anything is allocated.
 Anything else: `InvalidRequest` naming `prompt_embeds`.
+
+A tensor that arrives as one (the offline `LLM`, and the engine core, whose socket is
+untrusted) passes the same checks in `check_tensor`. Such a prompt has no token ids: its
+`prompt_token_ids` are `placeholder_ids` (zeros, one per row) for the scheduler's counts.
 """
 
 from __future__ import annotations
@@ -50,6 +54,43 @@ class _Global:
 
 class _Empty:
     """`OrderedDict()`: the (empty) backward hooks."""
+
+
+def disabled() -> InvalidRequest:
+    return InvalidRequest(
+        PARAM,
+        "are not accepted by this server: start it with --enable-prompt-embeds "
+        "(offline: LLM(..., enable_prompt_embeds=True))",
+    )
+
+
+def placeholder_ids(num_rows: int) -> list[int]:
+    """The prompt token ids of an embeddings prompt: its rows' count, never looked up."""
+    return [0] * num_rows
+
+
+def check_tensor(tensor: object, hidden_size: int, max_rows: int) -> torch.Tensor:
+    """`tensor` if it is what `decode` accepts (dense, contiguous, 2-D `[rows, hidden_size]`
+    with `1 <= rows <= max_rows`, float32/float16/bfloat16, finite, on the CPU); else
+    `InvalidRequest` naming `prompt_embeds`."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidRequest(PARAM, f"must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        raise _refuse(f"a {tensor.layout} tensor on {tensor.device}: give a dense CPU tensor")
+    if tensor.dtype not in _STORAGES.values():
+        raise _refuse(f"dtype {tensor.dtype}: give float32, float16 or bfloat16")
+    if tensor.dim() != 2:
+        raise _refuse(f"{tensor.dim()}-D; prompt_embeds are [tokens, hidden_size]")
+    rows, cols = tensor.shape
+    if cols != hidden_size:
+        raise _refuse(f"shape [{rows}, {cols}]: this model's hidden size is {hidden_size}")
+    if not 1 <= rows <= max_rows:
+        raise _refuse(f"{rows} rows: between 1 and {max_rows} (the maximum context length)")
+    if not tensor.is_contiguous():
+        raise _refuse("the tensor must be contiguous")
+    if not bool(torch.isfinite(tensor).all()):
+        raise _refuse("it holds NaN or infinite values")
+    return tensor
 
 
 def _refuse(why: str) -> InvalidRequest:

@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+import torch
 
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.request import Request
@@ -206,7 +207,7 @@ def test_a_key_collision_never_shares_kv(monkeypatch: pytest.MonkeyPatch):
     is still used only when the cached block holds the same tokens after the same parent."""
     import treadle.core.kv_cache_manager as kvm
 
-    monkeypatch.setattr(kvm, "block_key", lambda parent, tokens: b"collides")
+    monkeypatch.setattr(kvm, "block_key", lambda parent, tokens, embeds=b"": b"collides")
     kv = KVCacheManager(16, BS, enable_prefix_caching=True)
     admit(kv, make_request([1, 2, 3, 4, 5, 6, 7, 8, 0]))
     assert len(kv.cached) == 1  # every full block has the same key: only the first is cached
@@ -217,4 +218,47 @@ def test_a_key_collision_never_shares_kv(monkeypatch: pytest.MonkeyPatch):
     # and tokens differ: not shared.
     _, num_hit = kv.get_computed_blocks(make_request([1, 2, 3, 4, 1, 2, 3, 4, 0]))
     assert num_hit == 4
+    check_invariants(kv)
+
+
+def embeds_request(embeds: torch.Tensor, outputs: tuple[int, ...] = ()) -> Request:
+    from treadle.prompt_embeds import placeholder_ids
+
+    req = Request(
+        f"r{next(_ids)}",
+        placeholder_ids(embeds.shape[0]),
+        SamplingParams(),
+        None,
+        0.0,
+        prompt_embeds=embeds,
+    )
+    req.all_token_ids.extend(outputs)
+    return req
+
+
+def test_prompt_embeds_that_differ_in_one_element_share_no_block():
+    """Blocks of an embeddings prompt are keyed by their rows' bytes (issue 23): the same
+    embeddings share, one element changed shares from no block on, and placeholder ids never
+    meet a prompt of token ids."""
+    embeds = torch.randn(9, 8)
+    kv = KVCacheManager(32, BS, enable_prefix_caching=True)
+    admit(kv, embeds_request(embeds))
+    assert len(kv.cached) == 2
+    same = embeds_request(embeds.clone())
+    assert kv.get_computed_blocks(same)[1] == 8
+    for row in (0, 5):
+        other = embeds.clone()
+        other[row, 3] += 1e-3
+        _, num_hit = kv.get_computed_blocks(embeds_request(other))
+        assert num_hit == (0 if row == 0 else 4)  # the blocks before the change only
+    assert kv.get_computed_blocks(make_request([0] * 9))[1] == 0  # the placeholders' own ids
+    assert kv.get_computed_blocks(embeds_request(embeds.half()))[1] == 0  # same values, dtype
+    # A block of embeddings and outputs is keyed by both; one of outputs alone by its ids.
+    req = embeds_request(embeds[:2], outputs=(5, 6, 7, 8, 9, 10))
+    admit(kv, req)
+    first = embeds_request(embeds[:2].clone(), outputs=(5, 6, 7, 8, 9))
+    assert kv.get_computed_blocks(first)[1] == 4
+    changed = embeds[:2].clone()
+    changed[1, 0] = 7.0
+    assert kv.get_computed_blocks(embeds_request(changed, outputs=(5, 6, 7, 8, 9)))[1] == 0
     check_invariants(kv)

@@ -156,6 +156,14 @@ def test_a_bad_field_gets_a_400_naming_it_and_the_server_goes_on(
     assert again.json()["choices"][0]["text"] == greedy_text
 
 
+def test_prompt_embeds_without_the_flag_are_a_400_naming_it(server: RemoteServer) -> None:
+    body = {"prompt": "", "prompt_embeds": "AAAA"}
+    error = _assert_error(
+        httpx.post(server.url + CMPL, json=body, timeout=30), 400, "prompt_embeds"
+    )
+    assert "--enable-prompt-embeds" in error["message"]
+
+
 def test_a_bad_field_in_a_stream_is_a_400_before_the_stream(server: RemoteServer) -> None:
     body = {"prompt": "hi", "stream": True, "logprobs": 100_000}
     _assert_error(httpx.post(server.url + CMPL, json=body, timeout=30), 400, "logprobs")

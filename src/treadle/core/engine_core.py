@@ -13,6 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from treadle import envs
+from treadle import prompt_embeds as embeds_format
 from treadle.config import EngineConfig, resolve_model
 from treadle.core.engine_report import engine_report
 from treadle.core.engine_stats import PeriodicStats, StepMeter, kv_cache_lines
@@ -79,6 +80,10 @@ class EngineCore:
         )
         self.vocab_size = self.executor.arch.vocab_size
         self.limits = ModelLimits(self.vocab_size, self.max_model_len, config.model.max_logprobs)
+        # The width of accepted `prompt_embeds` (None: refused, no --enable-prompt-embeds).
+        self.embeds_width = (
+            self.executor.arch.hidden_size if config.model.enable_prompt_embeds else None
+        )
         # Outputs of refused requests, by client index, returned by the next step().
         self._refused: dict[int, list[EngineCoreOutput]] = {}
         self.scheduler = Scheduler(
@@ -139,13 +144,28 @@ class EngineCore:
         if not is_finite(request.arrival_time):
             raise InvalidRequest("arrival_time", f"must be finite, got {request.arrival_time}")
         if request.prompt_embeds is not None:
-            raise InvalidRequest("prompt_embeds", "are not supported")
+            self._check_embeds(request)
         if request.resumed_output_token_ids:
             check_resumed(request, self.limits)
         if request.request_id in self.scheduler.requests or any(
             r.request_id == request.request_id for r, _ in self._compiling
         ):
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
+
+    def _check_embeds(self, request: EngineCoreRequest) -> None:
+        """The front end's checks of `prompt_embeds` again, and one row per prompt token."""
+        if self.embeds_width is None:
+            raise embeds_format.disabled()
+        embeds = embeds_format.check_tensor(
+            request.prompt_embeds, self.embeds_width, self.max_model_len
+        )
+        if embeds.shape[0] != len(request.prompt_token_ids):
+            raise InvalidRequest(
+                "prompt_embeds",
+                f"have {embeds.shape[0]} rows for {len(request.prompt_token_ids)} prompt tokens",
+            )
+        if request.sampling_params.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs", "are not available for prompt_embeds")
 
     def refuse(self, request_id: str, client_index: int, reason: str) -> None:
         """Answer a request that will not run (also one that could not even be decoded) with

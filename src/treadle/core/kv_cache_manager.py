@@ -11,6 +11,10 @@ Invariants:
   collides at will). A cached block also keeps its parent key and its tokens, and a hit is
   used only if both match the request's: a collision can cost a hit, never share KV. Only full
   blocks are hashed.
+- A block of a prompt given as embeddings (`prompt_embeds`) holds placeholder token ids; its
+  key also takes the sha256 of those positions' embedding bytes (`Request.embeds_bytes`), so
+  two prompts whose embeddings differ anywhere in a block (and in every block after it) share
+  none of them, and never share one with a prompt of token ids.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ class RestoreSlot:
     tokens: tuple[int, ...]
 
 
-def block_key(parent: bytes, token_ids: list[int]) -> bytes:
-    """The key of a full block: sha256 of the parent's key and the block's token ids."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+def block_key(parent: bytes, token_ids: list[int], embeds: bytes = b"") -> bytes:
+    """The key of a full block: sha256 of the parent's key, the block's token ids and, for
+    positions of a prompt given as embeddings, the sha256 of their `embeds` bytes."""
+    extra = hashlib.sha256(embeds).digest() if embeds else b""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes() + extra).digest()
 
 
 class KVCacheManager:
@@ -227,5 +233,6 @@ class KVCacheManager:
         hashes, size = req.block_hashes, self.block_size
         parent = hashes[-1] if hashes else self.root
         for start in range(len(hashes) * size, req.num_tokens - size + 1, size):
-            parent = block_key(parent, req.all_token_ids[start : start + size])
+            tokens = req.all_token_ids[start : start + size]
+            parent = block_key(parent, tokens, req.embeds_bytes(start, start + size))
             hashes.append(parent)

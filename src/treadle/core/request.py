@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import EngineCoreRequest, FinishReason
 
@@ -38,6 +40,9 @@ class Request:
     num_prompt_logprobs: int = 0  # prompt tokens whose logprobs were sent (`prompt_logprobs`)
     queued_ts: float = field(default_factory=time.monotonic)  # reached the engine core
     scheduled_ts: float | None = None  # first scheduled
+    # The prompt as input embeddings ([num_prompt_tokens, hidden]); `prompt_token_ids` are
+    # then placeholders (`treadle.prompt_embeds.placeholder_ids`).
+    prompt_embeds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -55,6 +60,7 @@ class Request:
             priority=req.priority,
             client_index=req.client_index,
             num_prompt_logprobs=req.resumed_prompt_logprobs,
+            prompt_embeds=req.prompt_embeds,
         )
         request.all_token_ids.extend(req.resumed_output_token_ids or ())
         return request
@@ -74,6 +80,15 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    def embeds_bytes(self, start: int, end: int) -> bytes:
+        """The bytes of the prompt embeddings of positions [start, end) (with their dtype's
+        name): what a KV block of those positions holds besides its placeholder ids. Empty
+        for a request without embeddings or positions past its prompt."""
+        if self.prompt_embeds is None or start >= self.num_prompt_tokens:
+            return b""
+        rows = self.prompt_embeds[start:end].contiguous()
+        return str(rows.dtype).encode() + rows.view(torch.uint8).numpy().tobytes()
 
     @property
     def is_finished(self) -> bool:

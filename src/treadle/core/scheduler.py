@@ -134,6 +134,7 @@ class Scheduler:
                     self.kv.block_ids(req.request_id),
                     req.num_computed_tokens,
                     req.eos_token_id,
+                    req.prompt_embeds,
                 )
             )
             out.num_scheduled_tokens[req.request_id] = n

@@ -45,6 +45,7 @@ class LLM:
         tensor_parallel_size = args.tensor_parallel_size
         if tensor_parallel_size > 1:
             check_parallel_layout(read_arch(source), tensor_parallel_size)
+        hidden_size = read_arch(source).hidden_size if args.enable_prompt_embeds else None
         self.engine: SyncMPClient | InprocClient = (
             SyncMPClient(self.config)
             if envs.enable_multiprocessing()
@@ -53,7 +54,7 @@ class LLM:
         self.tokenizer = load_model_tokenizer(self.config.model)
         info = self.engine.info
         limits = ModelLimits(info.vocab_size, info.max_model_len, args.max_logprobs)
-        self.input_processor = InputProcessor(self.tokenizer, limits)
+        self.input_processor = InputProcessor(self.tokenizer, limits, hidden_size=hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._sampling_defaults = generation_defaults(self.config.model)
@@ -114,15 +115,15 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of the prompts.
         Every prompt and its parameters are checked first (`InvalidRequest`, a `ValueError`,
         naming the field); if the engine core still refuses one, its output finishes with
-        `finish_reason` "error" and the reason in `stop_reason`."""
+        `finish_reason` "error" and the reason in `stop_reason`. A prompt may be
+        `{"prompt_embeds": tensor}` ([tokens, hidden_size], with `enable_prompt_embeds=True`)."""
         prompt_list = _as_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
         priorities = priority or [0] * len(prompt_list)
         # Prepare everything before queueing anything: a bad prompt leaves the engine as it was.
-        tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
         requests = [
-            self.input_processor.prepare(str(next(self._ids)), text, tokens, params, prio)
-            for (text, tokens), params, prio in zip(tokenized, params_list, priorities, strict=True)
+            self._prepare(prompt, params, prio)
+            for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True)
         ]
         for request in requests:
             self._add(request)
@@ -164,13 +165,22 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Yield the growing output of one prompt after every step (the CLI streams with it)."""
         params = sampling_params or self.get_default_sampling_params()
-        text, tokens = self.input_processor.tokenize(prompt)
-        self._add(self.input_processor.prepare(str(next(self._ids)), text, tokens, params))
+        self._add(self._prepare(prompt, params, 0))
         yield from self._run()
+
+    def _prepare(
+        self, prompt: PromptType, params: SamplingParams, priority: int
+    ) -> PreparedRequest:
+        request_id = str(next(self._ids))
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            embeds = self.input_processor.check_embeds(prompt["prompt_embeds"])
+            return self.input_processor.prepare(request_id, None, [], params, priority, embeds)
+        text, tokens = self.input_processor.tokenize(prompt)
+        return self.input_processor.prepare(request_id, text, tokens, params, priority)
 
     def _add(self, request: PreparedRequest) -> None:
         self.output_processor.add_request(
-            request.request_id, request.prompt, request.prompt_token_ids, request.params
+            request.request_id, request.prompt, request.shown_prompt_token_ids, request.params
         )
         for child in request.children:
             self.engine.add_request(child)

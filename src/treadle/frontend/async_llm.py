@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.config import EngineConfig
+from treadle.config import EngineConfig, resolve_model
 from treadle.frontend.async_client import AsyncMPClient, stop_this_process
 from treadle.frontend.core_client import AttachTo, EngineDeadError
 from treadle.frontend.engine_state import EngineState
@@ -26,6 +26,7 @@ from treadle.frontend.output_processor import OutputProcessor
 from treadle.frontend.request_stats import LatencyWindow, RequestStatsTable
 from treadle.ipc.zmq_utils import get_bound_address
 from treadle.logger import init_logger
+from treadle.model.loader import read_arch
 from treadle.outputs import RequestOutput
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
@@ -97,8 +98,11 @@ class AsyncLLM:
         info = self.client.info
         self.max_model_len = info.max_model_len
         limits = ModelLimits(info.vocab_size, info.max_model_len, config.model.max_logprobs)
+        hidden_size = None  # prompt_embeds are refused unless --enable-prompt-embeds
+        if config.model.enable_prompt_embeds:
+            hidden_size = read_arch(resolve_model(config.model.model)).hidden_size
         self.input_processor = InputProcessor(
-            self.tokenizer, limits, config.frontend.max_prompt_chars, client_index
+            self.tokenizer, limits, config.frontend.max_prompt_chars, client_index, hidden_size
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
@@ -150,7 +154,9 @@ class AsyncLLM:
             len(prompt_token_ids),
             params.max_tokens,
         )
-        self.output_processor.add_request(request_id, request.prompt, prompt_token_ids, params)
+        self.output_processor.add_request(
+            request_id, request.prompt, request.shown_prompt_token_ids, params
+        )
         if self.config.frontend.enable_log_requests:
             logger.info(
                 "Received request %s: %d prompt tokens, params: %s",

@@ -7,6 +7,11 @@ runs it again: its socket is untrusted). Text is measured before it is tokenized
 prompt longer than `max_prompt_chars` is refused without the cost of tokenizing it. The methods
 are synchronous; the HTTP server calls the heavy ones (`encode`, `render_chat`, `prepare` of a
 constrained request) from a thread pool.
+
+A prompt may also be rows of input embeddings (`prompt_embeds`, with --enable-prompt-embeds):
+`decode_embeds` reads a client's base64 (without unpickling: `treadle.prompt_embeds`),
+`check_embeds` checks a tensor given offline; `prepare` then gives the request placeholder
+token ids (one per row) and sends the tensor along to the engine cores.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from treadle import prompt_embeds as embeds_format
 from treadle.frontend.output_processor import child_params, child_request_ids
 from treadle.sampling_params import SamplingParams
 from treadle.structured_outputs import GrammarCompiler
@@ -78,6 +86,13 @@ class PreparedRequest:
     """As truncated by `params.truncate_prompt_tokens`."""
     params: SamplingParams
     children: list[EngineCoreRequest]
+    prompt_embeds: torch.Tensor | None = None
+    """The prompt's embeddings (then `prompt_token_ids` are placeholders, one per row)."""
+
+    @property
+    def shown_prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids as outputs report them: none for an embeddings prompt."""
+        return [] if self.prompt_embeds is not None else self.prompt_token_ids
 
 
 class InputProcessor:
@@ -87,10 +102,13 @@ class InputProcessor:
         limits: ModelLimits,
         max_prompt_chars: int | None = None,
         client_index: int = 0,
+        hidden_size: int | None = None,
     ) -> None:
         """`client_index`: the front end whose sockets the engine cores answer these requests
-        on (an API server's rank among several; 0 otherwise)."""
+        on (an API server's rank among several; 0 otherwise). `hidden_size`: the model's, when
+        prompt embeddings are accepted (--enable-prompt-embeds); None refuses them."""
         self.tokenizer = tokenizer
+        self.hidden_size = hidden_size
         self.limits = limits
         self.client_index = client_index
         self.max_model_len = limits.max_model_len
@@ -131,6 +149,33 @@ class InputProcessor:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise InvalidRequest("prompt", f"has an unsupported type {type(prompt).__name__}")
+
+    def decode_embeds(self, data: str) -> torch.Tensor:
+        """The tensor of one client's `prompt_embeds` (base64 of `torch.save`), checked; raises
+        `InvalidRequest` naming `prompt_embeds` (also when they are not enabled)."""
+        return embeds_format.decode(data, self._embeds_width(), self.max_model_len)
+
+    def check_embeds(self, tensor: object) -> torch.Tensor:
+        """An offline `{"prompt_embeds": tensor}`: on the CPU, contiguous, checked as
+        `decode_embeds` checks. Raises `InvalidRequest`."""
+        width = self._embeds_width()
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+            tensor = tensor.detach().cpu().contiguous()
+        return embeds_format.check_tensor(tensor, width, self.max_model_len)
+
+    def check_embeds_length(self, embeds: torch.Tensor) -> None:
+        """Embeddings (after any truncation) that leave room for an output token."""
+        if embeds.shape[0] >= self.max_model_len:
+            raise InvalidRequest(
+                embeds_format.PARAM,
+                f"have {embeds.shape[0]} rows, but this model's maximum context length is "
+                f"{self.max_model_len} tokens (with room for at least one output token)",
+            )
+
+    def _embeds_width(self) -> int:
+        if self.hidden_size is None:
+            raise embeds_format.disabled()
+        return self.hidden_size
 
     def render_chat(
         self,
@@ -186,11 +231,17 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> PreparedRequest:
         """The request of one prompt: cut to `params.truncate_prompt_tokens` (its text dropped
         if that cut it), checked once against the model (`_check`), and fanned out into its
         `n` samples (`child_params`: the check covers them, they differ only in the seed and
-        in who scores the prompt). Sends nothing; raises `InvalidRequest` naming the field."""
+        in who scores the prompt). Sends nothing; raises `InvalidRequest` naming the field.
+        With `prompt_embeds` (checked by `decode_embeds` or `check_embeds`), the embeddings are
+        the prompt (cut to their last rows the same way) and `prompt_token_ids` is ignored."""
+        if prompt_embeds is not None:
+            prompt_embeds = self._embeds_prompt(prompt_embeds, params)
+            prompt_token_ids = embeds_format.placeholder_ids(prompt_embeds.shape[0])
         ids = self.truncate(prompt_token_ids, params)
         if len(ids) < len(prompt_token_ids):
             prompt = None  # the text no longer matches the tokens
@@ -205,10 +256,25 @@ class InputProcessor:
                 arrival_time=now,
                 priority=priority,
                 client_index=self.client_index,
+                prompt_embeds=prompt_embeds,
             )
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
-        return PreparedRequest(request_id, prompt, ids, params, children)
+        return PreparedRequest(request_id, prompt, ids, params, children, prompt_embeds)
+
+    def _embeds_prompt(self, embeds: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Embeddings cut to `truncate_prompt_tokens` rows, that leave room for an output and
+        ask for nothing an embeddings prompt lacks (its tokens: prompt logprobs)."""
+        k = params.truncate_prompt_tokens
+        if k is not None and embeds.shape[0] > k:
+            embeds = embeds[embeds.shape[0] - k :]
+        self.check_embeds_length(embeds)
+        if params.prompt_logprobs is not None:
+            raise InvalidRequest(
+                "prompt_logprobs",
+                "are not available for prompt_embeds: such a prompt has no tokens to score",
+            )
+        return embeds
 
     @staticmethod
     def truncate(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:

@@ -167,8 +167,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`embeds`: (rows of the batch, their input embeddings in the model's dtype), which
+        replace the lookup of those rows' token ids (a prompt given as `prompt_embeds`)."""
         x = self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            x[embeds[0]] = embeds[1]
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
         if self.fused is not None and self.fused.applies(meta):
             return self.fused.forward(x, cos_sin, kv_caches, meta)

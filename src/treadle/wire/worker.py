@@ -24,6 +24,10 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    # A prompt given as embeddings ([num_prompt_tokens, hidden]): the model reads these rows
+    # at the prompt's positions (its `token_ids` there are placeholders). Sent again in full
+    # whenever the request is (after a preemption too).
+    prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

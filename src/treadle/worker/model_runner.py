@@ -1,5 +1,9 @@
 """`ModelRunner`: keeps the running requests' state on this device, turns one step's schedule
-into model inputs, runs the model and samples."""
+into model inputs, runs the model and samples.
+
+A prompt given as embeddings (`prompt_embeds`) keeps its rows here, in the model's dtype; the
+positions of such a prompt take those rows instead of the lookup of their (placeholder) ids,
+row by row inside a batch that mixes them with prompts of token ids."""
 
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class RequestState:
     # logit_bias as (token ids, biases) and allowed_token_ids, as tensors once
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed_token_ids: torch.Tensor | None = None
+    prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden], model dtype
 
 
 class ModelRunner:
@@ -108,6 +113,9 @@ class ModelRunner:
                 allowed_token_ids=None
                 if p.allowed_token_ids is None
                 else torch.tensor(p.allowed_token_ids, device=self.device),
+                prompt_embeds=None
+                if new.prompt_embeds is None
+                else new.prompt_embeds.to(self.device, self.dtype),
             )
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
@@ -134,7 +142,8 @@ class ModelRunner:
         states = [self.requests[rid] for rid, _ in order]
         counts = [n for _, n in order]
         input_ids, positions, meta, logits_rows = self._prepare(states, counts)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        embeds = self._embeds(states, counts)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
         result = ModelRunnerOutput()
         first = 0
         for state, n in zip(states, counts, strict=True):
@@ -252,6 +261,25 @@ class ModelRunner:
             logits_rows,
         )
 
+    def _embeds(
+        self, states: list[RequestState], counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the batch, their embeddings) for the scheduled positions that lie in a
+        prompt given as embeddings; None when there are none."""
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        first = 0
+        for state, n in zip(states, counts, strict=True):
+            start = state.num_computed_tokens
+            end = min(start + n, state.num_prompt_tokens)
+            if state.prompt_embeds is not None and start < end:
+                rows.append(torch.arange(first, first + end - start, device=self.device))
+                values.append(state.prompt_embeds[start:end])
+            first += n
+        if not rows:
+            return None
+        return torch.cat(rows), torch.cat(values)
+
     def _prefill_chunk(self, first: int, start: int, n: int, table: list[int]) -> PrefillChunk:
         bs, device = self.block_size, self.device
         num_blocks = -(-(start + n) // bs)
@@ -294,7 +322,10 @@ class ModelRunner:
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
             logprobs=p.logprobs,
-            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            # an embeddings prompt has no tokens to penalize (its ids are placeholders)
+            prompt_token_ids=[]
+            if state.prompt_embeds is not None
+            else state.token_ids[: state.num_prompt_tokens],
             output_token_ids=outputs,
             banned_token_ids=banned,
             generator=state.generator,

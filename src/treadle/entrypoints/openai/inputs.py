@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import torch
+
 from treadle.config import FrontendConfig
 from treadle.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from treadle.entrypoints.openai.tool_calls import template_messages
@@ -55,6 +57,24 @@ class PromptInputs:
         call = functools.partial(fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
+    async def embeds_prompts(self, data: Any, truncate: Truncation | None) -> list[torch.Tensor]:
+        """The tensors of a completions request's `prompt_embeds` (one base64 string or a list
+        of them), each read and checked by `InputProcessor.decode_embeds` (in the thread pool
+        when large), cut to `truncate` rows and left room for an output. Raises `InvalidRequest` naming
+        `prompt_embeds`, also when the server does not take them."""
+        items = data if isinstance(data, list) else [data]
+        if not items:
+            raise InvalidRequest("prompt_embeds", "is empty")
+        check_batch(len(items))
+        size = sum(len(item) if isinstance(item, str) else 0 for item in items)
+        tensors = await self.run(size, lambda: [self.processor.decode_embeds(i) for i in items])
+        if truncate is not None:
+            k, side = truncate
+            tensors = [t[:k] if side == "right" else t[max(0, t.shape[0] - k) :] for t in tensors]
+        for t in tensors:
+            self.processor.check_embeds_length(t)
+        return tensors
+
     async def completion_prompts(
         self,
         prompt: Any,
@@ -64,6 +84,8 @@ class PromptInputs:
     ) -> list[Prompt]:
         """The prompts of a completions request, each cut to `truncate` tokens if asked and
         checked against the model. With `echo`, token-id prompts get their text too."""
+        if prompt is None:
+            raise InvalidRequest("prompt", "is missing: give a prompt (or prompt_embeds)")
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):

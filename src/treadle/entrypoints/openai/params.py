@@ -32,7 +32,6 @@ _REFUSED_BOTH: dict[str, _Refusal] = {
     "use_beam_search": (_FALSE, "beam search is not supported"),
     "logits_processors": (_EMPTY, "custom logits processors are not supported"),
     "logprob_token_ids": (_EMPTY, "is not supported; use logprobs"),
-    "prompt_embeds": (_EMPTY, "prompt embeddings are not supported: send text or token ids"),
 }
 _REFUSED: dict[type, dict[str, _Refusal]] = {
     CompletionRequest: {
@@ -57,6 +56,7 @@ _REFUSED: dict[type, dict[str, _Refusal]] = {
         "echo": (_FALSE, "is not supported on chat completions"),
         "continue_final_message": (_FALSE, "is not supported yet"),
         "documents": (_EMPTY, "is not supported yet"),
+        "prompt_embeds": (_EMPTY, "is taken by /v1/completions only (as vLLM's)"),
     },
 }
 _DEPRECATED = {

@@ -30,6 +30,19 @@ def _shown(**schema: Any) -> Any:
     return Field(json_schema_extra=schema)
 
 
+_EMBEDS_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "format": "byte"},
+        {
+            "type": "array",
+            "items": {"type": "string", "format": "byte"},
+            "minItems": 1,
+            "maxItems": MAX_PROMPTS,
+        },
+        {"type": "null"},
+    ]
+}
+
 Int64 = Annotated[int, _shown(minimum=INT64_MIN, maximum=INT64_MAX)]
 Count = Annotated[int, _shown(minimum=0, maximum=INT64_MAX)]
 TokenId = Annotated[int, _shown(minimum=0, **{"x-limit": "vocab_size"})]
@@ -208,12 +221,18 @@ class _SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(_SamplingFields):
+    # None (or "") only with `prompt_embeds` (vLLM's rule)
     prompt: (
         str
         | Annotated[list[str], _shown(minItems=1, maxItems=MAX_PROMPTS)]
         | TokenIds
         | Annotated[list[TokenIds], _shown(minItems=1, maxItems=MAX_PROMPTS)]
-    )
+        | None
+    ) = None
+    # vLLM's: base64 of `torch.save` of a [tokens, hidden_size] float tensor, or a list of
+    # them (with --enable-prompt-embeds); read and checked by `InputProcessor.decode_embeds`,
+    # so any other JSON is a 400 naming this field too
+    prompt_embeds: Annotated[Any, Field(json_schema_extra=_EMBEDS_SCHEMA)] = None
     # 0 only with `echo`: score the prompt, return no new tokens (vLLM's)
     max_tokens: Annotated[int, _shown(minimum=0, **{"x-limit": "max_model_len"})] | None = 16
     logprobs: NumLogprobs | None = None

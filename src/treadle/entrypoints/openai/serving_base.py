@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -97,11 +98,14 @@ class ServingBase:
         prompt_logprobs: int | None,
         truncate: Truncation | None,
         tool_constraint: StructuredOutputsParams | None = None,
+        embeds: list[torch.Tensor] | None = None,
     ) -> list[PreparedRequest]:
         """The request's `SamplingParams` (the HTTP rule first: prompt + max_tokens fit the
         context), and each prompt prepared with them as `{rid}-{i}`: checked once against the
         model (the engine core checks again), fanned out into its `n` samples, nothing sent.
-        `tool_constraint` is the output a `tool_choice` forces. Raises `InvalidRequest`."""
+        `tool_constraint` is the output a `tool_choice` forces; `embeds` are the tensors of
+        the first prompts (given as `prompt_embeds`, their ids placeholders). Raises
+        `InvalidRequest`."""
         limits = self.engine.input_processor.limits
         longest = max(len(ids) for _, ids in prompts)
         if max_tokens is None:
@@ -124,14 +128,23 @@ class ServingBase:
         check_batch(len(prompts), params.n)
         # A grammar compiles on its first use: off the event loop.
         size = INLINE_CHARS if params.structured_outputs is not None else 0
-        return await self.inputs.run(size, self._prepare, prompts, params, rid, req.priority)
+        return await self.inputs.run(
+            size, self._prepare, prompts, params, rid, req.priority, embeds or []
+        )
 
     def _prepare(
-        self, prompts: list[Prompt], params: SamplingParams, rid: str, priority: int
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        rid: str,
+        priority: int,
+        embeds: list[torch.Tensor],
     ) -> list[PreparedRequest]:
         prepare = self.engine.input_processor.prepare
         return [
-            prepare(f"{rid}-{i}", text, ids, params, priority)
+            prepare(
+                f"{rid}-{i}", text, ids, params, priority, embeds[i] if i < len(embeds) else None
+            )
             for i, (text, ids) in enumerate(prompts)
         ]
 

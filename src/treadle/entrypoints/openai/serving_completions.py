@@ -1,6 +1,7 @@
 """`POST /v1/completions`: prompts in (text or token ids, several at once, each with `n`
-choices), a `text_completion` body or its stream out; `echo` puts the prompt (and its
-logprobs) first, and `max_tokens: 0` with `echo` scores the prompt alone."""
+choices; with --enable-prompt-embeds also `prompt_embeds`, which come first, as vLLM's), a
+`text_completion` body or its stream out; `echo` puts the prompt (and its logprobs) first, and
+`max_tokens: 0` with `echo` scores the prompt alone."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import Request
 from fastapi.responses import Response
 
-from treadle.entrypoints.openai.inputs import Prompt
+from treadle.entrypoints.openai.inputs import Prompt, Truncation
 from treadle.entrypoints.openai.logprobs import LogprobWriter, padded, prompt_logprobs_json
 from treadle.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from treadle.entrypoints.openai.serving_base import (
@@ -23,6 +25,7 @@ from treadle.entrypoints.openai.serving_base import (
     usage,
 )
 from treadle.outputs import CompletionOutput, RequestOutput
+from treadle.prompt_embeds import placeholder_ids
 from treadle.validation import InvalidRequest
 
 
@@ -40,9 +43,7 @@ class CompletionServing:
             raise InvalidRequest(
                 "max_tokens", "must be at least 1 (0 only with echo, to score the prompt alone)"
             )
-        prompts = await base.inputs.completion_prompts(
-            req.prompt, req.echo, truncate, req.add_special_tokens
-        )
+        embeds, prompts = await self._prompts(req, truncate)
         # With echo, the prompt's logprobs come first (vLLM's rule).
         prompt_lps = req.prompt_logprobs
         if prompt_lps is None and req.echo:
@@ -51,7 +52,7 @@ class CompletionServing:
         max_tokens = 1 if prompt_only else req.max_tokens
         rid = random_id("cmpl")
         requests = await base.prepare(
-            req, rid, max_tokens, prompts, req.logprobs, prompt_lps, truncate
+            req, rid, max_tokens, prompts, req.logprobs, prompt_lps, truncate, embeds=embeds
         )
         writer = LogprobWriter(base.token_text, req.return_tokens_as_token_ids)
         job = _Completion(req, prompts, prompt_only, rid, base.model_name, writer)
@@ -59,6 +60,27 @@ class CompletionServing:
         if req.stream:
             return base.stream(job.events(outputs), outputs, rid)
         return await base.until_done(raw, self._body(job, outputs))
+
+    async def _prompts(
+        self, req: CompletionRequest, truncate: Truncation | None
+    ) -> tuple[list[torch.Tensor], list[Prompt]]:
+        """(the `prompt_embeds` tensors, every prompt): those of the embeddings first, with
+        placeholder ids (one per row), then those of `prompt` (none when it is "" or missing
+        beside embeddings, as vLLM's)."""
+        inputs = self.base.inputs
+        embeds: list[torch.Tensor] = []
+        if req.prompt_embeds is not None:
+            embeds = await inputs.embeds_prompts(req.prompt_embeds, truncate)
+            if req.echo:
+                raise InvalidRequest(
+                    "echo", "is not available with prompt_embeds: they have no text to echo"
+                )
+        prompts: list[Prompt] = [(None, placeholder_ids(t.shape[0])) for t in embeds]
+        if not embeds or req.prompt not in (None, ""):
+            prompts += await inputs.completion_prompts(
+                req.prompt, req.echo, truncate, req.add_special_tokens
+            )
+        return embeds, prompts
 
     async def _body(self, job: _Completion, outputs: Outputs) -> dict[str, Any]:
         final: dict[int, RequestOutput] = {}
