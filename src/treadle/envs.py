@@ -73,6 +73,11 @@ def execute_model_timeout_seconds() -> int:
     return _int("TREADLE_EXECUTE_MODEL_TIMEOUT_SECONDS", 300)
 
 
+def server_dev_mode() -> bool:
+    """vLLM's VLLM_SERVER_DEV_MODE: development routes (`POST /reset_prefix_cache`)."""
+    return _bool("TREADLE_SERVER_DEV_MODE", False)
+
+
 def enable_multiprocessing() -> bool:
     return _bool("TREADLE_ENABLE_MULTIPROCESSING", True)
 

@@ -337,3 +337,17 @@ def check_request(
                 f"server allows ({most}; see --max-logprobs)",
             )
     _int(priority, "priority")
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+
+
+def check_filename(filename: object) -> str | None:
+    """Why `filename` is no plain file name in the save directory (None when it is one): no
+    path separators, no `..`, no leading dot, at most 201 characters of [A-Za-z0-9._-]."""
+    if not isinstance(filename, str) or not _NAME.fullmatch(filename) or ".." in filename:
+        return (
+            "must be a plain file name (letters, digits, '.', '_', '-'; no path, no '..'), "
+            f"got {filename!r:.80}"
+        )
+    return None

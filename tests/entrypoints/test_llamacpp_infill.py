@@ -45,7 +45,9 @@ def model(tmp_path_factory: pytest.TempPathFactory, tiny_model_builder: Any) -> 
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     args = [str(model), "--max-model-len", str(N_CTX), "--max-num-batched-tokens", str(N_BATCH)]
-    srv = RemoteServer(args, tmp_path_factory.mktemp("fim-server"))
+    args += ["--kv-cache-save-path", str(tmp_path_factory.mktemp("saved"))]
+    env = {"TREADLE_SERVER_DEV_MODE": "1"}
+    srv = RemoteServer(args, tmp_path_factory.mktemp("fim-server"), env=env)
     yield srv
     srv.stop()
 
@@ -246,3 +248,109 @@ def test_bad_fields_are_400s(server: RemoteServer, change: dict[str, Any], param
     r = httpx.post(server.url + "/infill", json=vscode_request(**change), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+# -- prompt caches on disk (issue 26 item 2) ------------------------------------------------
+
+
+def save_dir(server: RemoteServer) -> Path:
+    args = server.proc.args
+    return Path(args[args.index("--kv-cache-save-path") + 1])
+
+
+def post(server: RemoteServer, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_a_saved_slot_restores_into_the_prefix_cache(server: RemoteServer) -> None:
+    """llama.vim's flow: a FIM request in slot 1, the slot saved, the cache emptied, the file
+    restored: the same request then reads the prompt from the cache, with the same answer."""
+    prefix = "".join(f"value_{i} = compute({i})\n" for i in range(40))
+    body = vscode_request(id_slot=1, input_prefix=prefix, n_predict=4)
+    cold = post(server, "/infill", body).json()
+    warm = post(server, "/infill", body).json()
+    assert warm["timings"]["cache_n"] > 0 and warm["tokens"] == cold["tokens"]
+    saved = post(server, "/slots/1?action=save", {"filename": "slot1.bin"})
+    assert saved.status_code == 200, saved.text
+    assert saved.json()["n_saved"] >= warm["timings"]["cache_n"]
+    assert (save_dir(server) / "slot1.bin").stat().st_size == saved.json()["n_written"]
+    assert post(server, "/reset_prefix_cache").status_code == 200
+    assert post(server, "/infill", body).json()["timings"]["cache_n"] == 0
+    post(server, "/reset_prefix_cache")
+    restored = post(server, "/slots/1?action=restore", {"filename": "slot1.bin"})
+    assert restored.status_code == 200, restored.text
+    assert restored.json()["n_restored"] == saved.json()["n_saved"]
+    again = post(server, "/infill", body).json()
+    assert again["timings"]["cache_n"] == warm["timings"]["cache_n"]
+    assert again["tokens"] == cold["tokens"]
+    erased = post(server, "/slots/1?action=erase")
+    assert erased.json() == {
+        "id_slot": 1,
+        "n_erased": len(warm["tokens"]) + warm["tokens_evaluated"],
+    }
+    nothing = post(server, "/slots/1?action=save", {"filename": "slot1.bin"})
+    assert nothing.status_code == 400 and nothing.json()["error"]["param"] == "id_slot"
+
+
+def test_the_prompt_form_saves_and_restores(server: RemoteServer) -> None:
+    prompt = "Once upon a time " * 30
+    post(server, "/completion", {"prompt": prompt, "n_predict": 2})
+    saved = post(server, "/prompt_cache/save", {"prompt": prompt, "filename": "story.bin"})
+    assert saved.status_code == 200, saved.text
+    post(server, "/reset_prefix_cache")
+    restored = post(server, "/prompt_cache/restore", {"filename": "story.bin"})
+    assert restored.json()["n_restored"] == saved.json()["n_saved"] > 0
+    hit = post(server, "/completion", {"prompt": prompt, "n_predict": 2}).json()
+    assert hit["timings"]["cache_n"] == saved.json()["n_saved"]
+
+
+def rewritten(data: bytes, **changes: Any) -> bytes:
+    """A saved file with header fields changed (and its checksum made right again)."""
+    import hashlib
+    import struct
+
+    size = struct.unpack("<I", data[8:12])[0]
+    header = json.loads(data[12 : 12 + size])
+    header.update(changes)
+    raw = json.dumps(header).encode()
+    payload = data[12 + size : -32]
+    digest = hashlib.sha256(raw + payload).digest()
+    return data[:8] + struct.pack("<I", len(raw)) + raw + payload + digest
+
+
+def test_files_that_do_not_fit_and_bad_names_are_refused(server: RemoteServer) -> None:
+    prompt = "A long story about files " * 20
+    post(server, "/completion", {"prompt": prompt, "n_predict": 1})
+    assert post(server, "/prompt_cache/save", {"prompt": prompt, "filename": "ok.bin"}).is_success
+    good = (save_dir(server) / "ok.bin").read_bytes()
+    cases = {
+        "other-model.bin": rewritten(good, fingerprint="0" * 64, model="another/model"),
+        "other-block.bin": rewritten(good, block_size=32),
+        "truncated.bin": good[: len(good) // 2],
+        "corrupt.bin": good[:-40] + bytes(8) + good[-32:],
+        "garbage.bin": b"not a prompt cache",
+    }
+    for name, data in cases.items():
+        (save_dir(server) / name).write_bytes(data)
+    post(server, "/reset_prefix_cache")
+    for name in cases:
+        r = post(server, "/prompt_cache/restore", {"filename": name})
+        assert r.status_code == 400, (name, r.text)
+        assert r.json()["error"]["param"] == "filename"
+    assert (
+        "fingerprint" in post(server, "/prompt_cache/restore", {"filename": "other-model.bin"}).text
+    )
+    assert (
+        "block_size" in post(server, "/prompt_cache/restore", {"filename": "other-block.bin"}).text
+    )
+    # nothing restored from them: the prompt is still cold
+    assert (
+        post(server, "/completion", {"prompt": prompt, "n_predict": 1}).json()["timings"]["cache_n"]
+        == 0
+    )
+    for bad in ("../../x", "/etc/passwd", "a/b.bin", ".hidden", "", "x" * 300):
+        for path in ("/prompt_cache/restore", "/slots/0?action=restore"):
+            r = post(server, path, {"filename": bad})
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == "filename"
+    assert not (save_dir(server).parent / "x").exists()

@@ -15,7 +15,6 @@ The answers are dicts: a file that cannot be used here, a bad name or nothing to
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any
 
@@ -24,22 +23,10 @@ from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.executor.multiproc import MultiprocExecutor
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
+from treadle.validation import check_filename
 from treadle.worker import kv_file
 
 logger = init_logger(__name__)
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
-
-
-def check_filename(filename: object) -> str | None:
-    """Why `filename` is no plain file name in the save directory (None when it is one): no
-    path separators, no `..`, no leading dot, at most 201 characters of [A-Za-z0-9._-]."""
-    if not isinstance(filename, str) or not _NAME.fullmatch(filename) or ".." in filename:
-        return (
-            "must be a plain file name (letters, digits, '.', '_', '-'; no path, no '..'), "
-            f"got {filename!r:.80}"
-        )
-    return None
 
 
 class PromptCacheFiles:

@@ -10,6 +10,8 @@ field names:
 
 - `POST /completion` (and `/completions`) and `POST /infill`: llama.cpp's own generation
   endpoints (item 1), in `llamacpp_completion.py`.
+- `POST /slots/{id}?action=save|restore|erase` and `/prompt_cache/save|restore`: prompts' KV
+  saved to files and restored (item 2), in `llamacpp_slots.py`.
 
 All are guarded by `--api-key` (`KEYED_PATHS`), as llama.cpp guards them.
 """
@@ -27,6 +29,8 @@ from treadle.entrypoints.openai.llamacpp_completion import (
     LlamaCompletionRequest,
     LlamaCompletionServing,
 )
+from treadle.entrypoints.openai.llamacpp_slots import KEYED_PATHS as SLOT_PATHS
+from treadle.entrypoints.openai.llamacpp_slots import PromptFiles, add_slot_routes
 from treadle.entrypoints.openai.openapi_responses import errors
 from treadle.entrypoints.openai.protocol import ChatMessage
 from treadle.entrypoints.openai.serving import OpenAIServing
@@ -34,7 +38,7 @@ from treadle.entrypoints.openai.tool_calls.plan import template_messages
 from treadle.frontend.input_processor import message_chars
 from treadle.validation import InvalidRequest
 
-KEYED_PATHS = ("/props", "/apply-template", "/completion", "/infill")
+KEYED_PATHS = ("/props", "/apply-template", "/completion", "/infill", *SLOT_PATHS)
 
 
 class ApplyTemplateRequest(BaseModel):
@@ -94,7 +98,9 @@ def add_llamacpp_routes(app: FastAPI, serving: OpenAIServing) -> None:
         processor.check_chars(size, "messages")
         return {"prompt": await inputs.run(size, processor.render_chat, messages, True)}
 
-    completions = LlamaCompletionServing(serving)
+    files = PromptFiles(serving)
+    completions = LlamaCompletionServing(serving, files.slots)
+    add_slot_routes(app, serving, files)
 
     @app.post("/completion", responses=errors(400, 404))
     @app.post("/completions", responses=errors(400, 404), include_in_schema=False)

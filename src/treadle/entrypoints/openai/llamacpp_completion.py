@@ -111,8 +111,10 @@ class LlamaCompletionRequest(BaseModel):
 
 
 class LlamaCompletionServing:
-    def __init__(self, base: ServingBase):
+    def __init__(self, base: ServingBase, slots: dict[int, list[int]] | None = None):
+        """`slots`: where requests with an `id_slot` leave their tokens."""
         self.base = base
+        self.slots = slots
         eos = base.engine.input_processor.eos_token_id
         self.end_ids = [t for t in end_of_generation_ids(base.tokenizer) if t != eos]
         """The tokens besides eos that end a generation, as in llama.cpp."""
@@ -132,7 +134,7 @@ class LlamaCompletionServing:
             prepared = await base.inputs.run(len(ids), prepare, f"{rid}-0", None, ids, params)
         except InvalidRequest as e:
             raise e.renamed(names) from None
-        job = CompletionJob(req, ids, n_predict == 0, base.model_name, started)
+        job = CompletionJob(req, ids, n_predict == 0, base.model_name, started, slots=self.slots)
         outputs = base.run([prepared], base.dp_rank(raw))
         if req.stream:
             return StreamingResponse(_sse(job, outputs, rid), media_type="text/event-stream")

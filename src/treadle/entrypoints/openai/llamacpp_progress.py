@@ -37,6 +37,8 @@ class CompletionJob:
     has_new_line: bool = False
     last_nl: int = 0
     sent: int = 0
+    slots: dict[int, list[int]] | None = None
+    """Where a request with an `id_slot` leaves its tokens (`llamacpp_slots.py`)."""
 
     def take(self, out: RequestOutput) -> bool:
         """Take an output; True when the request is over (the engine's end or an early stop)."""
@@ -114,6 +116,8 @@ class CompletionJob:
         }
 
     def final(self, streamed: bool) -> dict[str, Any]:
+        if self.slots is not None and self.req.id_slot >= 0:
+            self.slots[self.req.id_slot] = [*self.prompt_ids, *self.token_ids]
         end = self.finished or time.monotonic()
         first = self.first_token or end
         predicted = 0 if self.prompt_only else len(self.token_ids)
