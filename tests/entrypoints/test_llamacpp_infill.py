@@ -354,3 +354,50 @@ def test_files_that_do_not_fit_and_bad_names_are_refused(server: RemoteServer) -
             assert r.status_code == 400, (bad, r.text)
             assert r.json()["error"]["param"] == "filename"
     assert not (save_dir(server).parent / "x").exists()
+
+
+def test_v1_completions_suffix_is_a_fim_prompt(server: RemoteServer, tokenizer: Any) -> None:
+    """OpenAI's `suffix` (through the real client): the prompt and the suffix as a FIM prompt,
+    `[FIM_PRE] prompt [FIM_SUF] suffix [FIM_MID]`, nothing cut, no extra context."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    out = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prefix,
+        suffix=suffix,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+
+    special = tokenizer.convert_tokens_to_ids
+    expected = [
+        special("<|fim_prefix|>"),
+        *ids(prefix),
+        special("<|fim_suffix|>"),
+        *ids(suffix),
+        special("<|fim_middle|>"),
+    ]
+    assert out.usage.prompt_tokens == len(expected)
+    same = greedy_completion(server, expected, 6, [])
+    assert out.choices[0].text == same["text"]
+    refused = post(server, "/v1/completions", {"prompt": prefix, "suffix": "x", "echo": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
+def test_completion_grammar_constrains_sampled_output(server: RemoteServer) -> None:
+    """llama.cpp's `grammar` (GBNF) on /completion, sampled with seeds at T = 0.8."""
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    for seed in range(5):
+        body = {"prompt": "Answer:", "grammar": grammar, "temperature": 0.8, "seed": seed}
+        r = post(server, "/completion", {**body, "n_predict": 8})
+        assert r.status_code == 200, r.text
+        content = r.json()["content"]
+        assert content in ("yes", "no") or (
+            content.startswith("maybe ") and content[-1].isdigit() and len(content) == 7
+        ), content

@@ -332,6 +332,8 @@ def test_llamacpp_infill_needs_fim_tokens_and_completion_serves(server: RemoteSe
     resp = httpx.post(server.url + "/infill", json=body)
     assert resp.status_code == 400, resp.text
     assert "<|fim_prefix|>" in resp.json()["error"]["message"]
+    resp = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "suffix": "b"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix", resp.text
     body = {"prompt": "The capital of France is", "n_predict": 5, "temperature": 0}
     resp = httpx.post(server.url + "/completion", json=body)
     assert resp.status_code == 200, resp.text

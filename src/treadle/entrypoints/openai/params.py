@@ -36,7 +36,6 @@ _REFUSED_BOTH: dict[str, _Refusal] = {
 _REFUSED: dict[type, dict[str, _Refusal]] = {
     CompletionRequest: {
         **_REFUSED_BOTH,
-        "suffix": (_EMPTY, "is not supported (no fill-in-the-middle)"),
         "best_of": (
             lambda v, req: v is None or v == 1 or v == req.n,
             "is not supported (removed in vLLM v1): use n and pick a choice yourself",

@@ -238,6 +238,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: NumLogprobs | None = None
     echo: bool = False
     add_special_tokens: bool = True  # vLLM's: BOS and the like on text prompts
+    # OpenAI's insert mode: the text after the completion; the prompt and it become a
+    # fill-in-the-middle prompt as llama.cpp lays one out (a model without FIM tokens: a 400)
+    suffix: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -13,6 +13,7 @@ import torch
 from fastapi import Request
 from fastapi.responses import Response
 
+from treadle.entrypoints.openai.fim import FimBudget, fim_prompt, find_fim_tokens, literal_ids
 from treadle.entrypoints.openai.inputs import Prompt, Truncation
 from treadle.entrypoints.openai.logprobs import LogprobWriter, padded, prompt_logprobs_json
 from treadle.entrypoints.openai.protocol import CompletionRequest, now, random_id
@@ -26,7 +27,7 @@ from treadle.entrypoints.openai.serving_base import (
 )
 from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.prompt_embeds import placeholder_ids
-from treadle.validation import InvalidRequest
+from treadle.validation import InvalidRequest, check_prompt
 
 
 class CompletionServing:
@@ -75,12 +76,55 @@ class CompletionServing:
                 raise InvalidRequest(
                     "echo", "is not available with prompt_embeds: they have no text to echo"
                 )
+        if req.suffix:
+            return [], await self._fim_prompts(req, truncate, bool(embeds))
         prompts: list[Prompt] = [(None, placeholder_ids(t.shape[0])) for t in embeds]
         if not embeds or req.prompt not in (None, ""):
             prompts += await inputs.completion_prompts(
                 req.prompt, req.echo, truncate, req.add_special_tokens
             )
         return embeds, prompts
+
+    async def _fim_prompts(
+        self, req: CompletionRequest, truncate: Truncation | None, embeds: bool
+    ) -> list[Prompt]:
+        """With `suffix`: each prompt and the suffix as one fill-in-the-middle prompt, laid out
+        as llama.cpp's /infill lays them out (no extra context, nothing cut)."""
+        for name, given in (
+            ("echo", req.echo),
+            ("prompt_embeds", embeds),
+            ("truncate_prompt_tokens", truncate),
+        ):
+            if given:
+                raise InvalidRequest(name, "cannot be combined with suffix")
+        prompt = req.prompt if req.prompt is not None else ""
+        items: list[Any] = (
+            [prompt]
+            if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+            else list(prompt)
+        )
+        processor = self.base.engine.input_processor
+        processor.check_chars(sum(len(i) for i in items) + len(req.suffix or ""))
+        size = sum(len(i) for i in items) + len(req.suffix or "")
+        return await self.base.inputs.run(size, self._fim_ids, items, req.suffix or "")
+
+    def _fim_ids(self, items: list[Any], suffix: str) -> list[Prompt]:
+        processor = self.base.engine.input_processor
+        tokenizer = processor.tokenizer
+        try:
+            fim = find_fim_tokens(tokenizer)
+        except InvalidRequest as e:
+            raise e.renamed({"input_prefix": "suffix"}) from None
+        limits = processor.limits
+        budget = FimBudget(4 * limits.max_model_len, limits.max_model_len, 0)  # no cuts
+        suffix_ids = literal_ids(tokenizer, suffix)
+        out: list[Prompt] = []
+        for item in items:
+            prefix = literal_ids(tokenizer, item) if isinstance(item, str) else list(item)
+            ids = fim_prompt(tokenizer, fim, prefix, suffix_ids, [], [], budget)
+            check_prompt(ids, limits)
+            out.append((None, ids))
+        return out
 
     async def _body(self, job: _Completion, outputs: Outputs) -> dict[str, Any]:
         final: dict[int, RequestOutput] = {}
