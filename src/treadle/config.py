@@ -104,6 +104,8 @@ class ModelConfig:
     """Activations of the linear layers that run on GGUF blocks on treadle's CPU kernels: float32 (exact: every block widened to float32, greedy output as transformers'), or int8 (each input row quantized to int8 blocks of 32 and multiplied with the weight blocks in integers, as llama.cpp: faster, a little less exact)."""
     enable_prompt_embeds: bool = False
     """Accept `prompt_embeds` (vLLM's): a prompt given as rows of input embeddings instead of token ids (on /v1/completions, base64 of `torch.save` of one [tokens, hidden_size] float tensor, read without unpickling; in the offline `LLM`, a tensor). Such a prompt has no prompt logprobs and no echo."""
+    pooling_type: str = "last"
+    """How `/v1/embeddings` (and `LLM.embed`) make one vector of a prompt: the final hidden state of its last position (`last`, vLLM's default for decoder models) or the mean over its positions (`mean`); normalised to unit length."""
     generation_config: str = "auto"
     """Default sampling parameters of requests that set none: `auto` reads the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) where there is one, `vllm` ignores it (vLLM's defaults), or a directory that holds a generation_config.json."""
 

@@ -31,6 +31,7 @@ from treadle.config import (
     resolve_model,
     served_names,
 )
+from treadle.validation import POOLING_TYPES
 
 # Argument groups of `--help`, in vLLM's order.
 GROUPS = {
@@ -175,6 +176,9 @@ class EngineArgs:
         area=ModelConfig,
         choices=CPU_ACTIVATION_DTYPES,
     )
+    pooling_type: str = arg(
+        ModelConfig.pooling_type, group="model", area=ModelConfig, choices=POOLING_TYPES
+    )
     block_size: int = arg(CacheConfig.block_size, group="cache", area=CacheConfig)
     kv_cache_memory: int | None = arg(
         None,
@@ -267,6 +271,10 @@ class EngineArgs:
                 f"--generation-config {gen!r}: give auto, vllm or a directory that holds a "
                 "generation_config.json"
             )
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"--pooling-type {self.pooling_type!r}: choose one of {', '.join(POOLING_TYPES)}"
+            )
         if self.cpu_activation_dtype not in CPU_ACTIVATION_DTYPES:
             raise ValueError(
                 f"--cpu-activation-dtype {self.cpu_activation_dtype!r}: choose one of "
@@ -291,6 +299,7 @@ class EngineArgs:
                 generation_config=gen,
                 cpu_activation_dtype=self.cpu_activation_dtype,
                 enable_prompt_embeds=self.enable_prompt_embeds,
+                pooling_type=self.pooling_type,
             ),
             cache=CacheConfig(
                 self.block_size,

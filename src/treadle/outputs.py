@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -69,3 +70,29 @@ class RequestOutput:
     # With `prompt_logprobs`: per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[LogprobsDict | None] | None = None
     metrics: RequestMetrics | None = None
+    # A pooling request's result: the pooled final hidden state, float32 [hidden_size],
+    # not normalised (`/v1/embeddings` and `LLM.embed` normalise it).
+    pooled: Any = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (`LLM.embed`, vLLM's shape): `outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+def unit_vector(pooled: Any) -> Any:
+    """A pooled hidden state scaled to length 1 (float32; a zero vector stays zero)."""
+    import torch
+
+    vector = pooled.float()
+    return vector / torch.linalg.vector_norm(vector).clamp_min(1e-12)

@@ -76,6 +76,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # end the middle when end-of-generation tokens (eos and `stop_token_ids`) are likely,
     # merge tokens whose text starts another's, keep only the likely ones (worker/sampler.py).
     infill: bool = False
+    # A pooling request (`/v1/embeddings`, `LLM.embed`): its prompt is read and no token is
+    # sampled; it ends with the last prompt position's final hidden state ("last") or the
+    # mean over all positions ("mean"), unnormalised (`EngineCoreOutput.pooled`).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -146,6 +146,13 @@ def _check_sampling_params(p: SamplingParams) -> None:
         )
     if p.logprobs is not None:
         _int(p.logprobs, "logprobs", 0)
+    if p.pooling is not None:
+        if p.pooling not in POOLING_TYPES:
+            raise InvalidRequest("pooling", f"must be one of {', '.join(POOLING_TYPES)}")
+        if p.n != 1 or p.logprobs is not None or p.prompt_logprobs is not None:
+            raise InvalidRequest("pooling", "takes no n, logprobs or prompt_logprobs")
+        if p.structured_outputs is not None:
+            raise InvalidRequest("pooling", "takes no output constraint")
     _list(p.stop, "stop")
     if not all(isinstance(s, str) and s for s in p.stop):
         raise InvalidRequest("stop", "must be non-empty strings")
@@ -338,6 +345,9 @@ def check_request(
             )
     _int(priority, "priority")
 
+
+POOLING_TYPES = ("last", "mean")
+"""How a pooling request's hidden states become one vector (vLLM's `--pooling-type` names)."""
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 

@@ -13,6 +13,8 @@ import heapq
 import itertools
 import time
 
+import torch
+
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.request import Request, RequestStatus
@@ -109,8 +111,10 @@ class Scheduler:
             req = self._waiting[0][3]
             computed: list[Block] = []
             num_hit = 0
-            # A request scoring its prompt (`prompt_logprobs`) must compute all of it.
-            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
+            # A request scoring its prompt (`prompt_logprobs`) or pooling the mean of its
+            # positions must compute all of it.
+            p = req.sampling_params
+            if req.num_computed_tokens == 0 and p.prompt_logprobs is None and p.pooling != "mean":
                 computed, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             block_ids = self.kv.allocate_slots(req, n, computed)
@@ -155,6 +159,10 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             prompt_logprobs = self._new_prompt_logprobs(req, result.prompt_logprobs.get(rid))
+            pooled = result.pooled.get(rid)
+            if pooled is not None:  # a pooling request's prompt is read: it is done
+                outputs.setdefault(req.client_index, []).append(self._pooled(req, pooled))
+                continue
             token = result.sampled.get(rid)
             if token is None:  # a prefill chunk that did not reach the end of the prompt
                 self.kv.cache_full_blocks(req)
@@ -184,6 +192,22 @@ class Scheduler:
                 out.prefill_time = time.monotonic() - req.scheduled_ts
             outputs.setdefault(req.client_index, []).append(out)
         return outputs
+
+    def _pooled(self, req: Request, pooled: torch.Tensor) -> EngineCoreOutput:
+        self.kv.cache_full_blocks(req)
+        self._finish(req, FinishReason.STOP)
+        self.prompt_tokens_total += req.num_prompt_tokens
+        out = EngineCoreOutput(
+            req.request_id,
+            [],
+            finish_reason=FinishReason.STOP,
+            num_cached_tokens=req.num_cached_tokens,
+            pooled=pooled,
+        )
+        if req.scheduled_ts is not None:
+            out.queue_time = req.scheduled_ts - req.queued_ts
+            out.prefill_time = time.monotonic() - req.scheduled_ts
+        return out
 
     def grammar_rows(self, sched: SchedulerOutput) -> list[Request]:
         """The structured-output requests that sample in this step (their chunk reaches the

@@ -18,7 +18,12 @@ from treadle.frontend.output_processor import OutputProcessor
 from treadle.frontend.sync_client import InprocClient, SyncMPClient
 from treadle.logger import init_logger
 from treadle.model.loader import read_arch
-from treadle.outputs import RequestOutput
+from treadle.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    unit_vector,
+)
 from treadle.sampling_params import SamplingParams, generation_defaults
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import ModelLimits
@@ -135,6 +140,25 @@ class LLM:
                     finished[out.request_id] = out
                     bar.update(1)
         return [finished[rid] for rid in ids]
+
+    def embed(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's `LLM.embed`): the final hidden state pooled as
+        `pooling_type` says (last position, or mean), normalised to length 1. Pooling requests
+        read their prompt only and share the engine's steps with generation."""
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, pooling=self.config.model.pooling_type
+        )
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                out.request_id,
+                out.prompt_token_ids,
+                EmbeddingOutput(unit_vector(out.pooled).tolist()),
+            )
+            for out in outputs
+        ]
 
     def chat(
         self,

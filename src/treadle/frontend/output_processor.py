@@ -39,6 +39,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobsDict | None] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    pooled: Any = None  # a pooling request's result (a float32 tensor)
 
     @property
     def finished(self) -> bool:
@@ -152,6 +153,8 @@ class OutputProcessor:
                 room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
                 rows = self.token_texts.entries(out.new_prompt_logprobs)
                 parent.prompt_logprobs.extend(rows[:room])
+            if out.pooled is not None:
+                parent.pooled = out.pooled
             self._apply(child, out, to_abort)
             _record(parent.metrics, out, now)
             changed[parent_id] = parent
@@ -203,6 +206,7 @@ class OutputProcessor:
             if parent.prompt_logprobs is None
             else list(parent.prompt_logprobs),
             metrics=dataclasses.replace(parent.metrics),
+            pooled=parent.pooled,
         )
 
     def _forget(self, parent: _ParentState) -> None:

@@ -78,6 +78,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # first scheduled, and from then to its first token (the engine core's clock).
     queue_time: float = 0.0
     prefill_time: float = 0.0
+    # A pooling request's result (its last output): float32 [hidden_size], out of band.
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

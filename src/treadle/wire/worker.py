@@ -58,3 +58,5 @@ class ModelRunnerOutput:
     # Per request with `prompt_logprobs` whose prefill ran this step: (index in the prompt of
     # the first token scored, one row per scored prompt token).
     prompt_logprobs: dict[str, tuple[int, Logprobs]] = field(default_factory=dict)
+    # Per pooling request whose prompt ended this step: its pooled hidden state (float32).
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -48,6 +48,8 @@ class RequestState:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed_token_ids: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden], model dtype
+    # A mean-pooling request: the sum of its positions' final hidden states so far.
+    pool_sum: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -146,13 +148,19 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
         result = ModelRunnerOutput()
         first = 0
-        for state, n in zip(states, counts, strict=True):
+        for state, n, row in zip(states, counts, logits_rows, strict=True):
+            if state.sampling_params.pooling is not None:
+                self._pool(state, hidden[first : first + n], row is not None, result)
             if state.sampling_params.prompt_logprobs is not None:
                 scored = self._prompt_logprobs(state, hidden[first : first + n])
                 if scored is not None:
                     result.prompt_logprobs[state.request_id] = scored
             first += n
-        sampling = [(s, row) for s, row in zip(states, logits_rows, strict=True) if row is not None]
+        sampling = [
+            (s, row)
+            for s, row in zip(states, logits_rows, strict=True)
+            if row is not None and s.sampling_params.pooling is None
+        ]
         if sampling:
             rows = torch.tensor([row for _, row in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows])
@@ -169,6 +177,19 @@ class ModelRunner:
         for state, n in zip(states, counts, strict=True):
             state.num_computed_tokens += n
         return result
+
+    @staticmethod
+    def _pool(
+        state: RequestState, hidden: torch.Tensor, ends: bool, out: ModelRunnerOutput
+    ) -> None:
+        """A pooling request's chunk: summed for "mean"; at the prompt's end, its result."""
+        if state.sampling_params.pooling == "mean":
+            chunk = hidden.float().sum(dim=0)
+            state.pool_sum = chunk if state.pool_sum is None else state.pool_sum + chunk
+            if ends:
+                out.pooled[state.request_id] = (state.pool_sum / state.num_prompt_tokens).cpu()
+        elif ends:
+            out.pooled[state.request_id] = hidden[-1].float().cpu()
 
     def _grammar(
         self, sched: SchedulerOutput, sampled_ids: list[str]

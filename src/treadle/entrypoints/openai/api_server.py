@@ -50,6 +50,7 @@ from treadle.entrypoints.openai.protocol import (
     fill_limits,
 )
 from treadle.entrypoints.openai.serving import OpenAIServing
+from treadle.entrypoints.openai.serving_embeddings import EmbeddingRequest
 from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import AttachTo
 from treadle.frontend.metrics import render_metrics
@@ -214,6 +215,10 @@ def build_app(
     @app.post("/v1/chat/completions", responses=GENERATED)
     async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(req, raw)
+
+    @app.post("/v1/embeddings", responses=errors(400, 404, 500, 503))
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Any:
+        return await serving.embeddings(req, raw)
 
     @app.post("/invocations", responses=GENERATED, openapi_extra=INVOCATIONS_BODY)
     async def invocations(raw: Request) -> Any:

@@ -1,5 +1,6 @@
 """The OpenAI endpoints the API server routes to: the model list and the two generating
-endpoints (`serving_completions.py`, `serving_chat.py`) over what they share
+endpoints (`serving_completions.py`, `serving_chat.py`), and embeddings
+(`serving_embeddings.py`), over what they share
 (`serving_base.py`); errors are `errors.py`'s."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from treadle.entrypoints.openai.protocol import ChatCompletionRequest, Completio
 from treadle.entrypoints.openai.serving_base import ServingBase
 from treadle.entrypoints.openai.serving_chat import ChatServing
 from treadle.entrypoints.openai.serving_completions import CompletionServing
+from treadle.entrypoints.openai.serving_embeddings import EmbeddingRequest, EmbeddingServing
 from treadle.frontend.async_llm import AsyncLLM
 
 
@@ -19,12 +21,16 @@ class OpenAIServing(ServingBase):
         super().__init__(engine, model_name)
         self._completions = CompletionServing(self)
         self._chat = ChatServing(self)
+        self._embeddings = EmbeddingServing(self)
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         return await self._completions.create(req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         return await self._chat.create(req, raw)
+
+    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
+        return await self._embeddings.create(req, raw)
 
     def model_cards(self) -> list[ModelCard]:
         """/v1/models: a card per served name, as vLLM's; `root` is the first served name (the
