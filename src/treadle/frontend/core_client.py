@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import secrets
 import time
 import weakref
 from collections.abc import Callable
@@ -144,7 +145,9 @@ class MPClient:
         self.request_drops = DropLog(logger)  # what arrives on the ROUTER after start-up
         self.refusals = DropLog(logger)  # peers that claimed to be an engine core, refused
         self.dead_reason: str | None = None
-        self._call_ids = itertools.count()
+        # From a random start: the successor of a dead API server (on its sockets) may get
+        # the dead one's last answers, which must not settle calls of its own.
+        self._call_ids = itertools.count(secrets.randbits(40))
         self._closed = False
         self.monitor: ProcessMonitor | None = None
         self.launcher: EngineLauncher | None = None
