@@ -121,7 +121,10 @@ class InputReader:
                     self.poller.register(self._connect(index), zmq.POLLIN)
             wait = min(self.reconnect_at.values(), default=None)
             timeout = None if wait is None else max(0, int((wait - now) * 1000) + 1)
-            for sock, _ in self.poller.poll(timeout):
+            # Requests before disconnects: the disconnect closes its DEALER, whose last
+            # messages (read in the same poll) still count, and are then aborted.
+            events = sorted(self.poller.poll(timeout), key=lambda e: e[0] in self.monitors)
+            for sock, _ in events:
                 if sock in self.monitors:
                     self._on_disconnect(sock)
                 elif sock is coordinator:
