@@ -111,23 +111,25 @@ class Streams:
 
 
 class HealthPoller:
-    """A fresh connection to /health every 50 ms, in a thread; what each answered."""
+    """A fresh connection to /health every 50 ms, in a thread: (sent, answered, what) each."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.answers: list[int | str] = []
+        self.answers: list[tuple[float, float, int | str]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.stop.wait(0.05):
+            sent = time.monotonic()
             try:
-                self.answers.append(httpx.get(self.url + "/health", timeout=10).status_code)
+                answer: int | str = httpx.get(self.url + "/health", timeout=10).status_code
             except httpx.HTTPError as e:
-                self.answers.append(f"{type(e).__name__}: {e}")
+                answer = f"{type(e).__name__}: {e}"
+            self.answers.append((sent, time.monotonic(), answer))
 
-    def finish(self) -> list[int | str]:
+    def finish(self) -> list[tuple[float, float, int | str]]:
         self.stop.set()
         self.thread.join()
         return self.answers
@@ -148,6 +150,7 @@ def test_kill_9_of_an_api_server_fails_only_its_streams_and_it_comes_back(
     held = {pid: streams.holders.count(pid) for pid in before.values()}
     assert None not in streams.holders, streams.holders
     index, victim = max(before.items(), key=lambda item: held[item[1]])
+    kill_sent = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     outcomes = streams.outcomes()
@@ -190,8 +193,12 @@ def test_kill_9_of_an_api_server_fails_only_its_streams_and_it_comes_back(
     aborted = re.findall(r"Aborting the (\d+) request\(s\) of front end (\d+)", log)
     assert sum(int(n) for n, _ in aborted) == failed and {i for _, i in aborted} == {str(index)}
     assert back_s < 60, back_s  # its load time: a new process, its tokenizer, the engines
-    # /health on the port answered 200 throughout.
-    assert answers and all(a == 200 for a in answers), (back_s, [a for a in answers if a != 200])
+    # /health on the port answered 200 throughout: the listening socket is shared, so each new
+    # connection goes to a live API server. Only a request that the dead one had accepted
+    # when it was killed may fail (its connection reset); none did in the runs seen so far.
+    assert len(answers) > 20 and sum(a == 200 for _, _, a in answers) >= len(answers) - 1
+    for sent, answered, a in answers:
+        assert a == 200 or (sent <= killed_at and answered >= kill_sent and isinstance(a, str)), a
 
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(60) == 0, server.output()[-3000:]
