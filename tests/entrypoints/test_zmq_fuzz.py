@@ -182,7 +182,19 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
     )
     assert refused.finish_reason == FinishReason.ERROR and refused.new_token_ids == []
 
-    front_end.send(ADD, HUGE)  # above the cap: zmq drops the connection, which comes back
+    # Above the cap: zmq drops the connection, which comes back. A request in flight then is
+    # aborted (a dead front end's would run on for nobody), and this live front end hears it.
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    front_end.send_obj(ADD, EngineCoreRequest("running", PROMPT, params))
+    front_end.send(ADD, HUGE)
+    end = next(
+        o
+        for out in front_end.outputs()
+        for o in out.outputs
+        if o.request_id == "running" and o.finish_reason is not None
+    )
+    assert end.finish_reason == FinishReason.ABORT, end
+    assert end.stop_reason == "the front end's connection dropped", end
     deadline = time.monotonic() + 20
     while not front_end.answers(1.0):
         assert time.monotonic() < deadline, "the engine never answered again"
@@ -194,6 +206,7 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
     assert "Dropped ADD 'lost': client index 5 has no socket (1 front ends)" in log, log
     assert "Dropped UTILITY 'get_stats': client index 9 has no socket" in log, log
     assert "The connection to the front end at ipc://" in log, log  # the huge frame
+    assert "Aborting the 1 request(s) of front end 0: its connection dropped" in log, log
     assert "Traceback" not in log and "Engine core failed" not in log, log
 
 

@@ -4,10 +4,19 @@ this host's engine cores (`--headless`). ARCHITECTURE §1, §8.
 With N API servers the CLI process serves no HTTP. It binds the HTTP socket, starts the DP
 coordinator and the engine cores, spawns the API servers (each gets the socket, a client
 index and binds its own ROUTER/PULL pair, whose addresses come back on its ready pipe), runs
-the engines' handshake with all those addresses, then watches every child. A dead engine
-core is restarted (--max-engine-restarts; the API servers resume its requests when it says
-hello); any other child dying stops all of them and exits non-zero; SIGTERM/SIGINT (to this
-process or to any child, which then exits 0) stop them all and exit 0.
+the engines' handshake with all those addresses, then watches every child. Within one
+--max-engine-restarts budget, a child that exits non-zero is restarted:
+
+- an engine core: the API servers resume its requests when it says hello;
+- the DP coordinator: a new one on the same addresses;
+- an API server (when every engine is local): a new process of the same client index on
+  the same HTTP socket, binding the dead one's ipc ROUTER/PULL addresses with its key. The
+  engines see the dropped connection, abort its requests and connect to the new one by
+  themselves; the other API servers keep serving, and their streams go on. Only the dead
+  one's connections fail.
+
+Any other death, or one past the budget, stops all of them and exits non-zero; SIGTERM/SIGINT
+(to this process or to any child, which then exits 0) stop them all and exit 0.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +41,7 @@ from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.frontend.engine_restarts import RestartBudget, restart_child
-from treadle.frontend.launcher import EngineLauncher
+from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.ipc.process import (
     ChildProcess,
     ProcessMonitor,
@@ -66,7 +76,7 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 
 class _Stop:
     """Set by a signal or a child's death; the main thread waits on it. With `restartable`
-    children (engine cores, when restarts are on) a death queues a restart instead."""
+    children (when restarts are on) a death queues a restart instead."""
 
     def __init__(self, restartable: Callable[[ChildProcess], bool] = lambda child: False) -> None:
         self.event = threading.Event()
@@ -99,22 +109,35 @@ class _Stop:
                 on_restart(self.restarts.get())
 
 
-class _EngineRestarts:
-    """The supervisor's side of restarts (the API servers resume their requests when a
-    restarted engine says hello): engine cores and the DP coordinator, within the
-    --max-engine-restarts budget that an API server with its own engines spends."""
+class _Restarts:
+    """The supervisor's side of restarts, within the --max-engine-restarts budget that an API
+    server with its own engines spends too: engine cores and the DP coordinator (the API
+    servers resume their requests when a restarted engine says hello), and API servers."""
 
-    def __init__(self, config: EngineConfig, launcher: EngineLauncher, stop: _Stop) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        launcher: EngineLauncher,
+        stop: _Stop,
+        start_api_server: Callable[[int, list[str] | None], ChildProcess],
+    ) -> None:
         self.budget = RestartBudget(config.restart.max_engine_restarts)
         self.launcher = launcher
         self.stop = stop
-        self.addresses: list[list[str]] = []
+        self.start_api_server = start_api_server
+        # A new API server binds the dead one's addresses again: ipc only (an engine on
+        # another host exits when its tcp front end goes).
+        self.local = front_end_host(config) is None
+        self.api_servers: list[ChildProcess] = []  # by client index
+        self.addresses: list[list[str]] = []  # what each reported: router, pull, key
         self.monitor: ProcessMonitor | None = None
 
     def restartable(self, child: ChildProcess) -> bool:
         launcher = self.launcher
         ours = child is launcher.coordinator or any(child is e for e in launcher.engines)
-        return self.budget.limit > 0 and ours
+        index = self._index(child)
+        api_server = self.local and index is not None and index < len(self.addresses)
+        return self.budget.limit > 0 and (ours or api_server)
 
     def restart(self, child: ChildProcess) -> None:
         """(The main thread.) The restart sequence that an API server with its own engines
@@ -127,7 +150,10 @@ class _EngineRestarts:
             asyncio.run(sequence)
 
     async def _start_again(self, child: ChildProcess) -> None:
-        if child is self.launcher.coordinator:
+        index = self._index(child)
+        if index is not None:
+            new = self._restart_api_server(index)
+        elif child is self.launcher.coordinator:
             new = self.launcher.restart_coordinator()
         else:
             new = self._restart_engine(child)
@@ -135,8 +161,31 @@ class _EngineRestarts:
         self.monitor.add(new)
 
     def _fail(self, why: str) -> None:
-        self.stop.failure = why
+        if not self.stop.event.is_set():  # (not a restart cut short by a clean stop)
+            self.stop.failure = why
         self.stop.event.set()
+
+    def _index(self, child: ChildProcess) -> int | None:
+        return next((i for i, s in enumerate(self.api_servers) if s is child), None)
+
+    def _restart_api_server(self, index: int) -> ChildProcess:
+        """A new API server `index` in the dead one's place (in the list before it is ready,
+        so that a stop meanwhile stops it too); returns it once it is ready."""
+        shutdown_processes([self.api_servers[index]], timeout=1.0)
+        self.api_servers[index] = new = self.start_api_server(index, self.addresses[index])
+        deadline = time.monotonic() + envs.engine_ready_timeout_s()
+        while True:
+            if self.stop.event.is_set():
+                raise RuntimeError("stopped while it started")
+            try:
+                report = wait_for_ready([new], min(0.5, max(0.0, deadline - time.monotonic())))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+        if report[0] != self.addresses[index]:
+            raise RuntimeError(f"{new.describe()} bound other addresses: {report[0][:2]}")
+        return new
 
     def _restart_engine(self, child: ChildProcess) -> ChildProcess:
         launcher = self.launcher
@@ -179,31 +228,22 @@ def run_api_servers(
     addresses: list[list[str]] = []
     try:
         launcher = EngineLauncher(config, args.shutdown_timeout)
-        restarts = _EngineRestarts(config, launcher, stop)
-        stop.restartable = restarts.restartable
         timeout = envs.engine_ready_timeout_s()
         coordinator = launcher.coordinator_addresses(timeout)
         spawn = multiprocessing.get_context("spawn")  # always, for extra API servers (§7)
-        for index in range(count):
-            worker_args = (
-                sock,
-                config,
-                model_name,
-                model_path,
-                index,
-                coordinator.front_publish if coordinator else None,
-                args,
-            )
+
+        def start_api_server(index: int, reuse: list[str] | None) -> ChildProcess:
+            publish = coordinator.front_publish if coordinator else None
+            worker_args = (sock, config, model_name, model_path, index, publish, args, reuse)
             # An orphaned API server gets 5 s (not 2) to drain and remove its socket files.
-            api_servers.append(
-                start_process(
-                    run_api_server_worker,
-                    f"APIServer_{index}",
-                    worker_args,
-                    ctx=spawn,
-                    grace_s=5.0,
-                )
+            return start_process(
+                run_api_server_worker, f"APIServer_{index}", worker_args, ctx=spawn, grace_s=5.0
             )
+
+        restarts = _Restarts(config, launcher, stop, start_api_server)
+        stop.restartable = restarts.restartable
+        api_servers = restarts.api_servers  # the same list: a restart replaces its entry
+        api_servers.extend(start_api_server(index, None) for index in range(count))
         addresses = wait_for_ready(api_servers, timeout)
         ctx: zmq.Context[Any] = zmq.Context()
         try:

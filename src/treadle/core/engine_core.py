@@ -183,6 +183,12 @@ class EngineCore:
             self._compiling = [(r, f) for r, f in self._compiling if r.request_id not in gone]
         self.scheduler.abort_requests(request_ids)
 
+    def requests_of(self, client_index: int) -> list[str]:
+        """The ids of the requests here (running, waiting or compiling) from that front end."""
+        ids = [r.request_id for r, _ in self._compiling if r.client_index == client_index]
+        ids += [rid for rid, r in self.scheduler.requests.items() if r.client_index == client_index]
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         """Requests to run (or compiling their grammar), or refusals not yet returned by
         `step()`."""

@@ -121,7 +121,10 @@ class InputReader:
                     self.poller.register(self._connect(index), zmq.POLLIN)
             wait = min(self.reconnect_at.values(), default=None)
             timeout = None if wait is None else max(0, int((wait - now) * 1000) + 1)
-            for sock, _ in self.poller.poll(timeout):
+            # Requests before disconnects: the disconnect closes its DEALER, whose last
+            # messages (read in the same poll) still count, and are then aborted.
+            events = sorted(self.poller.poll(timeout), key=lambda e: e[0] in self.monitors)
+            for sock, _ in events:
                 if sock in self.monitors:
                     self._on_disconnect(sock)
                 elif sock is coordinator:
@@ -154,10 +157,12 @@ class InputReader:
 
     def _on_disconnect(self, monitor: Any) -> None:
         """A tcp front end (another host) that disconnects is gone: the engine exits. A
-        local one only drops us after a protocol error, such as a message over
+        local one drops us when it dies (an API server killed, which the supervisor starts
+        again on the same addresses) or after a protocol error, such as a message over
         TREADLE_ZMQ_MAX_MSG_BYTES, and zmq does not connect again after those: a new DEALER
         does, `_RECONNECT_S` later (with a new routing identity; its ready message binds the
-        engine to it again)."""
+        engine to it again). Either way its requests are aborted (FRONTEND_DROPPED): a dead
+        front end's would run on for nobody, and one that is alive hears them end."""
         event = parse_monitor_message(monitor.recv_multipart())
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return
@@ -172,6 +177,7 @@ class InputReader:
             "larger than TREADLE_ZMQ_MAX_MSG_BYTES); connecting again",
             addr,
         )
+        self.input_queue.put((EngineCoreRequestType.FRONTEND_DROPPED, index))
         for old in (monitor, sock):
             self.poller.unregister(old)
         del self.monitors[monitor]

@@ -26,6 +26,9 @@ Ends:
   traceback; every front end gets `ENGINE_CORE_DEAD` with a `DeathReport` (the error, its
   last frames, the last lines logged here); exit 1.
 
+A local front end whose connection drops (an API server killed -9, which the supervisor
+starts again on the same sockets) has its requests aborted here, and is connected to again.
+
 With data parallelism the engine also talks to the DP coordinator: it pushes its stats and its
 idle/busy transitions (`start_wave`, `wave_complete`) and subscribes to START_DP_WAVE. An
 engine on another host (tcp) exits when its front end disconnects.
@@ -405,6 +408,8 @@ class EngineCoreProc:
             self._call_utility(payload)
         elif kind is EngineCoreRequestType.EXECUTOR_FAILED:
             raise payload if isinstance(payload, Exception) else RuntimeError(payload)
+        elif kind is EngineCoreRequestType.FRONTEND_DROPPED:
+            self._abort_client(payload)
         elif kind is EngineCoreRequestType.FRONTEND_GONE:
             raise FrontEndGone(payload)
 
@@ -444,16 +449,33 @@ class EngineCoreProc:
         outputs = EngineCoreOutputs(self.dp_rank, utility_output=result, timestamp=time.time())
         self.output_queue.put((call.client_index, outputs))
 
-    def _abort_all(self) -> None:
-        ids = list(self.engine.scheduler.requests)
-        by_client: dict[int, list[EngineCoreOutput]] = {}
-        for rid in ids:
-            req = self.engine.scheduler.requests[rid]
-            by_client.setdefault(req.client_index, []).append(
-                EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT, stop_reason="shutdown")
+    def _abort_client(self, client_index: int) -> None:
+        """Front end `client_index`'s connection dropped: its requests are aborted (their KV
+        freed), and it is told, in case it still lives (a dead one's successor on the same
+        socket drops what it does not know)."""
+        ids = self.engine.requests_of(client_index)
+        if ids:
+            logger.warning(
+                "Aborting the %d request(s) of front end %d: its connection dropped",
+                len(ids),
+                client_index,
             )
-        self.engine.abort_requests(ids)
-        for client, outs in by_client.items():
+            self._abort({client_index: ids}, "the front end's connection dropped")
+
+    def _abort_all(self) -> None:
+        by_client: dict[int, list[str]] = {}
+        for rid, req in self.engine.scheduler.requests.items():
+            by_client.setdefault(req.client_index, []).append(rid)
+        self._abort(by_client, "shutdown")
+
+    def _abort(self, by_client: dict[int, list[str]], reason: str) -> None:
+        """Abort these requests (by front end) and send each its end."""
+        for client, ids in by_client.items():
+            self.engine.abort_requests(ids)
+            ends = [
+                EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT, stop_reason=reason)
+                for r in ids
+            ]
             self.output_queue.put(
-                (client, EngineCoreOutputs(self.dp_rank, outs, timestamp=time.time()))
+                (client, EngineCoreOutputs(self.dp_rank, ends, timestamp=time.time()))
             )

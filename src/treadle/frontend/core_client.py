@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import secrets
 import time
 import weakref
 from collections.abc import Callable
@@ -108,10 +109,14 @@ class AttachTo:
     supervisor): `report([router, pull, key])` hands this client's ROUTER and PULL addresses
     and its engine key (hex, `ipc/engine_auth.py`) to the process that runs the handshake,
     over a private channel (the ready pipe); `coordinator` is the DP coordinator's XPUB, if
-    any."""
+    any. `reuse`: what a dead API server of the same client index reported, for the one that
+    replaces it: it binds the same ipc addresses with the same key, the engines connect to it
+    again as they would after a dropped connection (no handshake), and it reports once they
+    have."""
 
     report: Callable[[list[str]], None]
     coordinator: str | None = None
+    reuse: list[str] | None = None
 
 
 class MPClient:
@@ -133,13 +138,16 @@ class MPClient:
         self.client_index = client_index
         self.restart_config = config.restart
         self.num_engines = p.data_parallel_size
-        self.key = new_key()
+        reuse = attach.reuse if attach is not None else None
+        self.key = bytes.fromhex(reuse[2]) if reuse else new_key()
         self.engines = EngineIdentities(self.key, self.num_engines)
         self.encoder = MsgpackEncoder()
         self.request_drops = DropLog(logger)  # what arrives on the ROUTER after start-up
         self.refusals = DropLog(logger)  # peers that claimed to be an engine core, refused
         self.dead_reason: str | None = None
-        self._call_ids = itertools.count()
+        # From a random start: the successor of a dead API server (on its sockets) may get
+        # the dead one's last answers, which must not settle calls of its own.
+        self._call_ids = itertools.count(secrets.randbits(40))
         self._closed = False
         self.monitor: ProcessMonitor | None = None
         self.launcher: EngineLauncher | None = None
@@ -161,12 +169,11 @@ class MPClient:
                 return get_tcp_uri(host, 0) if host else get_open_zmq_ipc_path()
 
             limits = inbound_options()
+            router, pull = reuse[:2] if reuse else (address(), address())
             self.input_socket = make_zmq_socket(
-                self.ctx, address(), zmq.ROUTER, linger=0, options=limits
+                self.ctx, router, zmq.ROUTER, linger=0, options=limits
             )
-            self.output_socket = make_zmq_socket(
-                self.ctx, address(), zmq.PULL, linger=0, options=limits
-            )
+            self.output_socket = make_zmq_socket(self.ctx, pull, zmq.PULL, linger=0, options=limits)
             mine = [get_bound_address(self.input_socket), get_bound_address(self.output_socket)]
             self.addresses = mine
             if self.launcher is not None:
@@ -175,9 +182,12 @@ class MPClient:
                 coordinator_address = coordinator.front_publish if coordinator else None
             else:
                 assert attach is not None
-                attach.report([*mine, self.key.hex()])
+                if not reuse:  # (the supervisor runs the handshake with it)
+                    attach.report([*mine, self.key.hex()])
                 coordinator_address = attach.coordinator
             self.info = self._wait_for_engines()
+            if attach is not None and reuse:  # a replacement is ready once its engines are
+                attach.report([*mine, self.key.hex()])
             self.reader = OutputReader(self.num_engines, self.info.vocab_size)
             if coordinator_address:
                 self.coordinator_socket = make_zmq_socket(

@@ -22,6 +22,7 @@ class EngineCoreRequestType(enum.Enum):
     EXECUTOR_FAILED = b"\x04"  # the executor or an IO thread failed: (reason or exception)
     FRONTEND_GONE = b"\x05"  # the front end of another host disconnected: (reason)
     REFUSE = b"\x06"  # an ADD that did not decode: (request_id, client_index, reason)
+    FRONTEND_DROPPED = b"\x07"  # a local front end's request socket dropped: (client_index)
 
 
 class FinishReason(enum.IntEnum):

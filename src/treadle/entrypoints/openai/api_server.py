@@ -323,18 +323,20 @@ def run_api_server_worker(
     client_index: int,
     coordinator: str | None,
     server: FrontendArgs,
+    reuse: list[str] | None = None,
 ) -> None:
     """Process entry of API server `client_index` of several (`--api-server-count`).
 
     Binds its own ROUTER/PULL pair, hands their addresses and its engine key to the supervisor
     through the ready pipe (the supervisor runs the engines' handshake), waits for every engine, then serves
-    HTTP on the shared socket `sock`."""
+    HTTP on the shared socket `sock`. `reuse`: the report of the dead API server this one
+    replaces (`AttachTo.reuse`)."""
 
     def leave(signum: int, frame: Any) -> None:  # until uvicorn handles signals itself
         raise SystemExit(128 + signum)  # unwinds: sockets close, ipc files go
 
     signal.signal(signal.SIGTERM, leave)
-    attach = AttachTo(report=ready.send_ready, coordinator=coordinator)
+    attach = AttachTo(report=ready.send_ready, coordinator=coordinator, reuse=reuse)
     engine = AsyncLLM(config, model_name, server.shutdown_timeout, client_index, attach)
     port = sock.getsockname()[1]
     code = run_server(engine, model_name, model_path, server, port, sock, shared=True)
