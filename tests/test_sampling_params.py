@@ -84,3 +84,15 @@ def test_wire_round_trip_keeps_values_and_validates():
     )
     with pytest.raises(msgspec.ValidationError, match=r"SamplingParams\.temperature"):
         msgspec.msgpack.decode(bad, type=SamplingParams)
+
+
+def test_a_json_schema_with_numbers_past_64_bits_crosses_the_wire() -> None:
+    """The fuzz test found it: a schema dict holding an int below -2**63 made msgpack raise
+    OverflowError (a 500); the schema travels as its JSON text instead."""
+    from treadle.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json={"": -(2**63) - 1})
+    params = SamplingParams(structured_outputs=so)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert back.structured_outputs is not None
+    assert back.structured_outputs.json == '{"": -9223372036854775809}'

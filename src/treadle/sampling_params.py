@@ -30,6 +30,10 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
         from treadle.validation import check_structured_outputs
 
         check_structured_outputs(self)
+        if isinstance(self.json, dict):
+            # Its text from here on: msgpack cannot carry every JSON number (ints past 64
+            # bits, which a schema may hold), JSON text can.
+            self.json = json.dumps(self.json)
 
     @property
     def kind(self) -> str:

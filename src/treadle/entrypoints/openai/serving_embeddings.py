@@ -55,19 +55,27 @@ class EmbeddingServing:
                 sorted(req.model_extra)[0], "is not a field of /v1/embeddings treadle knows"
             )
         _check_inputs(req.input)
-        prompts: list[Prompt] = await base.inputs.completion_prompts(
-            req.input, False, None, req.add_special_tokens
-        )
+        try:
+            prompts: list[Prompt] = await base.inputs.completion_prompts(
+                req.input, False, None, req.add_special_tokens
+            )
+        except InvalidRequest as e:
+            raise e.renamed({"prompt": "input"}) from None
         params = SamplingParams(
             max_tokens=1, temperature=0.0, pooling=base.engine.config.model.pooling_type
         )
         rid = random_id("embd")
         prepare = base.engine.input_processor.prepare
         size = sum(len(ids) for _, ids in prompts)
-        requests = await base.inputs.run(
-            size,
-            lambda: [prepare(f"{rid}-{i}", t, ids, params) for i, (t, ids) in enumerate(prompts)],
-        )
+        try:
+            requests = await base.inputs.run(
+                size,
+                lambda: [
+                    prepare(f"{rid}-{i}", t, ids, params) for i, (t, ids) in enumerate(prompts)
+                ],
+            )
+        except InvalidRequest as e:
+            raise e.renamed({"prompt": "input"}) from None
         return await base.until_done(
             raw, self._body(req, prompts, base.run(requests, base.dp_rank(raw)))
         )
