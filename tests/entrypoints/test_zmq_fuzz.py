@@ -49,6 +49,20 @@ ADD, ABORT, UTILITY = (
 PROMPT = [504, 3575, 282, 4649, 314, 1303, 1300, 253]
 
 
+def _with_embeds(header: tuple[Any, ...] | None, pickled: bool = False) -> bytes:
+    """An ADD payload whose `prompt_embeds` is a tensor extension with this header
+    (dtype, shape, bytes or frame index), or a pickle extension."""
+    raw = msgspec.msgpack.decode(bytes(MsgpackEncoder().encode(_request("embeds"))[0]))
+    # fields 3-7 (eos_token_id .. priority) at their defaults, then prompt_embeds (field 8)
+    raw = [*raw[:8], *[None, 0.0, 0, 0, 0][max(0, len(raw) - 3) :]]
+    ext = (
+        msgspec.msgpack.Ext(3, b"\x80\x05N.")
+        if pickled
+        else msgspec.msgpack.Ext(1, msgspec.msgpack.encode(header))
+    )
+    return msgspec.msgpack.encode([*raw, ext])
+
+
 def _request(rid: str, client_index: int = 0) -> EngineCoreRequest:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     return EngineCoreRequest(rid, PROMPT, params, client_index=client_index)
@@ -186,6 +200,9 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
     # aborted (a dead front end's would run on for nobody), and this live front end hears it.
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     front_end.send_obj(ADD, EngineCoreRequest("running", PROMPT, params))
+    # (it must be running first: an ADD still in the socket's buffer when the huge frame
+    # drops the connection is lost with it, as on any dropped connection)
+    next(o for out in front_end.outputs() for o in out.outputs if o.request_id == "running")
     front_end.send(ADD, HUGE)
     end = next(
         o
@@ -207,6 +224,21 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
     assert "Dropped UTILITY 'get_stats': client index 9 has no socket" in log, log
     assert "The connection to the front end at ipc://" in log, log  # the huge frame
     assert "Aborting the 1 request(s) of front end 0: its connection dropped" in log, log
+    assert "Traceback" not in log and "Engine core failed" not in log, log
+
+    # prompt_embeds tensors whose header lies (issue 23 item 5): a missing frame, a dtype that
+    # is no tensor's, a shape far larger than its bytes (nothing allocated), a negative size,
+    # a pickle where a tensor goes: each dropped, the engine serves the same text after
+    for header in (
+        ("float32", [2, 64], 7),
+        ("complex999", [2, 64], b"\0" * 512),
+        ("float32", [10**6, 10**6], b"\0" * 512),
+        ("float32", [-2, 64], b"\0" * 512),
+    ):
+        front_end.send(ADD, _with_embeds(header))
+    front_end.send(ADD, _with_embeds(None, pickled=True))
+    assert front_end.greedy("after-bad-tensors") == expected
+    log = front_end.log_path.read_text()
     assert "Traceback" not in log and "Engine core failed" not in log, log
 
 
