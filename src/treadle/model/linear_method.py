@@ -5,9 +5,12 @@ the copies of its weight it has and the row counts at which each is the fastest 
 - `PackedLinear`: oneDNN's prepacked copy of the weight from `PACKED_MIN_ROWS` rows up (any
   rows in bfloat16): PyTorch's default CPU GEMM is fast for one row (a GEMV) but 1.5-2x slower
   than oneDNN with a prepacked weight at 4-32 rows, the rows of a decode batch.
-- `GGUFLinear`: the layer's GGUF blocks through the C kernel (`quantized.py`) up to
-  `GGUF_MAX_ROWS[isa]` rows, the packed (or dense) method beyond: at decode sizes a step is
-  bound by reading the weights, and the blocks are a fifth of the bytes of float32.
+- `GGUFLinear`: the layer's GGUF blocks through the C kernel (`quantized.py`): at decode sizes
+  a step is bound by reading the weights, and the blocks are a fifth of the bytes of float32.
+  By default for every row count, and the layer keeps no float32 weight at all (issue 24: the
+  default model's engine core 1,017 -> 345 MiB peak); with TREADLE_PACKED_GGUF_WEIGHTS=1 the
+  packed (or dense) method beyond `GGUF_MAX_ROWS[isa]` rows: a 512-token prefill ~1.15-1.2x
+  faster, for 4 bytes a weight more (~520 MB for the default model, its LM head included).
 
 A layer with both the blocks and the packed copy frees its float32 weight: no call reads it.
 
@@ -105,8 +108,11 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class GGUFLinear(LinearMethod):
+    """The blocks up to `max_rows` rows, `beyond` past them; without `beyond`, the blocks for
+    every row count (the kernel then expands each tile once and multiplies all rows by it)."""
+
     def __init__(
-        self, kernels: Kernels, quant: QuantizedWeight, beyond: LinearMethod, max_rows: int
+        self, kernels: Kernels, quant: QuantizedWeight, beyond: LinearMethod | None, max_rows: int
     ) -> None:
         self.kernels = kernels
         self.quant = quant
@@ -115,7 +121,7 @@ class GGUFLinear(LinearMethod):
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= self.max_rows:
+        if rows <= self.max_rows or self.beyond is None:
             return self._blocks(x, bias)
         # Whole buckets beyond (few shapes for oneDNN), the rest on the blocks, which are as
         # fast up to max_rows (>= ROW_BUCKET where the beyond method is oneDNN's).
@@ -151,6 +157,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def on_blocks_only(quant: QuantizedWeight | None, kernels: Kernels | None) -> bool:
+    """Whether `choose` puts a layer with these blocks on them alone (no float32 weight)."""
+    return (
+        quant is not None
+        and kernels is not None
+        and GGUF_MAX_ROWS[kernels.isa] >= 1
+        and not envs.packed_gguf_weights()
+    )
+
+
 def choose(
     weight: torch.nn.Parameter,
     quant: QuantizedWeight | None,
@@ -158,16 +174,24 @@ def choose(
     lm_head: bool = False,
 ) -> LinearMethod:
     """The method for a loaded layer; frees `weight` (in place) where no call would read it.
-    The LM head's weight stays: it is also the (tied) embedding table, looked up by rows."""
+    A layer with GGUF blocks that the kernels run takes them for every row count and keeps no
+    float32 copy at all, unless TREADLE_PACKED_GGUF_WEIGHTS keeps oneDNN's packed copy for the
+    rows past `GGUF_MAX_ROWS`; then the LM head's weight stays, as the (tied) embedding table.
+    (A freed LM head weight: the embedding looks its rows up in the blocks instead.)"""
+    max_rows = GGUF_MAX_ROWS[kernels.isa] if kernels is not None else 0
+    on_blocks = quant is not None and kernels is not None and max_rows >= 1
+    if on_blocks_only(quant, kernels):
+        assert quant is not None and kernels is not None
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        return GGUFLinear(kernels, quant, None, max_rows)
     packed = pack_weight(weight)
     dense = (
         DenseLinear(weight, lm_head) if packed is None else PackedLinear(weight, packed, lm_head)
     )
-    max_rows = GGUF_MAX_ROWS[kernels.isa] if kernels is not None else 0
-    if quant is None or kernels is None or max_rows < 1:
+    if not on_blocks:
         return dense
+    assert quant is not None and kernels is not None
     if packed is not None and max_rows >= PACKED_MIN_ROWS - 1 and not lm_head:
-        # Every row count now goes to the blocks or to the packed copy (425 MB for the
-        # default model in float32).
+        # Every row count now goes to the blocks or to the packed copy.
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     return GGUFLinear(kernels, quant, dense, max_rows)
