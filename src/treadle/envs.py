@@ -95,8 +95,8 @@ def cpu_kernels() -> bool:
 def packed_gguf_weights() -> bool:
     """Keep oneDNN's packed float32 copy of each GGUF-block weight, for products of more rows
     than the blocks' crossover (prefill, large decode batches): 4 bytes a weight more (~520 MB
-    for the default model) for a faster prefill (`linear_method.py`); off: the blocks for
-    every row count."""
+    for the default model) for a prefill a few percent faster (`linear_method.py`); off: the
+    blocks, expanded into a scratch buffer for many rows."""
     return _bool("TREADLE_PACKED_GGUF_WEIGHTS", False)
 
 

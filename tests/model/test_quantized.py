@@ -149,11 +149,24 @@ def test_a_layer_on_its_blocks_keeps_no_float32_copy_unless_asked(
     assert isinstance(method, GGUFLinear) and weight.numel() == 0
     if packed and linear_method.pack_weight(torch.ones(8, 8)) is not None:
         assert isinstance(method.beyond, linear_method.PackedLinear)
-    elif not packed:
-        assert method.beyond is None
+    elif not packed and torch.backends.mkldnn.is_available():
+        assert isinstance(method.beyond, linear_method.ExpandedLinear)
     x = torch.randn(200, 128)
     expected = F.linear(x, dequantized(q4))
     assert (method.apply(x, None) - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_tiles_expand_to_the_dequantized_weight(kernels: Kernels, kind: str) -> None:
+    blocks = random_blocks(kind, 203, 576, seed=4)  # 203: a last partial tile
+    weight = QuantizedWeight.build([blocks], 203, torch.device("cpu"))
+    assert weight is not None
+    scratch = torch.full((203 * 576 + 5,), float("nan"))
+    got = kernels.gguf_dequantize(weight.tiles, weight.kind, 203, scratch)
+    reference = dequantized(blocks).view(203, 576)
+    assert got.shape == (203, 576)
+    assert (got - reference).abs().max() <= 1e-6 * reference.abs().max()  # d q + m: one fma
+    assert bool(scratch[203 * 576 :].isnan().all())  # nothing written past the weight
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -191,7 +204,9 @@ def test_default_model_decodes_on_the_gguf_blocks(default_model_path: str) -> No
     arch = model.arch
     linears = [m for m in model.modules() if hasattr(m, "method") and m is not model.lm_head]
     assert len(linears) == 4 * arch.num_layers
-    assert all(isinstance(m.method, GGUFLinear) and m.method.beyond is None for m in linears)
+    assert all(isinstance(m.method, GGUFLinear) for m in linears)
+    if torch.backends.mkldnn.is_available():  # many rows: the blocks expanded into a scratch
+        assert all(isinstance(m.method.beyond, linear_method.ExpandedLinear) for m in linears)
     assert all(m.weight.numel() == 0 for m in linears)
     head = model.lm_head.method
     assert isinstance(head, GGUFLinear) and head.quant.kind == quantized.KIND_Q8
