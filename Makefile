@@ -65,6 +65,7 @@ bench: install bench-peers
 	$(BIN)/python benchmarks/ipc.py
 	$(BIN)/python benchmarks/tp_bench.py
 	$(BIN)/python benchmarks/dp_bench.py
+	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/restart_bench.py
 	$(BIN)/python benchmarks/prompt_cache.py
 	$(BIN)/python benchmarks/embed_bench.py

@@ -60,11 +60,14 @@ def free_port() -> int:
 class LlamaServer:
     """llama.cpp's llama-server on 127.0.0.1, its output in a log file."""
 
-    def __init__(self, binary: Path, gguf: str, slots: int, log_path: Path) -> None:
+    def __init__(
+        self, binary: Path, gguf: str, slots: int, log_path: Path, ctx: int | None = None
+    ) -> None:
+        """`ctx`: llama-server's -c; by default room for `slots` of this benchmark's requests."""
         self.port = free_port()  # llama-server cannot report an OS-chosen port back
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        ctx = slots * (INPUT_LEN + OUTPUT_LEN + 64)
+        ctx = ctx or slots * (INPUT_LEN + OUTPUT_LEN + 64)
         cmd = [str(binary), "-m", gguf, "-t", "2", "-np", str(slots), "-c", str(ctx)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self.started = time.perf_counter()

@@ -97,6 +97,14 @@ def cpu_kernels() -> bool:
     return _bool("TREADLE_CPU_KERNELS", True)
 
 
+def packed_gguf_weights() -> bool:
+    """Keep oneDNN's packed float32 copy of each GGUF-block weight, for products of more rows
+    than the blocks' crossover (prefill, large decode batches): 4 bytes a weight more (~520 MB
+    for the default model) for a prefill a few percent faster (`linear_method.py`); off: the
+    blocks, expanded into a scratch buffer for many rows."""
+    return _bool("TREADLE_PACKED_GGUF_WEIGHTS", False)
+
+
 def cpu_isa() -> str | None:
     """Force the CPU kernels' ISA level (avx512vnni, avx512, avx2, portable); unset: the CPU's best."""
     value = os.environ.get("TREADLE_CPU_ISA", "").strip().lower()

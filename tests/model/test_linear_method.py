@@ -83,3 +83,27 @@ def test_gguf_layer_sends_whole_buckets_beyond_and_the_rest_to_its_blocks(
     got = method.apply(x, bias)
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert onednn_rows == [rows - rows % ROW_BUCKET]
+
+
+@pytest.mark.skipif(
+    cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
+    reason="no C compiler here (or TREADLE_CPU_KERNELS=0), or no oneDNN",
+)
+@pytest.mark.parametrize("rows", [65, 255, 256, 300, 513])
+def test_a_layer_kept_as_blocks_expands_them_for_many_rows(
+    onednn_rows: list[int], rows: int
+) -> None:
+    """No packed copy: from EXPAND_MIN_ROWS rows the whole buckets go to oneDNN on the blocks
+    expanded into the scratch, the rest (and fewer rows) to the blocks' kernel."""
+    kernels = cpu_kernels.kernels_for(cpu_kernels.detect_isa())
+    blocks = random_blocks("Q4_1", 96, 128, seed=rows)
+    quant = QuantizedWeight.build([blocks], 96, torch.device("cpu"))
+    assert quant is not None
+    method = GGUFLinear(kernels, quant, linear_method.ExpandedLinear(kernels, quant), ROW_BUCKET)
+    x = torch.randn(rows, 128)
+    bias = torch.randn(96)
+    expected = F.linear(x, dequantized(blocks), bias)
+    got = method.apply(x, bias)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    whole = rows - rows % ROW_BUCKET
+    assert onednn_rows == ([whole] if whole >= linear_method.EXPAND_MIN_ROWS else [])

@@ -126,24 +126,109 @@ def test_when_the_kernel_does_not_apply() -> None:
         pytest.skip(f"this CPU's best level ({best.isa}) never uses the blocks")
     method = linear_method.choose(weight, quant, best)
     assert isinstance(method, GGUFLinear)
-    # beyond the crossover, rows go to the other copy
+    # beyond the crossover, the blocks as well (or the packed copy: see the next test)
     x = torch.randn(method.max_rows + 1, 64)
     torch.testing.assert_close(method.apply(x, None), F.linear(x, dequantized(q4)))
 
 
-def test_default_model_decodes_on_the_gguf_blocks(default_model_path: str) -> None:
-    """Every linear layer and the LM head of the default Q4_1/Q8_0 model keeps its blocks."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_layer_on_its_blocks_keeps_no_float32_copy_unless_asked(
+    monkeypatch: pytest.MonkeyPatch, packed: bool
+) -> None:
+    """By default a layer on its blocks takes them for every row count and frees its float32
+    weight; TREADLE_PACKED_GGUF_WEIGHTS=1 keeps oneDNN's packed copy for the rows beyond."""
+    best = cpu_kernels.kernels_for(cpu_kernels.detect_isa())
+    if linear_method.GGUF_MAX_ROWS[best.isa] == 0:
+        pytest.skip(f"this CPU's best level ({best.isa}) never uses the blocks")
+    monkeypatch.setenv("TREADLE_PACKED_GGUF_WEIGHTS", "1" if packed else "0")
+    q4 = random_blocks("Q4_1", 96, 128)
+    quant = QuantizedWeight.build([q4], 96, torch.device("cpu"))
+    assert linear_method.on_blocks_only(quant, best) is not packed
+    weight = torch.nn.Parameter(dequantized(q4))
+    method = linear_method.choose(weight, quant, best)
+    assert isinstance(method, GGUFLinear) and weight.numel() == 0
+    if packed and linear_method.pack_weight(torch.ones(8, 8)) is not None:
+        assert isinstance(method.beyond, linear_method.PackedLinear)
+    elif not packed and torch.backends.mkldnn.is_available():
+        assert isinstance(method.beyond, linear_method.ExpandedLinear)
+    x = torch.randn(200, 128)
+    expected = F.linear(x, dequantized(q4))
+    assert (method.apply(x, None) - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_tiles_expand_to_the_dequantized_weight(kernels: Kernels, kind: str) -> None:
+    blocks = random_blocks(kind, 203, 576, seed=4)  # 203: a last partial tile
+    weight = QuantizedWeight.build([blocks], 203, torch.device("cpu"))
+    assert weight is not None
+    scratch = torch.full((203 * 576 + 5,), float("nan"))
+    got = kernels.gguf_dequantize(weight.tiles, weight.kind, 203, scratch)
+    reference = dequantized(blocks).view(203, 576)
+    assert got.shape == (203, 576)
+    assert (got - reference).abs().max() <= 1e-6 * reference.abs().max()  # d q + m: one fma
+    assert bool(scratch[203 * 576 :].isnan().all())  # nothing written past the weight
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_rows_looked_up_in_the_blocks_are_gguf_values(kind: str) -> None:
+    """An embedding table kept only as blocks: its rows, bit for bit gguf's dequantization."""
+    blocks = random_blocks(kind, 203, 576, seed=3)
+    weight = QuantizedWeight.build([blocks], 204, torch.device("cpu"))
+    assert weight is not None
+    ids = torch.tensor([[0, 202, 7], [5, 5, 100]])
+    got = weight.dequantize_rows(ids)
+    assert got.shape == (6, 576) and got.dtype == torch.float32
+    assert torch.equal(got, dequantized(blocks).view(203, 576)[ids.reshape(-1)])
+    assert np.array_equal(blocks.dequantize(), dequantized(blocks).view(203, 576).numpy())
+
+
+def _load_default(path: str) -> torch.nn.Module:
     from treadle.config import resolve_model
     from treadle.model.loader import load_model, read_arch
 
-    source = resolve_model(default_model_path)
-    arch = read_arch(source)
-    model = load_model(source, arch, torch.float32, torch.device("cpu"), 64)
+    source = resolve_model(path)
+    return load_model(source, read_arch(source), torch.float32, torch.device("cpu"), 64)
+
+
+def _gguf_values(path: str, name: str) -> torch.Tensor:
+    from treadle.model.gguf_file import GGUFFile
+
+    tensor = next(t for t in GGUFFile(path).tensors if t.name == name)
+    return torch.from_numpy(tensor.dequantize())
+
+
+def test_default_model_decodes_on_the_gguf_blocks(default_model_path: str) -> None:
+    """Every linear layer and the LM head of the default Q4_1/Q8_0 model runs on its blocks
+    alone: no float32 weight, no packed copy; the (tied) embedding looks rows up in them."""
+    model = _load_default(default_model_path)
+    arch = model.arch
     linears = [m for m in model.modules() if hasattr(m, "method") and m is not model.lm_head]
     assert len(linears) == 4 * arch.num_layers
     assert all(isinstance(m.method, GGUFLinear) for m in linears)
-    # ... and, having the packed copy as well, no longer needs its float32 weight
-    assert all(isinstance(m.method.beyond, linear_method.PackedLinear) for m in linears)
+    if torch.backends.mkldnn.is_available():  # many rows: the blocks expanded into a scratch
+        assert all(isinstance(m.method.beyond, linear_method.ExpandedLinear) for m in linears)
     assert all(m.weight.numel() == 0 for m in linears)
     head = model.lm_head.method
     assert isinstance(head, GGUFLinear) and head.quant.kind == quantized.KIND_Q8
+    assert head.beyond is None and model.lm_head.weight.numel() == 0
+    ids = torch.tensor([0, 1, 17, 4096, arch.vocab_size - 1])
+    table = _gguf_values(default_model_path, "token_embd.weight")
+    assert torch.equal(model.model.embed_tokens(ids), table[ids])
+
+
+def test_default_model_on_the_pytorch_paths_gets_gguf_values(
+    default_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the C kernels the weights are float32 again: the blocks the loader kept,
+    dequantized into them (rows of packed q/k/v, the tied table), bit for bit gguf's values."""
+    monkeypatch.setenv("TREADLE_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_selected", [])
+    model = _load_default(default_model_path)
+    layer = model.model.layers[0]
+    down = _gguf_values(default_model_path, "blk.0.ffn_down.weight")
+    assert torch.equal(layer.mlp.down_proj.weight, down)
+    v = _gguf_values(default_model_path, "blk.0.attn_v.weight")
+    q_size = layer.self_attn.num_heads * layer.self_attn.head_dim
+    assert torch.equal(layer.self_attn.qkv_proj.weight[q_size + v.shape[0] :], v)
+    table = _gguf_values(default_model_path, "token_embd.weight")
+    assert torch.equal(model.model.embed_tokens.weight, table)

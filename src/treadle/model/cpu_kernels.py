@@ -170,6 +170,7 @@ _SIGNATURES = {
     + [i64] * 6
     + [f32, i64, c_int],
     "gguf_linear_f32": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
+    "gguf_dequantize_f32": [ptr, c_int, i64, i64, ptr, c_int],
     "gguf_linear_i8": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
     "rms_norm_f32": [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int],
     "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
@@ -256,6 +257,18 @@ class Kernels:
             out.data_ptr(), out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def gguf_dequantize(
+        self, tiles: torch.Tensor, kind: int, out_features: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The weight `[out_features, K]` in float32 from its tiles, into `out` (contiguous,
+        at least that many elements); returns that view of `out`."""
+        k = tiles.shape[1] * 32
+        w = out[: out_features * k].view(out_features, k)
+        self._lib.gguf_dequantize_f32(
+            tiles.data_ptr(), kind, out_features, k, w.data_ptr(), torch.get_num_threads()
+        )
+        return w
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, n] (rows may be strided) -> RMSNorm(x) * weight, a new tensor."""

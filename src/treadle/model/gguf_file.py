@@ -56,7 +56,7 @@ class GGUFTensor:
         elif self.kind == "BF16":
             out = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         elif self.kind in ("Q4_0", "Q4_1", "Q8_0"):
-            out = _dequantize_blocks(self.kind, raw)
+            out = dequantize_blocks(self.kind, raw)
         else:
             from gguf.quants import dequantize
 
@@ -64,7 +64,7 @@ class GGUFTensor:
         return out.reshape(self.shape)
 
 
-def _dequantize_blocks(kind: str, raw: np.ndarray) -> np.ndarray:
+def dequantize_blocks(kind: str, raw: np.ndarray) -> np.ndarray:
     """gguf.quants' formulas for Q4_0 (d (q - 8)), Q4_1 (d q + m) and Q8_0 (d q), vectorized."""
     nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
     blocks = raw.reshape(-1, nbytes)
@@ -94,6 +94,14 @@ class GGUFFile:
             self.fields, self.tensors = self._parse(memoryview(self._map))
         except (struct.error, IndexError, UnicodeDecodeError, ValueError, KeyError) as e:
             raise GGUFFormatError(f"{path} is not a readable GGUF file: {e}") from e
+
+    def release_pages(self) -> None:
+        """Unmap the pages of the file this process has read so far (its resident set shrinks;
+        the OS's page cache keeps them, and a later read maps them again): the loader calls
+        it as layers copy their blocks out, so that the file and its copy are never both
+        resident."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def _parse(self, buf: memoryview) -> tuple[dict[str, Any], list[GGUFTensor]]:
         if bytes(buf[:4]) != b"GGUF":

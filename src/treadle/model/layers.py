@@ -21,11 +21,15 @@ def _attach_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    check_shape(param, loaded)
+    param.data.copy_(quantized.values(loaded))
+
+
+def check_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
         )
-    param.data.copy_(loaded)
 
 
 class RMSNorm(nn.Module):
@@ -82,19 +86,27 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None
     ) -> None:
+        """Copies this rank's rows of `loaded`; from GGUF blocks, keeps the blocks instead."""
         shard = 0 if shard is None else shard
         dest_offset = sum(self.local_sizes[:shard])
         src_offset, size = self._shard_source(shard)
-        default_weight_loader_slice(param, loaded, dest_offset, src_offset, size)
+        blocks = quantized.blocks_of(loaded) if param is self.weight else None
+        part = blocks.rows(src_offset, size) if blocks else None
         if param is self.weight:
-            blocks = quantized.blocks_of(loaded)
-            self._gguf_parts[shard] = blocks.rows(src_offset, size) if blocks else None
+            self._gguf_parts[shard] = part
+        default_weight_loader_slice(param, loaded, dest_offset, src_offset, size, part is None)
 
     def prepare(self, kernels: Kernels | None) -> None:
-        """After loading: choose how to multiply (linear_method.py)."""
+        """After loading: choose how to multiply (linear_method.py); the weight gets the
+        blocks' values only where the method reads the float32 weight."""
         parts = [self._gguf_parts.get(i) for i in range(len(self.local_sizes))]
         quant = quantized.QuantizedWeight.build(parts, self.weight.shape[0], self.weight.device)
         self._gguf_parts = {}
+        if not linear_method.on_blocks_only(quant, kernels):
+            for shard, part in enumerate(parts):
+                if part is not None:
+                    offset = sum(self.local_sizes[:shard])
+                    _fill(self.weight.data.narrow(0, offset, self.local_sizes[shard]), part)
         self.method = linear_method.choose(self.weight, quant, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,15 +114,28 @@ class ColumnParallelLinear(nn.Module):
 
 
 def default_weight_loader_slice(
-    param: nn.Parameter, loaded: torch.Tensor, dest_offset: int, src_offset: int, size: int
+    param: nn.Parameter,
+    loaded: torch.Tensor,
+    dest_offset: int,
+    src_offset: int,
+    size: int,
+    copy: bool = True,
 ) -> None:
+    """Rows [src_offset, + size) of `loaded` into rows [dest_offset, + size) of `param`;
+    `copy=False`: only the shape check (the values stay in their GGUF blocks)."""
     src = loaded.narrow(0, src_offset, size)
     dest = param.data.narrow(0, dest_offset, size)
     if dest.shape != src.shape:
         raise ValueError(
             f"shape mismatch: parameter slice {tuple(dest.shape)}, checkpoint {tuple(src.shape)}"
         )
-    dest.copy_(src)
+    if copy:
+        dest.copy_(quantized.values(loaded).narrow(0, src_offset, size))
+
+
+def _fill(dest: torch.Tensor, blocks: quantized.GGUFBlocks) -> None:
+    """`dest` (a weight's rows) from the GGUF blocks its loader kept instead of copying."""
+    dest.copy_(torch.from_numpy(blocks.dequantize()))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -154,16 +179,25 @@ class RowParallelLinear(nn.Module):
         self._gguf: quantized.GGUFBlocks | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copies this rank's columns of `loaded`; from GGUF blocks (whole blocks of them),
+        keeps the blocks instead."""
         start = self.tp_rank * self.local_in
-        default_weight_loader(param, loaded.narrow(1, start, self.local_in))
         blocks = quantized.blocks_of(loaded)
         self._gguf = blocks.cols(start, self.local_in) if blocks else None
+        src = loaded.narrow(1, start, self.local_in)
+        if self._gguf is not None:
+            check_shape(param, src)
+        else:
+            default_weight_loader(param, quantized.values(loaded).narrow(1, start, self.local_in))
 
     def prepare(self, kernels: Kernels | None) -> None:
-        """After loading: choose how to multiply (linear_method.py)."""
+        """After loading: choose how to multiply (linear_method.py); the weight gets the
+        blocks' values only where the method reads the float32 weight."""
         quant = quantized.QuantizedWeight.build(
             [self._gguf], self.weight.shape[0], self.weight.device
         )
+        if self._gguf is not None and not linear_method.on_blocks_only(quant, kernels):
+            _fill(self.weight.data, self._gguf)
         self._gguf = None
         self.method = linear_method.choose(self.weight, quant, kernels)
 
@@ -173,7 +207,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; also the (tied) LM head."""
+    """Embedding table split by vocabulary rows; also the (tied) LM head. A tied table whose
+    LM head runs on its GGUF blocks keeps only the blocks: lookups dequantize their rows."""
 
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
@@ -182,35 +217,54 @@ class VocabParallelEmbedding(nn.Module):
         self.local_vocab = math.ceil(vocab_size / self.tp_size)
         self.start = self.tp_rank * self.local_vocab
         self.weight = _attach_loader(
-            nn.Parameter(torch.zeros(self.local_vocab, hidden)), self.weight_loader
+            nn.Parameter(torch.empty(self.local_vocab, hidden)), self.weight_loader
         )
         self.method: linear_method.LinearMethod = linear_method.DenseLinear(self.weight, True)
         self._gguf: quantized.GGUFBlocks | None = None
+        self._rows_from: quantized.QuantizedWeight | None = None  # where `weight` was freed
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copies this rank's rows of `loaded`; from GGUF blocks, keeps the blocks instead."""
         rows = min(self.local_vocab, self.vocab_size - self.start)
-        param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
         blocks = quantized.blocks_of(loaded)
         self._gguf = blocks.rows(self.start, rows) if blocks else None
+        src = loaded.narrow(0, self.start, rows)
+        check_shape(param.data[:rows], src)
+        param.data[rows:].zero_()  # the padding of the last rank's share
+        if self._gguf is None:
+            param.data[:rows].copy_(src)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.local_vocab)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._rows_from is None:
+            return F.embedding(ids, self.weight)
+        rows = self._rows_from.dequantize_rows(ids)
+        return rows.view(*ids.shape, rows.shape[-1])
+
     def drop_gguf_blocks(self) -> None:
-        """Forget the loaded blocks (an embedding table that is not also the LM head)."""
+        """The table in float32 from the loaded blocks, which it then forgets (an embedding
+        table that is not also the LM head: looked up by rows only)."""
+        if self._gguf is not None:
+            _fill(self.weight.data[: self._gguf.raw.shape[0]], self._gguf)
         self._gguf = None
 
     def prepare_lm_head(self, kernels: Kernels | None) -> None:
-        """After loading, where this is the LM head: choose how `logits` multiplies. The
-        embedding lookup keeps reading `weight` by rows, so the weight is never freed."""
+        """After loading, where this is the LM head: choose how `logits` multiplies; where
+        that frees `weight` (the LM head on its blocks), lookups read the blocks."""
         quant = quantized.QuantizedWeight.build([self._gguf], self.local_vocab, self.weight.device)
+        if self._gguf is not None and not linear_method.on_blocks_only(quant, kernels):
+            _fill(self.weight.data[: self._gguf.raw.shape[0]], self._gguf)
         self._gguf = None
         self.method = linear_method.choose(self.weight, quant, kernels, lm_head=True)
+        if self.weight.numel() == 0:
+            self._rows_from = quant
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.method.apply(hidden, None)

@@ -6,8 +6,13 @@ the copies of its weight it has and the row counts at which each is the fastest 
   rows in bfloat16): PyTorch's default CPU GEMM is fast for one row (a GEMV) but 1.5-2x slower
   than oneDNN with a prepacked weight at 4-32 rows, the rows of a decode batch.
 - `GGUFLinear`: the layer's GGUF blocks through the C kernel (`quantized.py`) up to
-  `GGUF_MAX_ROWS[isa]` rows, the packed (or dense) method beyond: at decode sizes a step is
-  bound by reading the weights, and the blocks are a fifth of the bytes of float32.
+  `GGUF_MAX_ROWS[isa]` rows: at decode sizes a step is bound by reading the weights, and the
+  blocks are a fifth of the bytes of float32. Beyond, by default `ExpandedLinear` (the blocks
+  expanded into a scratch buffer for oneDNN, from `EXPAND_MIN_ROWS` rows; the LM head stays on
+  its blocks), and the layer keeps no float32 weight at all (issue 24: the default model's
+  engine core 1,017 -> 345 MiB peak); with TREADLE_PACKED_GGUF_WEIGHTS=1 the packed (or dense)
+  method: 4 bytes a weight more (~520 MB for the default model, its LM head included) for a
+  512-token prefill ~1.02-1.05x faster (1.15-1.2x against the blocks alone).
 
 A layer with both the blocks and the packed copy frees its float32 weight: no call reads it.
 
@@ -33,6 +38,7 @@ logger = init_logger(__name__)
 PACKED_MIN_ROWS = 3  # below this, float32 stays on PyTorch's GEMV (faster at 1-2 rows)
 ROW_BUCKET = 64  # oneDNN runs whole multiples of this many rows, and padded remainders
 SMALL_ROW_STEP = 8  # a remainder (or a batch) below ROW_BUCKET is padded to a multiple of this
+EXPAND_MIN_ROWS = 256  # from this many rows a layer kept only as blocks expands them for oneDNN
 
 # Up to this many float32 rows the GGUF-block kernel is faster than oneDNN's packed float32
 # GEMM (or PyTorch's GEMV at 1-2 rows), per ISA level: measured on the default model's shapes
@@ -75,27 +81,36 @@ class PackedLinear(DenseLinear):
         self.min_rows = 0 if weight.dtype == torch.bfloat16 else PACKED_MIN_ROWS
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows < self.min_rows:
+        if x.shape[0] < self.min_rows:
             return super().apply(x, bias)
-        x = x.contiguous()
-        whole = rows - rows % ROW_BUCKET
-        if whole == rows:
-            return onednn_linear(x, self.packed, bias)
-        if whole == 0:
-            return self._padded(x, bias)
-        out = torch.empty(rows, self.packed.shape[0], dtype=x.dtype, device=x.device)
-        out[:whole] = onednn_linear(x[:whole], self.packed, bias)
-        out[whole:] = self._padded(x[whole:], bias)
-        return out
+        return onednn_bucketed(x, self.packed, bias)
 
-    def _padded(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + b for fewer than ROW_BUCKET rows, padded to a multiple of SMALL_ROW_STEP."""
-        rows = x.shape[0]
-        padded = -(-rows // SMALL_ROW_STEP) * SMALL_ROW_STEP
-        if padded != rows:
-            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        return onednn_linear(x, self.packed, bias)[:rows]
+
+def onednn_bucketed(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x W^T + b on oneDNN in whole buckets of ROW_BUCKET rows, and the remainder padded to a
+    multiple of SMALL_ROW_STEP (`weight`: prepacked, or a plain `[out, in]` float32 one)."""
+    rows = x.shape[0]
+    x = x.contiguous()
+    whole = rows - rows % ROW_BUCKET
+    if whole == rows:
+        return onednn_linear(x, weight, bias)
+    if whole == 0:
+        return _padded(x, weight, bias)
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+    out[:whole] = onednn_linear(x[:whole], weight, bias)
+    out[whole:] = _padded(x[whole:], weight, bias)
+    return out
+
+
+def _padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for fewer than ROW_BUCKET rows, padded to a multiple of SMALL_ROW_STEP."""
+    rows = x.shape[0]
+    padded = -(-rows // SMALL_ROW_STEP) * SMALL_ROW_STEP
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    return onednn_linear(x, weight, bias)[:rows]
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -104,9 +119,45 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+class ExpandedLinear(LinearMethod):
+    """A layer kept only as GGUF blocks, for products of `EXPAND_MIN_ROWS` rows or more: the
+    blocks expanded to float32 into a scratch buffer shared by every layer of the process (the
+    largest layer's size: 7 MB for the default model), then oneDNN's GEMM on it
+    (`onednn_bucketed`); fewer rows on the blocks' own kernel. A layer's four linears, side by
+    side (avx512, 2 threads): 1.05x the packed copy's time at 512 and 1024 rows, where the
+    blocks' kernel takes 1.3x and 1.7x; at 128 rows the blocks' kernel is the faster (1.07x
+    against 1.17x)."""
+
+    def __init__(self, kernels: Kernels, quant: QuantizedWeight) -> None:
+        self.kernels = kernels
+        self.quant = quant
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q = self.quant
+        if x.shape[0] < EXPAND_MIN_ROWS:
+            return on_blocks(self.kernels, q, x, bias)
+        weight = self.kernels.gguf_dequantize(
+            q.tiles, q.kind, q.out_features, _scratch(q.out_features * q.in_features)
+        )
+        return onednn_bucketed(x, weight, bias)
+
+
+_SCRATCH = [torch.empty(0)]
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This process's float32 scratch buffer for `ExpandedLinear`, of at least `numel`."""
+    if _SCRATCH[0].numel() < numel:
+        _SCRATCH[0] = torch.empty(numel)
+    return _SCRATCH[0]
+
+
 class GGUFLinear(LinearMethod):
+    """The blocks up to `max_rows` rows, `beyond` past them; without `beyond`, the blocks for
+    every row count (the kernel then expands each tile once and multiplies all rows by it)."""
+
     def __init__(
-        self, kernels: Kernels, quant: QuantizedWeight, beyond: LinearMethod, max_rows: int
+        self, kernels: Kernels, quant: QuantizedWeight, beyond: LinearMethod | None, max_rows: int
     ) -> None:
         self.kernels = kernels
         self.quant = quant
@@ -115,7 +166,7 @@ class GGUFLinear(LinearMethod):
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= self.max_rows:
+        if rows <= self.max_rows or self.beyond is None:
             return self._blocks(x, bias)
         # Whole buckets beyond (few shapes for oneDNN), the rest on the blocks, which are as
         # fast up to max_rows (>= ROW_BUCKET where the beyond method is oneDNN's).
@@ -129,9 +180,15 @@ class GGUFLinear(LinearMethod):
         return out
 
     def _blocks(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        q = self.quant
-        out = self.kernels.gguf_linear(x, q.tiles, q.kind, q.out_features)
-        return out if bias is None else out.add_(bias)
+        return on_blocks(self.kernels, self.quant, x, bias)
+
+
+def on_blocks(
+    kernels: Kernels, q: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x W^T + b on the blocks' kernel."""
+    out = kernels.gguf_linear(x, q.tiles, q.kind, q.out_features)
+    return out if bias is None else out.add_(bias)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -151,6 +208,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def on_blocks_only(quant: QuantizedWeight | None, kernels: Kernels | None) -> bool:
+    """Whether `choose` puts a layer with these blocks on them alone (no float32 weight)."""
+    return (
+        quant is not None
+        and kernels is not None
+        and GGUF_MAX_ROWS[kernels.isa] >= 1
+        and not envs.packed_gguf_weights()
+    )
+
+
 def choose(
     weight: torch.nn.Parameter,
     quant: QuantizedWeight | None,
@@ -158,16 +225,28 @@ def choose(
     lm_head: bool = False,
 ) -> LinearMethod:
     """The method for a loaded layer; frees `weight` (in place) where no call would read it.
-    The LM head's weight stays: it is also the (tied) embedding table, looked up by rows."""
+    A layer with GGUF blocks that the kernels run takes them for every row count and keeps no
+    float32 copy at all, unless TREADLE_PACKED_GGUF_WEIGHTS keeps oneDNN's packed copy for the
+    rows past `GGUF_MAX_ROWS`; then the LM head's weight stays, as the (tied) embedding table.
+    (A freed LM head weight: the embedding looks its rows up in the blocks instead.)"""
+    max_rows = GGUF_MAX_ROWS[kernels.isa] if kernels is not None else 0
+    on_blocks = quant is not None and kernels is not None and max_rows >= 1
+    if on_blocks_only(quant, kernels):
+        assert quant is not None and kernels is not None
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        # The LM head's expansion would need a scratch of its whole size (113 MB for the
+        # default model): its many-row products (prompt logprobs) stay on the blocks.
+        expand = not lm_head and torch.backends.mkldnn.is_available()
+        beyond = ExpandedLinear(kernels, quant) if expand else None
+        return GGUFLinear(kernels, quant, beyond, max_rows)
     packed = pack_weight(weight)
     dense = (
         DenseLinear(weight, lm_head) if packed is None else PackedLinear(weight, packed, lm_head)
     )
-    max_rows = GGUF_MAX_ROWS[kernels.isa] if kernels is not None else 0
-    if quant is None or kernels is None or max_rows < 1:
+    if not on_blocks:
         return dense
+    assert quant is not None and kernels is not None
     if packed is not None and max_rows >= PACKED_MIN_ROWS - 1 and not lm_head:
-        # Every row count now goes to the blocks or to the packed copy (425 MB for the
-        # default model in float32).
+        # Every row count now goes to the blocks or to the packed copy.
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     return GGUFLinear(kernels, quant, dense, max_rows)

@@ -16,7 +16,7 @@ from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch, UnsupportedModelError
 from treadle.model.gguf_file import GGUFFile, GGUFFormatError
 from treadle.model.llama import LlamaForCausalLM
-from treadle.model.quantized import GGUFBlocks, attach, kernel_type
+from treadle.model.quantized import GGUFBlocks, blocks_only, kernel_type
 
 logger = init_logger(__name__)
 
@@ -119,6 +119,8 @@ def open_gguf(path: str) -> GGUFFile:
 
 
 def _gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face-named tensors: float32, or for the block types the kernels read only the
+    blocks (`quantized.blocks_only`), which unmap the file's pages once copied out."""
     gguf = open_gguf(path)
     for tensor in tqdm(gguf.tensors, desc="Loading GGUF", leave=False):
         kind = tensor.kind
@@ -126,26 +128,24 @@ def _gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
             raise UnsupportedModelError(
                 f"GGUF tensor {tensor.name} has type {kind}; treadle reads {sorted(GGUF_SUPPORTED_TYPES)}"
             )
+        name = _hf_name(tensor.name)
+        heads = 0
+        if arch.family in ("llama", "mistral") and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
+            heads = arch.num_heads if "q_proj" in name else arch.num_kv_heads
+        if kernel_type(kind) and len(tensor.shape) == 2:
+            # Only the blocks (quantized.py): float32 only where a layer asks for it.
+            raw = _unpermute_rope_rows(tensor.data, heads) if heads else tensor.data
+            yield name, blocks_only(tensor.shape, GGUFBlocks(kind, raw, gguf.release_pages))
+            continue
         try:
             array = tensor.dequantize()
         except Exception as e:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name} is unreadable (truncated?): {e}"
             ) from e
-        # The blocks themselves too, for the few-row kernel (quantized.py).
-        blocks = (
-            GGUFBlocks(kind, tensor.data) if kernel_type(kind) and len(tensor.shape) == 2 else None
-        )
-        name = _hf_name(tensor.name)
-        if arch.family in ("llama", "mistral") and name.endswith(
-            ("q_proj.weight", "k_proj.weight")
-        ):
-            heads = arch.num_heads if "q_proj" in name else arch.num_kv_heads
-            array = _unpermute_rope_rows(array, heads)
-            if blocks is not None:
-                blocks = GGUFBlocks(kind, _unpermute_rope_rows(blocks.raw, heads))
-        weight = torch.from_numpy(array)
-        yield name, attach(weight, blocks) if blocks is not None else weight
+        yield name, torch.from_numpy(_unpermute_rope_rows(array, heads) if heads else array)
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -9,22 +9,29 @@ multiplies in float32: the same weights, read at a fifth of the bytes. Products 
 (prefill) are bound by arithmetic instead and go to oneDNN's GEMM (`linear_method.py` says
 where the line falls).
 
-Flow: the GGUF loader attaches each tensor's raw blocks to the dequantized tensor it yields
-(`attach`); a layer's weight loader takes the rows or columns of its own shard (`blocks_of`,
-`GGUFBlocks.rows/cols`); after loading, `QuantizedWeight.build` lays them out for the kernel,
-and `linear_method.GGUFLinear` calls it.
+Flow: for a tensor in such blocks the GGUF loader yields a tensor that carries only its
+blocks (`blocks_only`: a meta tensor of the weight's shape, so that no float32 copy is made
+while loading); a layer's weight loader takes the rows or columns of its own shard (`blocks_of`,
+`GGUFBlocks.rows/cols`), or the float32 values where its shard is no whole blocks (`values`);
+after loading, `QuantizedWeight.build` lays them out for the kernel, and
+`linear_method.GGUFLinear` calls it. A layer whose method needs float32 after all (no C
+kernels, another device) dequantizes its blocks into its weight then (`GGUFBlocks.dequantize`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from treadle.model.gguf_file import dequantize_blocks
+
 BLOCK = 32  # weights per GGUF block (Q4_0, Q4_1, Q8_0)
 TILE_N = 4  # output rows stored side by side (the kernel's TILE_N)
 KIND_Q4, KIND_Q8 = 0, 1  # the kernel's block kinds
+_BUILD_ROWS = 4096  # rows laid out at a time (`QuantizedWeight.build`)
 # GGUF type -> (bytes per block, kernel kind)
 _RAW = {"Q4_0": (18, KIND_Q4), "Q4_1": (20, KIND_Q4), "Q8_0": (34, KIND_Q8)}
 
@@ -35,9 +42,16 @@ class GGUFBlocks:
 
     kind: str  # GGUF type name
     raw: np.ndarray  # uint8 [N, K / 32 * bytes per block]
+    # Called once rows of `raw` are copied out: unmaps the file's pages (`GGUFFile`).
+    release: Callable[[], None] | None = field(default=None, compare=False)
 
     def rows(self, start: int, size: int) -> GGUFBlocks:
-        return GGUFBlocks(self.kind, self.raw[start : start + size])
+        return GGUFBlocks(self.kind, self.raw[start : start + size], self.release)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 `[rows, K]`: gguf's formulas (`gguf_file.dequantize_blocks`)."""
+        raw = np.ascontiguousarray(self.raw)
+        return dequantize_blocks(self.kind, raw.reshape(-1)).reshape(raw.shape[0], -1)
 
     def cols(self, start: int, size: int) -> GGUFBlocks | None:
         """Inputs [start, start + size), or None unless both fall on block boundaries."""
@@ -45,7 +59,9 @@ class GGUFBlocks:
             return None
         nbytes = _RAW[self.kind][0]
         return GGUFBlocks(
-            self.kind, self.raw[:, start // BLOCK * nbytes : (start + size) // BLOCK * nbytes]
+            self.kind,
+            self.raw[:, start // BLOCK * nbytes : (start + size) // BLOCK * nbytes],
+            self.release,
         )
 
 
@@ -54,13 +70,24 @@ def kernel_type(kind: str) -> bool:
     return kind in _RAW
 
 
-def attach(tensor: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
+def blocks_only(shape: tuple[int, ...], blocks: GGUFBlocks) -> torch.Tensor:
+    """A loaded float32 tensor of `shape` that carries only its blocks: a meta tensor (no
+    storage; copying from it raises), its values from `values`."""
+    tensor = torch.empty(shape, dtype=torch.float32, device="meta")
     tensor.gguf_blocks = blocks  # type: ignore[attr-defined]
     return tensor
 
 
 def blocks_of(tensor: torch.Tensor) -> GGUFBlocks | None:
     return getattr(tensor, "gguf_blocks", None)
+
+
+def values(tensor: torch.Tensor) -> torch.Tensor:
+    """A loaded tensor's float32 values: itself, or its blocks dequantized (`blocks_only`)."""
+    blocks = blocks_of(tensor)
+    if tensor.device.type != "meta" or blocks is None:
+        return tensor
+    return torch.from_numpy(blocks.dequantize()).view(tensor.shape)
 
 
 @dataclass(frozen=True)
@@ -88,22 +115,43 @@ class QuantizedWeight:
         if len(kinds) != 1:
             return None
         kind = kinds.pop()
-        raw = np.concatenate([p.raw for p in parts if p is not None])
         nbytes, kernel_kind = _RAW[kind]
-        rows, nb = raw.shape[0], raw.shape[1] // nbytes
+        rows = sum(p.raw.shape[0] for p in parts if p is not None)
+        nb = parts[0].raw.shape[1] // nbytes  # type: ignore[union-attr]
         if rows > out_features:
             return None
-        blocks = raw.reshape(rows, nb, nbytes)
-        if kind == "Q4_0":  # d (q - 8) = d q + m with m = -8 d, exact in half precision
-            d = blocks[..., 0:2].copy().view(np.float16)
-            m = (d * np.float16(-8)).view(np.uint8)
-            blocks = np.concatenate([blocks[..., 0:2], m, blocks[..., 2:]], axis=-1)
-        # else Q4_1 (d, m, qs) and Q8_0 (d, qs) are the kernel's layout already
-        padded = -(-out_features // TILE_N) * TILE_N
-        width = blocks.shape[-1]
-        out = np.zeros((padded, nb, width), dtype=np.uint8)
-        out[:rows] = blocks
-        tiles = out.reshape(padded // TILE_N, TILE_N, nb, width).transpose(0, 2, 1, 3)
-        return cls(
-            torch.from_numpy(np.ascontiguousarray(tiles)), kernel_kind, out_features, nb * BLOCK
-        )
+        width = 20 if kernel_kind == KIND_Q4 else 34
+        # Written in place, a part at a time: row r goes to tile r // TILE_N, slot r % TILE_N.
+        tiles = np.zeros((-(-out_features // TILE_N), nb, TILE_N, width), dtype=np.uint8)
+        start = 0
+        for part in parts:
+            assert part is not None
+            # A few MB at a time, so that the file's pages go as their copies come.
+            for lo in range(0, part.raw.shape[0], _BUILD_ROWS):
+                blocks = part.raw[lo : lo + _BUILD_ROWS].reshape(-1, nb, nbytes)
+                if kind == "Q4_0":  # d (q - 8) = d q + m with m = -8 d, exact in half precision
+                    d = blocks[..., 0:2].copy().view(np.float16)
+                    m = (d * np.float16(-8)).view(np.uint8)
+                    blocks = np.concatenate([blocks[..., 0:2], m, blocks[..., 2:]], axis=-1)
+                # else Q4_1 (d, m, qs) and Q8_0 (d, qs) are the kernel's layout already
+                r = np.arange(start, start + blocks.shape[0])
+                tiles[r // TILE_N, :, r % TILE_N] = blocks
+                start += blocks.shape[0]
+                if part.release is not None:
+                    part.release()
+        return cls(torch.from_numpy(tiles), kernel_kind, out_features, nb * BLOCK)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in float32, `[len(ids), K]`: the same values as gguf's
+        dequantization (d q, or d q + m: each product and sum rounded as numpy rounds them),
+        for an embedding table kept only as blocks."""
+        ids = ids.reshape(-1).to(torch.long)
+        blocks = self.tiles[ids // TILE_N, :, ids % TILE_N]  # [T, K / 32, bytes]
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+        if self.kind == KIND_Q8:
+            q = blocks[..., 2:].contiguous().view(torch.int8).float()
+            return (d * q).reshape(len(ids), self.in_features)
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+        qs = blocks[..., 4:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # weights i, i + 16 of each block
+        return (d * q + m).reshape(len(ids), self.in_features)

@@ -172,6 +172,32 @@ void gguf_linear_f32(
     free(xc);
 }
 
+/* W[N, K] in float32 (row-major) from its tiles, as the many-row path above expands them: for
+   products of many rows, the weight expanded once into a scratch buffer for oneDNN's GEMM. */
+void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, float* w,
+                         int num_threads)
+{
+    const int64_t nb = K / 32;
+    const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
+    const int64_t tile_bytes = nb * TILE_N * block_bytes(kind);
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float* part = (float*)malloc(sizeof(float) * TILE_N * K);  /* a last partial tile */
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            const int64_t n0 = t * TILE_N, valid = N - n0 < TILE_N ? N - n0 : TILE_N;
+            const char* tile = (const char*)tiles + t * tile_bytes;
+            if (valid == TILE_N) {
+                expand_tile(tile, kind, nb, K, w + n0 * K);
+            } else {
+                expand_tile(tile, kind, nb, K, part);
+                memcpy(w + n0 * K, part, sizeof(float) * valid * K);
+            }
+        }
+        free(part);
+    }
+}
+
 /* The same product with x's rows quantized to int8 blocks of 32 (int8.h), up to I8_MAX_ROWS
    rows (beyond: gguf_linear_f32): rows go I8_ROWS at a time over a tile that stays in L1. */
 void gguf_linear_i8(
