@@ -180,3 +180,49 @@ def test_a_request_in_flight_at_two_deaths_fails_as_a_typed_error() -> None:
     assert host.sent == [(0, "a")]
     restarts.down(0, "engine 0 died again")
     assert host.failed == ["a"] and host.inflight.count(0) == 0
+
+
+class Spawning(Host):
+    """A host that keeps what it spawns, to run it."""
+
+    def __init__(self, num_engines: int) -> None:
+        super().__init__(num_engines)
+        self.tasks: list[Coroutine[Any, Any, None]] = []
+        self.reason = ""
+
+    def fail(self, reason: str) -> None:
+        self.ended, self.reason = True, reason
+
+    def spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        self.tasks.append(coro)
+
+    async def respawn(self, rank: int) -> None:
+        raise RuntimeError("the EngineCore_DP1 process failed to start: no GPU")
+
+    def run(self) -> None:
+        while self.tasks:
+            asyncio.run(self.tasks.pop(0))
+
+
+def test_an_engine_whose_restart_fails_is_lost_while_another_serves_else_the_end() -> None:
+    from treadle.frontend.engine_state import Death
+
+    host = Spawning(2)
+    host.killable = frozenset({0, 1})
+    restarts = EngineRestarts(host, 2, RestartConfig(), max_waiting=8)
+    host.add("a", 1)
+    restarts.died(1, Death("the EngineCore_DP1 process died: exit code 1"))
+    assert restarts.states == ["up", "restarting"]
+    host.run()  # the restart fails: lost, its failed process killed, "a" resumes on engine 0
+    assert restarts.states == ["up", "lost"] and not host.ended
+    assert host.killed == [1] and host.sent == [(0, "a")]
+    assert host.router.gone == {1}
+    death = restarts.last_death[1]
+    assert death is not None and "restarting it failed" in death.cause and "no GPU" in death.cause
+    assert restarts.readiness() == "engine core 1 is lost"
+    restarts.died(1, Death("its killed process"))  # the kill's report: nothing more
+    assert restarts.states == ["up", "lost"] and host.tasks == []
+    # The last engine whose restart fails ends the client.
+    restarts.died(0, Death("the EngineCore_DP0 process died: exit code 1"))
+    host.run()
+    assert host.ended and "restarting it failed" in host.reason

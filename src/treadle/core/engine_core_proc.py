@@ -199,6 +199,8 @@ class EngineCoreProc:
             addresses = decode(hs.recv())
             if len(addresses.tokens) != len(addresses.inputs):
                 raise RuntimeError("the front end sent no token for each of its request sockets")
+            if addresses.launch > 1 and envs.test_fail_restart_rank() == dp_rank:
+                raise RuntimeError("TREADLE_TEST_FAIL_RESTART_RANK: a restart fails to start")
             self.engine = EngineCore(
                 config,
                 engine_index=dp_rank,

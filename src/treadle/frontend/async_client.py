@@ -255,7 +255,8 @@ class AsyncMPClient(MPClient):
                 raise
         if self.dead_reason is not None or self.engine_states[rank] is EngineState.LOST:
             self.router.owners([request.request_id])
-            why = self.dead_reason or f"engine core {rank} is lost (disconnected, no answer)"
+            death = self.restarts.last_death[rank]
+            why = self.dead_reason or f"engine core {rank} is lost ({death and death.cause})"
             raise EngineDeadError(why)
         self.restarts.on_send(rank)
         self.inflight.add(request, rank)

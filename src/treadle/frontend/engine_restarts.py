@@ -4,6 +4,7 @@ detector's report does to it, and the one restart sequence that the client and t
 
     up --died/down--> restarting --back (new process said hello)--> resuming --suspects done--> up
     up --lost (a remote engine does not answer)--> lost (its requests resume on the others)
+    restarting --its restart failed, another engine is not lost--> lost
 
 While `restarting`, new requests for it wait (bounded: `max_waiting`), utility calls to it
 fail, and its requests are staged. While `resuming`, the staged requests are sent again one
@@ -16,7 +17,7 @@ mode is `RestartMode`, set once per client:
 
 | detector | sees | reports | action |
 |---|---|---|---|
-| process sentinel (`ProcessMonitor`), OWN | our engine core exits non-zero | `died` | `restart_child`: spend the budget, `down`, restart the rank, `back`; none left or the restart fails: the client ends |
+| process sentinel (`ProcessMonitor`), OWN | our engine core exits non-zero | `died` | `restart_child`: spend the budget, `down`, restart the rank, `back`; none left or the restart fails: `lost` while another engine is not (its failed process killed), else the client ends |
 | process sentinel, OWN | our DP coordinator exits non-zero | `coordinator_died` | `restart_child` on the same addresses (it holds no request) |
 | process sentinel, OFF (or exit 0) | an engine or the coordinator ends | client dead (or stopped) | every request fails, /health 503, exit 1 (stopped: exit 0) |
 | `ENGINE_CORE_DEAD` frame | an engine raised (its `DeathReport`) | OFF: client dead | else logged and kept: its exit follows and is reported with it |
@@ -259,8 +260,8 @@ class EngineRestarts:
     def died(self, rank: int, death: Death) -> None:
         """Our engine process died: restart it if the budget allows, else end the client.
         Its log line, `/topology` and the requests it fails say why (`Death.describe`)."""
-        if self.host.ended:
-            return
+        if self.host.ended or self.states[rank] is EngineState.LOST:
+            return  # (a lost engine's failed restart, killed)
         killed = self._kill_cause.get(rank)
         if killed is not None:
             death = Death(f"{killed}: killed ({death.cause})", death.report, death.time)
@@ -271,12 +272,29 @@ class EngineRestarts:
             cause,
             self.budget,
             lambda: self.host.respawn(rank),
-            self.host.fail,
+            lambda why: self._restart_failed(rank, why),
             down=lambda message: self.down(rank, message, death),
             back=lambda took: self.back(rank, f"{took:.1f} s after it died"),
         )
         if sequence is not None:
             self.host.spawn(sequence, f"restart of engine core {rank}")
+
+    def _restart_failed(self, rank: int, why: str) -> None:
+        """Our engine could not be started again (its restart failed, or the budget is
+        spent): while another engine is not lost it is `lost` as a remote one is (its
+        requests resume on the others, its failed process is killed); else the client ends."""
+        if self.host.ended:
+            return
+        if all(s is EngineState.LOST for r, s in enumerate(self.states) if r != rank):
+            self.host.fail(why)
+            return
+        self.states[rank] = EngineState.LOST  # (before its killed process is reported)
+        if rank in self.host.killable:
+            self.host.kill(rank)
+        before = self.last_death[rank]
+        report = before.report if before is not None else None
+        death = Death(f"{why}; EngineCore_DP{rank} is lost, the others serve on", report)
+        self.host.spawn(self.lost([rank], death), f"loss of engine core {rank}")
 
     def down(self, rank: int, cause: str, death: Death | None = None) -> None:
         """The engine is gone: new requests wait for it, calls to it fail, and its requests
@@ -294,21 +312,22 @@ class EngineRestarts:
         """Why we killed the engine's process, until its death is seen."""
         return self._kill_cause.get(rank)
 
-    async def lost(self, ranks: list[int]) -> None:
-        """Engines nobody here can start again (on another host, `--headless`) are gone for
-        good: they get no new request (one sent to them alone, `X-data-parallel-rank`, fails),
-        what they still send is dropped, and their requests resume on the engines left, one
-        at a time on each as after a restart (each is a suspect: it may be what ended that
-        host)."""
+    async def lost(self, ranks: list[int], death: Death | None = None) -> None:
+        """Engines nobody here can start again (on another host, `--headless`; or ours whose
+        restart failed: `death` says why) are gone for good: they get no new request (one
+        sent to them alone, `X-data-parallel-rank`, fails), what they still send is dropped,
+        and their requests resume on the engines left, one at a time on each as after a
+        restart (each is a suspect: it may be what ended that host)."""
         host = self.host
         moved: dict[int, list[str]] = {}
         for rank in ranks:  # every one of them out of the routing before any request moves
             self.states[rank] = EngineState.LOST
             host.router.gone.add(rank)
             self._up[rank].set()  # (whoever waits for it fails in the client)
-            death = Death(f"EngineCore_DP{rank} does not answer; it is lost")
-            self.last_death[rank] = death
-            moved[rank] = self._take_requests(rank, death.cause, death)
+            self._staged[rank].clear()  # (a restarting one's: they are in flight, taken next)
+            gone = death or Death(f"EngineCore_DP{rank} does not answer; it is lost")
+            self.last_death[rank] = gone
+            moved[rank] = self._take_requests(rank, gone.cause, gone)
         for rank, rids in moved.items():
             await host.send_abort(rank, rids)  # in case it still runs them after all
             for rid in rids:
