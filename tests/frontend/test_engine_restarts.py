@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from treadle.config import RestartConfig
-from treadle.frontend.engine_restarts import EngineRestarts, RestartBudget, restart_child
+from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.inflight import InFlight
+from treadle.frontend.restart_sequence import RestartBudget, restart_child
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
@@ -226,3 +227,17 @@ def test_an_engine_whose_restart_fails_is_lost_while_another_serves_else_the_end
     restarts.died(0, Death("the EngineCore_DP0 process died: exit code 1"))
     host.run()
     assert host.ended and "restarting it failed" in host.reason
+
+
+def test_a_lost_engine_that_rejoins_takes_requests_again() -> None:
+    host = Host(2)
+    restarts = EngineRestarts(host, 2, RestartConfig(), max_waiting=8)
+    host.add("a", 1)
+    asyncio.run(restarts.lost([1]))
+    asyncio.run(restarts.lost([1]))  # (a second report of it changes nothing)
+    assert restarts.states == ["up", "lost"] and host.sent == [(0, "a")]
+    asyncio.run(restarts.rejoined(1))
+    assert restarts.states == ["up", "up"] and host.router.gone == set()
+    assert restarts.readiness() is None and restarts.is_up(1)
+    request = EngineCoreRequest("b", [1], SamplingParams(max_tokens=8), eos_token_id=2)
+    assert host.router.route(request, 1) == 1
