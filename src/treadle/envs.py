@@ -61,6 +61,14 @@ def test_raise_on_token() -> int | None:
     return None if value in (None, "") else int(value)
 
 
+def test_fail_restart_rank() -> int | None:
+    """Test-only fault hook, off unless set: a restarted engine core of this DP rank (a launch
+    after its first) fails its start-up, as a lost GPU would (the tests of an engine whose
+    restart fails)."""
+    value = os.environ.get("TREADLE_TEST_FAIL_RESTART_RANK")
+    return None if value in (None, "") else int(value)
+
+
 def worker_multiproc_method() -> str | None:
     return os.environ.get("TREADLE_WORKER_MULTIPROC_METHOD") or None
 

@@ -356,3 +356,71 @@ def test_a_lost_headless_engine_hands_its_requests_to_the_other(
             timeout=30,
         )
         assert resp.status_code == 503 and "lost" in resp.json()["error"]["message"]
+
+
+def _headless_engine(headless: subprocess.Popen[bytes]) -> psutil.Process:
+    return next(
+        c
+        for c in psutil.Process(headless.pid).children()
+        if c.cmdline()[0].startswith("treadle::EngineCore_DP1")
+    )
+
+
+def _engine_states(server: RemoteServer) -> list[str]:
+    return [e["state"] for e in httpx.get(server.url + "/topology", timeout=30).json()["engines"]]
+
+
+def test_a_headless_engine_started_again_rejoins_its_rank(
+    server_factory, tiny_llama: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The handshake socket stays open while serving: a second engine for a live rank is
+    refused (it exits non-zero, saying why); once the headless engine is gone (kill -9, lost:
+    engine 0 serves on), the same command started again rejoins rank 1, which serves pinned
+    requests with the same greedy text as rank 0 and is ready again."""
+    with front_and_headless(server_factory, tiny_llama, tmp_path) as (front, headless):
+        front.wait_healthy()
+        references = [complete(front, p, rank=0) for p in PROMPTS]
+        command = [str(a) for a in headless.args]  # type: ignore[union-attr]
+        env = dict(os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir))
+
+        def start_headless(name: str) -> subprocess.Popen[bytes]:
+            with open(tmp_path / name, "w") as log:
+                return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+        duplicate = start_headless("duplicate.log")
+        try:
+            assert duplicate.wait(60) != 0
+        finally:
+            if duplicate.poll() is None:
+                duplicate.kill()
+        said = (tmp_path / "duplicate.log").read_text()
+        assert "engine rank 1 is up and answers" in said, said[-3000:]
+        assert "Refused an engine core for rank 1" in front.output()
+        assert _engine_states(front) == ["ready", "ready"]
+
+        _headless_engine(headless).kill()
+        assert headless.wait(10) != 0  # its engine died: that host's process ends
+        deadline = time.monotonic() + 60
+        while _engine_states(front) != ["ready", "lost"]:
+            assert time.monotonic() < deadline, front.output()[-3000:]
+            time.sleep(0.2)
+        assert complete(front, PROMPTS[0]) == references[0]  # engine 0 serves on
+
+        again = start_headless("again.log")
+        try:
+            deadline = time.monotonic() + 120
+            while _engine_states(front) != ["ready", "ready"]:
+                assert again.poll() is None, (tmp_path / "again.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, front.output()[-3000:]
+                time.sleep(0.2)
+            assert "EngineCore_DP1 is back (it rejoined)" in front.output()
+            before = engine_successes(front).get("1", 0.0)
+            assert [complete(front, p, rank=1) for p in PROMPTS] == references
+            assert engine_successes(front).get("1", 0.0) - before == len(PROMPTS)
+            assert httpx.get(front.url + "/health/ready", timeout=10).status_code == 200
+            topo = httpx.get(front.url + "/topology", timeout=30).json()
+            assert topo["engines"][1]["pid"] == _headless_engine(again).pid
+        finally:
+            if again.poll() is None:
+                again.kill()
+                again.wait(10)

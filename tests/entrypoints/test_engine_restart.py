@@ -408,3 +408,43 @@ def test_an_engine_that_stalls_twice_under_two_api_servers_is_killed_both_times(
     wait_ready(srv, timeout=60)
     assert srv.output().count("finished no step for") >= 2
     assert metric(srv, "engine_restarts_total") == 2
+
+
+def test_an_engine_whose_restart_fails_is_lost_while_the_other_serves(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    """A local engine that cannot be started again is `lost` as a remote one is: its stream
+    resumes on the other engine, which serves on; a request pinned to it gets 503,
+    /health/ready 503 saying so, /topology says why. The loss of the last one ends it."""
+    srv = server_factory(
+        [str(tiny_model_factory("llama")), "-dp", "2", "--api-server-count", "1"],
+        env={"TREADLE_TEST_FAIL_RESTART_RANK": "1"},
+    )
+    reference = stream_completion(srv.url, "hello there", 300, rank=0)
+    gaps: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(stream_completion, srv.url, "hello there", 300, 1, gaps)
+        while len(gaps) < 5:
+            assert not future.done(), future.result()
+            time.sleep(0.01)
+        os.kill(srv.pid_of("treadle::EngineCore_DP1"), signal.SIGKILL)
+        assert future.result(120) == reference  # resumed on engine 0
+    output = srv.output()
+    assert "TREADLE_TEST_FAIL_RESTART_RANK" in output
+    assert "EngineCore_DP1 is lost, the others serve on" in output, output[-3000:]
+    assert stream_completion(srv.url, "hello there", 300) == reference  # engine 0 serves on
+    pinned = httpx.post(
+        srv.url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2},
+        headers={"X-data-parallel-rank": "1"},
+        timeout=30,
+    )
+    assert pinned.status_code == 503 and "lost" in pinned.json()["error"]["message"]
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    ready = httpx.get(srv.url + "/health/ready", timeout=10)
+    assert ready.status_code == 503 and "engine core 1 is lost" in ready.text
+    engines = httpx.get(srv.url + "/topology", timeout=30).json()["engines"]
+    assert [e["state"] for e in engines] == ["ready", "lost"]
+    assert "restarting it failed" in engines[1]["last_death"]["cause"]
+    with contextlib.suppress(LookupError):  # its failed restart was stopped, not left behind
+        pytest.fail(f"a DP1 process is left: pid {srv.pid_of('treadle::EngineCore_DP1')}")

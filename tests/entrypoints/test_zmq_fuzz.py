@@ -245,10 +245,14 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
 # -- the API server's sockets ----------------------------------------------------------------
 
 
-def _connect(rpc_dir: Path, ctx: zmq.Context[Any], socket_type: int) -> zmq.Socket[Any]:
-    """A socket of `socket_type` connected to the one ipc file whose socket accepts it (zmq
-    refuses the handshake between socket types that do not pair)."""
+def _connect(
+    rpc_dir: Path, ctx: zmq.Context[Any], socket_type: int, skip: tuple[str, ...] = ()
+) -> zmq.Socket[Any]:
+    """A socket of `socket_type` connected to the one ipc file (but those of `skip`) whose
+    socket accepts it (zmq refuses the handshake between socket types that do not pair)."""
     for path in sorted(rpc_dir.iterdir()):
+        if f"ipc://{path}" in skip:
+            continue
         sock = ctx.socket(socket_type)
         sock.setsockopt(zmq.LINGER, 2000)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -314,7 +318,21 @@ def test_malformed_frames_to_a_live_api_servers_sockets(server_factory, tiny_mod
         _wait_for(server, "A peer of the output socket disconnected")
         push.close(linger=0)
 
-        dealer = _connect(server.rpc_dir, ctx, zmq.DEALER)
+        # Two ROUTERs take a DEALER: the request socket, and the handshake socket (kept open
+        # for restarted engines); each drops what it cannot use.
+        channels = httpx.get(server.url + "/topology", timeout=30).json()["channels"]
+        request_socket = next(c["address"] for c in channels if c["kind"] == "requests")
+        handshake = _connect(server.rpc_dir, ctx, zmq.DEALER, skip=(request_socket,))
+        handshake.send_multipart([b"\xc1garbage"])
+        handshake.send(msgspec.msgpack.encode({"status": "READY", "rank": 0}))
+        handshake.send(msgspec.msgpack.encode({"status": "HELLO", "rank": 0}))  # no secret
+        _wait_for(server, "Dropped a message on the handshake socket", 2)
+        _wait_for(server, "this host, and this is not its process")
+        handshake.close(linger=0)
+        others = tuple(f"ipc://{p}" for p in server.rpc_dir.iterdir())
+        dealer = _connect(
+            server.rpc_dir, ctx, zmq.DEALER, skip=tuple(a for a in others if a != request_socket)
+        )
         dealer.send_multipart([ADD, b"\xc1garbage"])
         _wait_for(server, "Dropped a message on the request socket (3 frames, ")
         dealer.send(HUGE)

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from treadle.config import RestartConfig
-from treadle.frontend.engine_restarts import EngineRestarts, RestartBudget, restart_child
+from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.inflight import InFlight
+from treadle.frontend.restart_sequence import RestartBudget, restart_child
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
@@ -180,3 +181,63 @@ def test_a_request_in_flight_at_two_deaths_fails_as_a_typed_error() -> None:
     assert host.sent == [(0, "a")]
     restarts.down(0, "engine 0 died again")
     assert host.failed == ["a"] and host.inflight.count(0) == 0
+
+
+class Spawning(Host):
+    """A host that keeps what it spawns, to run it."""
+
+    def __init__(self, num_engines: int) -> None:
+        super().__init__(num_engines)
+        self.tasks: list[Coroutine[Any, Any, None]] = []
+        self.reason = ""
+
+    def fail(self, reason: str) -> None:
+        self.ended, self.reason = True, reason
+
+    def spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        self.tasks.append(coro)
+
+    async def respawn(self, rank: int) -> None:
+        raise RuntimeError("the EngineCore_DP1 process failed to start: no GPU")
+
+    def run(self) -> None:
+        while self.tasks:
+            asyncio.run(self.tasks.pop(0))
+
+
+def test_an_engine_whose_restart_fails_is_lost_while_another_serves_else_the_end() -> None:
+    from treadle.frontend.engine_state import Death
+
+    host = Spawning(2)
+    host.killable = frozenset({0, 1})
+    restarts = EngineRestarts(host, 2, RestartConfig(), max_waiting=8)
+    host.add("a", 1)
+    restarts.died(1, Death("the EngineCore_DP1 process died: exit code 1"))
+    assert restarts.states == ["up", "restarting"]
+    host.run()  # the restart fails: lost, its failed process killed, "a" resumes on engine 0
+    assert restarts.states == ["up", "lost"] and not host.ended
+    assert host.killed == [1] and host.sent == [(0, "a")]
+    assert host.router.gone == {1}
+    death = restarts.last_death[1]
+    assert death is not None and "restarting it failed" in death.cause and "no GPU" in death.cause
+    assert restarts.readiness() == "engine core 1 is lost"
+    restarts.died(1, Death("its killed process"))  # the kill's report: nothing more
+    assert restarts.states == ["up", "lost"] and host.tasks == []
+    # The last engine whose restart fails ends the client.
+    restarts.died(0, Death("the EngineCore_DP0 process died: exit code 1"))
+    host.run()
+    assert host.ended and "restarting it failed" in host.reason
+
+
+def test_a_lost_engine_that_rejoins_takes_requests_again() -> None:
+    host = Host(2)
+    restarts = EngineRestarts(host, 2, RestartConfig(), max_waiting=8)
+    host.add("a", 1)
+    asyncio.run(restarts.lost([1]))
+    asyncio.run(restarts.lost([1]))  # (a second report of it changes nothing)
+    assert restarts.states == ["up", "lost"] and host.sent == [(0, "a")]
+    asyncio.run(restarts.rejoined(1))
+    assert restarts.states == ["up", "up"] and host.router.gone == set()
+    assert restarts.readiness() is None and restarts.is_up(1)
+    request = EngineCoreRequest("b", [1], SamplingParams(max_tokens=8), eos_token_id=2)
+    assert host.router.route(request, 1) == 1

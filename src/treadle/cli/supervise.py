@@ -40,8 +40,8 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
-from treadle.frontend.engine_restarts import RestartBudget, restart_child
 from treadle.frontend.launcher import EngineLauncher, front_end_host
+from treadle.frontend.restart_sequence import RestartBudget, restart_child
 from treadle.ipc.process import (
     ChildProcess,
     ProcessMonitor,

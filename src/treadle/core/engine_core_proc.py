@@ -197,8 +197,12 @@ class EngineCoreProc:
                     "(TREADLE_ENGINE_READY_TIMEOUT_S)"
                 )
             addresses = decode(hs.recv())
+            if addresses.status == "REFUSED":
+                raise RuntimeError(f"the front end refused this engine core: {addresses.reason}")
             if len(addresses.tokens) != len(addresses.inputs):
                 raise RuntimeError("the front end sent no token for each of its request sockets")
+            if addresses.launch > 1 and envs.test_fail_restart_rank() == dp_rank:
+                raise RuntimeError("TREADLE_TEST_FAIL_RESTART_RANK: a restart fails to start")
             self.engine = EngineCore(
                 config,
                 engine_index=dp_rank,
@@ -228,9 +232,12 @@ class EngineCoreProc:
             for token in addresses.tokens
         ]
         self.output_addresses = addresses.outputs
-        # A front end killed -9 leaves its ROUTER's and PULL's socket files; if it was this
-        # process's parent (one API server), this engine removes them as it goes too.
-        at_parent_death(lambda: remove_ipc_files([*addresses.inputs, *addresses.outputs]))
+        # A front end killed -9 leaves its ROUTER's and PULL's socket files (and its handshake
+        # socket's, kept open while it serves); if it was this process's parent (one API
+        # server), this engine removes them as it goes too.
+        at_parent_death(
+            lambda: remove_ipc_files([handshake_address, *addresses.inputs, *addresses.outputs])
+        )
         self.reader = InputReader(
             self.ctx,
             addresses.inputs,

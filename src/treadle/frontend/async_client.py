@@ -27,6 +27,7 @@ from treadle.frontend.core_client import (
     RequestKilledEngineError,
     settle_utility,
 )
+from treadle.frontend.engine_rejoin import EngineJoins
 from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_state import EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S, EngineWatch, GuardedTasks
@@ -105,7 +106,15 @@ class AsyncMPClient(MPClient):
         self.watch = EngineWatch(
             self, self.restarts, self.mode, local_ranks, p.data_parallel_size, attach is None
         )
+        # Restarted engines, and remote ones that rejoin, say hello on the handshake socket.
+        self.keep_handshake = self.mode is RestartMode.OWN
         super().__init__(config, shutdown_timeout, client_index, attach)
+        desk = self.launcher.desk if self.launcher is not None else None
+        self.joins = (
+            EngineJoins(self, self.launcher, desk, self.restarts, self.watch)
+            if self.launcher is not None and desk is not None
+            else None
+        )
 
     def start(self) -> None:
         """Start reading outputs; call from inside the running event loop."""
@@ -116,6 +125,8 @@ class AsyncMPClient(MPClient):
         self.spawn(self._drain_requests(self._async_input), "request socket reader")
         if self.coordinator_socket is not None:
             self.spawn(self._read_coordinator(), "DP coordinator reader")
+        if self.joins is not None:
+            self.spawn(self.joins.run(), "handshake socket reader")
         watched = []
         for sock, name in ((self.input_socket, "request"), (self.output_socket, "output")):
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -255,7 +266,8 @@ class AsyncMPClient(MPClient):
                 raise
         if self.dead_reason is not None or self.engine_states[rank] is EngineState.LOST:
             self.router.owners([request.request_id])
-            why = self.dead_reason or f"engine core {rank} is lost (disconnected, no answer)"
+            death = self.restarts.last_death[rank]
+            why = self.dead_reason or f"engine core {rank} is lost ({death and death.cause})"
             raise EngineDeadError(why)
         self.restarts.on_send(rank)
         self.inflight.add(request, rank)
@@ -324,17 +336,11 @@ class AsyncMPClient(MPClient):
             super()._on_child_death(child)
 
     async def respawn(self, rank: int) -> None:
-        assert self.launcher is not None and self.monitor is not None
+        assert self.launcher is not None and self.monitor is not None and self.joins is not None
         hello = self.watch.expect_hello(rank)
         try:
-            child = await asyncio.to_thread(
-                self.launcher.restart_engine,
-                rank,
-                self.ctx,
-                [self.addresses[0]],
-                [self.addresses[1]],
-                [self.key],
-            )
+            child = await asyncio.to_thread(self.launcher.start_again, rank)
+            await self.joins.handshake(rank, child)  # (on the handshake socket, kept open)
             self.monitor.add(child)
             self.engine_pids[rank] = child.process.pid or 0
             await asyncio.wait_for(hello, ENGINE_PING_TIMEOUT_S)

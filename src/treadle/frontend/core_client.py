@@ -127,6 +127,8 @@ class MPClient:
     ABORT only to the engine that owns the request.
     """
 
+    keep_handshake = False  # keep the handshake socket open (`launcher.desk`) after start-up
+
     def __init__(
         self,
         config: EngineConfig,
@@ -177,7 +179,9 @@ class MPClient:
             mine = [get_bound_address(self.input_socket), get_bound_address(self.output_socket)]
             self.addresses = mine
             if self.launcher is not None:
-                self.launcher.handshake(self.ctx, [mine[0]], [mine[1]], [self.key])
+                self.launcher.handshake(
+                    self.ctx, [mine[0]], [mine[1]], [self.key], keep=self.keep_handshake
+                )
                 coordinator = self.launcher.coordinator_addresses(1.0)
                 coordinator_address = coordinator.front_publish if coordinator else None
             else:

@@ -4,6 +4,8 @@ detector's report does to it, and the one restart sequence that the client and t
 
     up --died/down--> restarting --back (new process said hello)--> resuming --suspects done--> up
     up --lost (a remote engine does not answer)--> lost (its requests resume on the others)
+    lost --rejoined (a remote rank's new engine said hello)--> resuming --> up
+    restarting --its restart failed, another engine is not lost--> lost
 
 While `restarting`, new requests for it wait (bounded: `max_waiting`), utility calls to it
 fail, and its requests are staged. While `resuming`, the staged requests are sent again one
@@ -16,7 +18,7 @@ mode is `RestartMode`, set once per client:
 
 | detector | sees | reports | action |
 |---|---|---|---|
-| process sentinel (`ProcessMonitor`), OWN | our engine core exits non-zero | `died` | `restart_child`: spend the budget, `down`, restart the rank, `back`; none left or the restart fails: the client ends |
+| process sentinel (`ProcessMonitor`), OWN | our engine core exits non-zero | `died` | `restart_child`: spend the budget, `down`, restart the rank, `back`; none left or the restart fails: `lost` while another engine is not (its failed process killed), else the client ends |
 | process sentinel, OWN | our DP coordinator exits non-zero | `coordinator_died` | `restart_child` on the same addresses (it holds no request) |
 | process sentinel, OFF (or exit 0) | an engine or the coordinator ends | client dead (or stopped) | every request fails, /health 503, exit 1 (stopped: exit 0) |
 | `ENGINE_CORE_DEAD` frame | an engine raised (its `DeathReport`) | OFF: client dead | else logged and kept: its exit follows and is reported with it |
@@ -24,6 +26,7 @@ mode is `RestartMode`, set once per client:
 | pid watch (psutil), FOLLOW | the supervisor's engine's pid is gone | `down` | new requests wait, its requests are staged |
 | hello of a new launch, FOLLOW | the supervisor restarted it | `down` (if not seen), `back` | staged requests resume one at a time |
 | hello of a new launch, OWN | our restart's new process | (ends `restart_child`) | `back` |
+| hello of a new launch, OWN | a lost remote rank's new engine (`engine_rejoin.py` took its handshake) | `rejoined` | back in the routing |
 | peer disconnect + ping | a peer left the request socket and an engine that no process watch here covers does not answer in 10 s | `lost` | its requests resume on the others; OFF or none left: client dead |
 | stall watch | requests but no finished step | `stall` | past --engine-stall-timeout not ready; past --engine-stall-kill-timeout killed where this host restarts it (OWN; FOLLOW: API server 0 only), once per process: the sentinel or pid watch reports the death |
 | a background task raises | a bug in a reader | client dead | as above |
@@ -38,96 +41,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from treadle.config import RestartConfig
 from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.engine_state import Death, EngineState
 from treadle.frontend.inflight import InFlight
+from treadle.frontend.restart_sequence import RestartBudget, restart_child
 from treadle.logger import init_logger
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest
 
 logger = init_logger(__name__)
-
-# --max-engine-restarts counts the restarts in this window.
-ENGINE_RESTART_WINDOW_S = 600
-
-
-class RestartBudget:
-    """At most `limit` restarts in any ENGINE_RESTART_WINDOW_S."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._times: collections.deque[float] = collections.deque()
-
-    def spend(self, cause: str) -> str | None:
-        """Take one restart; returns why not (a message ending in the flag's name) when the
-        window's budget is spent, else None (and logs nothing: the caller says what it does)."""
-        now = time.monotonic()
-        while self._times and now - self._times[0] > ENGINE_RESTART_WINDOW_S:
-            self._times.popleft()
-        if len(self._times) >= self.limit:
-            return (
-                f"{cause}; it was restarted {self.limit} time(s) in the last "
-                f"{ENGINE_RESTART_WINDOW_S // 60} minutes already (--max-engine-restarts)"
-            )
-        self._times.append(now)
-        return None
-
-    def describe(self) -> str:
-        """e.g. "restart 2 of at most 3 in 10 minutes", after `spend`."""
-        return (
-            f"restart {len(self._times)} of at most {self.limit} in "
-            f"{ENGINE_RESTART_WINDOW_S // 60} minutes"
-        )
-
-
-def _say_down(message: str) -> None:
-    logger.warning("%s", message)
-
-
-def restart_child(
-    name: str,
-    cause: str,
-    budget: RestartBudget,
-    restart: Callable[[], Awaitable[None]],
-    fail: Callable[[str], None],
-    down: Callable[[str], None] = _say_down,
-    back: Callable[[float], Awaitable[None]] | None = None,
-) -> Coroutine[Any, Any, None] | None:
-    """The one restart sequence of a dead child (`name`: its title, e.g. `EngineCore_DP1`).
-    At once: spend one restart of `budget` (none left: `fail(why)`, and None is returned),
-    and say that it is down and restarting (`down(message)`; by default a warning). Then
-    the returned coroutine (the caller runs it: a task, or `asyncio.run`) does `restart()`
-    and `back(seconds since)` (by default a warning "`name` is back ..."), or `fail(why)`
-    when the restart raised."""
-    refusal = budget.spend(cause)
-    if refusal is not None:
-        fail(refusal)
-        return None
-    down(f"{cause[:1].upper()}{cause[1:]}. Restarting it ({budget.describe()})")
-    return _restart(name, cause, restart, fail, back)
-
-
-async def _restart(
-    name: str,
-    cause: str,
-    restart: Callable[[], Awaitable[None]],
-    fail: Callable[[str], None],
-    back: Callable[[float], Awaitable[None]] | None,
-) -> None:
-    since = time.monotonic()
-    try:
-        await restart()
-    except Exception as e:
-        fail(f"{cause}, and restarting it failed: {type(e).__name__}: {e}")
-        return
-    took = time.monotonic() - since
-    if back is not None:
-        await back(took)
-    else:
-        logger.warning("%s is back %.1f s after it died", name, took)
 
 
 class RestartHost(Protocol):
@@ -259,8 +184,8 @@ class EngineRestarts:
     def died(self, rank: int, death: Death) -> None:
         """Our engine process died: restart it if the budget allows, else end the client.
         Its log line, `/topology` and the requests it fails say why (`Death.describe`)."""
-        if self.host.ended:
-            return
+        if self.host.ended or self.states[rank] is EngineState.LOST:
+            return  # (a lost engine's failed restart, killed)
         killed = self._kill_cause.get(rank)
         if killed is not None:
             death = Death(f"{killed}: killed ({death.cause})", death.report, death.time)
@@ -271,12 +196,29 @@ class EngineRestarts:
             cause,
             self.budget,
             lambda: self.host.respawn(rank),
-            self.host.fail,
+            lambda why: self._restart_failed(rank, why),
             down=lambda message: self.down(rank, message, death),
             back=lambda took: self.back(rank, f"{took:.1f} s after it died"),
         )
         if sequence is not None:
             self.host.spawn(sequence, f"restart of engine core {rank}")
+
+    def _restart_failed(self, rank: int, why: str) -> None:
+        """Our engine could not be started again (its restart failed, or the budget is
+        spent): while another engine is not lost it is `lost` as a remote one is (its
+        requests resume on the others, its failed process is killed); else the client ends."""
+        if self.host.ended:
+            return
+        if all(s is EngineState.LOST for r, s in enumerate(self.states) if r != rank):
+            self.host.fail(why)
+            return
+        before = self.last_death[rank]
+        report = before.report if before is not None else None
+        death = Death(f"{why}; EngineCore_DP{rank} is lost, the others serve on", report)
+        moved = {rank: self._out(rank, death)}  # (lost before its killed process is reported)
+        if rank in self.host.killable:
+            self.host.kill(rank)
+        self.host.spawn(self._move(moved), f"loss of engine core {rank}")
 
     def down(self, rank: int, cause: str, death: Death | None = None) -> None:
         """The engine is gone: new requests wait for it, calls to it fail, and its requests
@@ -294,21 +236,33 @@ class EngineRestarts:
         """Why we killed the engine's process, until its death is seen."""
         return self._kill_cause.get(rank)
 
-    async def lost(self, ranks: list[int]) -> None:
-        """Engines nobody here can start again (on another host, `--headless`) are gone for
-        good: they get no new request (one sent to them alone, `X-data-parallel-rank`, fails),
-        what they still send is dropped, and their requests resume on the engines left, one
-        at a time on each as after a restart (each is a suspect: it may be what ended that
-        host)."""
+    async def lost(self, ranks: list[int], death: Death | None = None) -> None:
+        """Engines nobody here can start again (on another host, `--headless`; `death` says
+        why, else they did not answer) are gone: they get no new request (one sent to them
+        alone, `X-data-parallel-rank`, fails), what they still send is dropped, and their
+        requests resume on the engines left, one at a time on each as after a restart (each
+        is a suspect: it may be what ended that host). One that is lost already is left as
+        it is. A new engine of that rank may join later (`rejoined`)."""
+        moved = {  # every one of them out of the routing before any request moves
+            rank: self._out(
+                rank, death or Death(f"EngineCore_DP{rank} does not answer; it is lost")
+            )
+            for rank in ranks
+            if self.states[rank] is not EngineState.LOST
+        }
+        await self._move(moved)
+
+    def _out(self, rank: int, death: Death) -> list[str]:
+        """Mark the engine lost; returns its requests, to move."""
+        self.states[rank] = EngineState.LOST
+        self.host.router.gone.add(rank)
+        self._up[rank].set()  # (whoever waits for it fails in the client)
+        self._staged[rank].clear()  # (a restarting one's: they are in flight, taken next)
+        self.last_death[rank] = death
+        return self._take_requests(rank, death.cause, death)
+
+    async def _move(self, moved: dict[int, list[str]]) -> None:
         host = self.host
-        moved: dict[int, list[str]] = {}
-        for rank in ranks:  # every one of them out of the routing before any request moves
-            self.states[rank] = EngineState.LOST
-            host.router.gone.add(rank)
-            self._up[rank].set()  # (whoever waits for it fails in the client)
-            death = Death(f"EngineCore_DP{rank} does not answer; it is lost")
-            self.last_death[rank] = death
-            moved[rank] = self._take_requests(rank, death.cause, death)
         for rank, rids in moved.items():
             await host.send_abort(rank, rids)  # in case it still runs them after all
             for rid in rids:
@@ -319,6 +273,12 @@ class EngineRestarts:
         for target, state in enumerate(self.states):
             if state is EngineState.UP and self._staged[target] and self._probation[target] is None:
                 await self._release_next(target)  # (a restarting one releases them when back)
+
+    async def rejoined(self, rank: int) -> None:
+        """A new engine of a lost rank (another host's, started again there) said hello:
+        it takes requests again."""
+        self.host.router.gone.discard(rank)
+        await self.back(rank, "(it rejoined)")
 
     def _take_requests(self, rank: int, cause: str, death: Death | None) -> list[str]:
         """The engine's requests to resume; fails those in flight at a death before it."""

@@ -27,7 +27,8 @@ class EngineState(StrEnum):
     RESUMING = "resuming"
     """Its new process said hello; its staged requests are sent again, one at a time."""
     LOST = "lost"
-    """Nobody here can start it again (another host): out of the routing for good."""
+    """Nobody here can start it again (another host, or ours whose restart failed): out of
+    the routing for good."""
 
     READY = "ready"
     """(Shown.) Up or resuming, and making progress."""

@@ -216,11 +216,16 @@ class EngineWatch:
         self._awaiting_hello.pop(rank, None)
 
     async def on_new_launch(self, rank: int, pid: int) -> None:
-        """A new launch of engine `rank` said hello: ours (a restart waits for it), or the
-        supervisor's, which replaced a process that died (seen by the pid watch, or not yet)."""
+        """A new launch of engine `rank` said hello: ours (a restart waits for it), one of
+        another host that rejoins its lost rank (`engine_rejoin.py` took its handshake), or
+        the supervisor's, which replaced a process that died (seen by the pid watch, or not
+        yet)."""
         awaited = self._awaiting_hello.get(rank)
         if awaited is not None and not awaited.done():
             awaited.set_result(None)
+        elif self.restarts.states[rank] is EngineState.LOST:
+            self.client.engine_pids[rank] = pid
+            await self.restarts.rejoined(rank)
         elif self.mode is RestartMode.FOLLOW:
             if self.restarts.states[rank] is not EngineState.RESTARTING:
                 self.restarts.down(rank, f"EngineCore_DP{rank} was restarted (it died)")
@@ -325,20 +330,20 @@ class EngineWatch:
                 return sorted(found)
             await asyncio.sleep(0.1)
 
+    async def answers(self, engine: int) -> bool:
+        """Whether the engine answers a call within ENGINE_PING_TIMEOUT_S."""
+        try:
+            call = self.client.call_utility("get_stats", engine=engine)
+            await asyncio.wait_for(call, ENGINE_PING_TIMEOUT_S)
+            return True
+        except (TimeoutError, EngineDeadError):
+            return False
+
     async def _silent_engines(self) -> list[int]:
         """The `unwatched` engines that serve and do not answer a call in time."""
-
-        async def answers(engine: int) -> bool:
-            try:
-                call = self.client.call_utility("get_stats", engine=engine)
-                await asyncio.wait_for(call, ENGINE_PING_TIMEOUT_S)
-                return True
-            except (TimeoutError, EngineDeadError):
-                return False
-
         states = self.restarts.states
         ranks = [e for e in self.unwatched if states[e].serves]
-        replies = await asyncio.gather(*(answers(e) for e in ranks))
+        replies = await asyncio.gather(*(self.answers(e) for e in ranks))
         return [e for e, ok in zip(ranks, replies, strict=True) if not ok]
 
 

@@ -13,9 +13,11 @@ The handshake socket is ipc when every engine runs here, else tcp on
 connect. Anyone who reaches it may say HELLO: an engine started here gets a random secret in
 its process arguments and only a HELLO with it is answered; an engine of another host is
 taken on first use (the first HELLO of its rank in that handshake; nothing else can prove
-it). The tokens (`ipc/engine_auth.py`) are what then binds each engine to its connection on
-every front end's request socket. A local child that dies or fails during start-up is
-reported with its own error.
+it; a second one is refused). The tokens (`ipc/engine_auth.py`) are what then binds each
+engine to its connection on every front end's request socket. A local child that dies or
+fails during start-up is reported with its own error. The messages are answered by
+`handshake.py:HandshakeDesk`; an API server with its own engines keeps it open while
+serving (`keep`), for its restarted engines and remote ones that rejoin.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.dp_coordinator import run_dp_coordinator
 from treadle.core.engine_core_proc import run_engine_core
-from treadle.ipc.engine_auth import engine_token
-from treadle.ipc.inbound import DropLog, inbound_options
+from treadle.frontend.handshake import HandshakeDesk, Hello
+from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import (
     ChildProcess,
     describe_exit,
@@ -86,6 +88,7 @@ class EngineLauncher:
         self._secrets: dict[int, bytes] = {}  # local rank -> its current process's secret
         self._launches = [0] * p.data_parallel_size  # rank -> its last handshake's number
         self._coordinator_addresses: CoordinatorAddresses | None = None
+        self.desk: HandshakeDesk | None = None  # the handshake socket, when kept open
         try:
             if front_end and p.data_parallel_size > 1:
                 self.coordinator = start_process(
@@ -117,12 +120,7 @@ class EngineLauncher:
         """Replace this host's engine core of `rank` (dead, or killed here) by a new process
         of the same config and rank, and run its handshake; returns the new child. Raises as
         `handshake` does when it cannot start."""
-        i = rank - self.start_rank
-        old = self.engines[i]
-        if old.process.is_alive():
-            old.process.kill()
-        shutdown_processes([old], timeout=1.0)
-        self.engines[i] = new = self._start_engine(rank)
+        new = self.start_again(rank)
         self.handshake(ctx, inputs, outputs, keys, ranks=[rank])
         return new
 
@@ -164,10 +162,13 @@ class EngineLauncher:
         keys: list[bytes],
         watch: Sequence[ChildProcess] = (),
         ranks: Sequence[int] | None = None,
+        keep: bool = False,
     ) -> dict[int, Handshake]:
         """Give every engine (local or remote; or only those of `ranks`) the front ends' and
         the coordinator's addresses and a token for each front end's `keys` entry, and wait
-        until each has loaded its model; returns each rank's READY message."""
+        until each has loaded its model; returns each rank's READY message. `keep`: the
+        handshake socket stays open (`desk`) for the engines that start later, whose
+        handshake the caller then answers (`engine_rejoin.py`)."""
         if len(keys) != len(inputs):
             raise ValueError("one key per front end")
         expected = set(range(self.num_engines) if ranks is None else ranks)
@@ -183,22 +184,20 @@ class EngineLauncher:
             coordinator_input=coordinator.engine_publish if coordinator else "",
             coordinator_output=coordinator.engine_stats if coordinator else "",
         )
-        decode = msgspec.msgpack.Decoder(Handshake).decode
         sock = make_zmq_socket(
             ctx, self.handshake_address, zmq.ROUTER, linger=0, options=inbound_options()
         )
-        drops = DropLog(logger)
+        desk = HandshakeDesk(sock, addresses, keys, self._launches, self._check_secret)
+        desk.expect(expected)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         everyone = ranks is None
         self.watch(poller, watch, everyone)
-        greeted: dict[int, tuple[bytes, bytes]] = {}  # rank -> (its secret, the reply)
-        ready: dict[int, Handshake] = {}
         try:
-            while set(ready) != expected:
+            while set(desk.ready) != expected:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = sorted(expected - set(ready))
+                    missing = sorted(expected - set(desk.ready))
                     raise TimeoutError(
                         f"engine core(s) {missing} were not ready within {timeout} s; raise "
                         "TREADLE_ENGINE_READY_TIMEOUT_S if loading the model takes longer"
@@ -206,34 +205,39 @@ class EngineLauncher:
                 events = dict(poller.poll(int(min(remaining, 1.0) * 1000)))
                 self.check(poller, events, watch, everyone)
                 if sock in events:
-                    frames = sock.recv_multipart()
-                    try:  # anyone may connect to the handshake socket
-                        peer, payload = frames
-                        msg = decode(payload)
-                        rank = msg.rank
-                        if rank not in expected or rank in ready:
-                            raise ValueError(f"unexpected engine rank {rank}")
-                        if msg.status == "HELLO" and rank not in greeted:
-                            self._check_secret(rank, msg.secret)
-                            self._launches[rank] += 1
-                            launch = self._launches[rank]
-                            tokens = [engine_token(key, rank, launch) for key in keys]
-                            reply = msgspec.structs.replace(addresses, launch=launch, tokens=tokens)
-                            greeted[rank] = (msg.secret, msgspec.msgpack.encode(reply))
-                        elif rank not in greeted:
-                            raise ValueError(f"{msg.status} from engine rank {rank} before HELLO")
-                        if not hmac.compare_digest(msg.secret, greeted[rank][0]):
-                            raise ValueError(f"not the secret of engine rank {rank}'s HELLO")
-                    except Exception as e:
-                        drops.drop("Dropped a message on the handshake socket: %s", e)
-                        continue
-                    if msg.status == "HELLO":
-                        sock.send_multipart([peer, greeted[rank][1]])
-                    elif msg.status == "READY":
-                        ready[rank] = msg
-        finally:
-            sock.close(linger=0)
-        return ready
+                    hello = desk.on_message(sock.recv_multipart())
+                    if isinstance(hello, Hello):  # a second one for its rank
+                        desk.refuse(hello, f"engine rank {hello.rank} has said HELLO already")
+                    for reply in desk.take():
+                        sock.send_multipart(reply)
+        except BaseException:
+            desk.close()
+            raise
+        if keep:
+            self.desk = desk
+        else:
+            desk.close()
+        return desk.ready
+
+    def start_again(self, rank: int) -> ChildProcess:
+        """Replace this host's engine core of `rank` (dead, or killed here) by a new process
+        of the same config and rank, which then says HELLO (to `desk`, kept open)."""
+        i = rank - self.start_rank
+        old = self.engines[i]
+        if old.process.is_alive():
+            old.process.kill()
+        shutdown_processes([old], timeout=1.0)
+        self.engines[i] = new = self._start_engine(rank)
+        return new
+
+    def check_started(self, child: ChildProcess) -> None:
+        """Raise the start-up error of a local child that failed or died (without a poller)."""
+        if child.exitcode is not None:
+            child.process.join(1.0)
+            _raise_if_failed(child)
+            raise RuntimeError(
+                f"the {child.name} process died during start-up: {describe_exit(child.exitcode)}"
+            )
 
     def _check_secret(self, rank: int, secret: bytes) -> None:
         """An engine of this host must show the secret its process was started with; one of
@@ -274,6 +278,8 @@ class EngineLauncher:
                 )
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        if self.desk is not None:
+            self.desk.close()
         for child in self.children:
             if child.process.is_alive():
                 child.process.terminate()

@@ -24,7 +24,7 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     """Messages on the handshake socket, in both directions, and the engine's first message
     on each front end's request socket (`ipc/engine_auth.py`)."""
 
-    status: str  # HELLO | ADDRESSES | READY
+    status: str  # HELLO | ADDRESSES | REFUSED | READY
     inputs: list[str] = []
     outputs: list[str] = []
     coordinator_input: str = ""  # XPUB of the DP coordinator (the engine subscribes)
@@ -40,6 +40,7 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     launch: int = 0  # ADDRESSES, and the first message on a request socket: this launch's number
     tokens: list[bytes] = []  # ADDRESSES: per front end, `engine_token(its key, rank, launch)`
     token: bytes = b""  # the first message on a request socket: that front end's token
+    reason: str = ""  # REFUSED (instead of ADDRESSES): why the front end refuses this engine
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):

@@ -1,0 +1,57 @@
+"""`HandshakeDesk`: what the front end answers on its handshake socket (no socket: the
+replies wait in its outbox)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from treadle.frontend.handshake import HandshakeDesk, Hello
+from treadle.ipc.engine_auth import engine_token
+from treadle.wire.control import Handshake
+
+
+def check_secret(rank: int, secret: bytes) -> None:
+    if rank == 0 and secret != b"s0":  # rank 0 runs here; rank 1 on another host
+        raise ValueError("no secret")
+
+
+def desk() -> HandshakeDesk:
+    addresses = Handshake("ADDRESSES", inputs=["a"], outputs=["b"])
+    return HandshakeDesk(None, addresses, [b"k" * 32], [0, 0], check_secret)  # type: ignore[arg-type]
+
+
+def frames(peer: bytes, status: str, rank: int, secret: bytes = b"") -> list[Any]:
+    return [peer, msgspec.msgpack.encode(Handshake(status, rank=rank, secret=secret))]
+
+
+def replies(d: HandshakeDesk) -> list[tuple[bytes, Handshake]]:
+    return [(p, msgspec.msgpack.decode(m, type=Handshake)) for p, m in d.take()]
+
+
+def test_an_expected_rank_gets_a_new_launch_and_a_second_hello_goes_to_the_caller() -> None:
+    d = desk()
+    d.expect([0, 1])
+    assert d.on_message(frames(b"p0", "HELLO", 0, b"wrong")) is None  # dropped
+    assert d.take() == []
+    assert d.on_message(frames(b"p0", "HELLO", 0, b"s0")) is None
+    ((peer, reply),) = replies(d)
+    assert peer == b"p0" and reply.launch == 1
+    assert reply.tokens == [engine_token(b"k" * 32, 0, 1)]
+    assert d.on_message(frames(b"p0", "READY", 0, b"s0")) == 0
+    assert d.on_message(frames(b"p1", "HELLO", 1)) is None  # taken on first use
+    assert [peer for peer, _ in replies(d)] == [b"p1"]
+    assert isinstance(d.on_message(frames(b"p9", "HELLO", 1)), Hello)  # a second one
+    assert d.on_message(frames(b"p1", "READY", 1)) == 1
+    # Later: a HELLO of a rank not expected is the caller's to greet or refuse.
+    hello = d.on_message(frames(b"p2", "HELLO", 1))
+    assert isinstance(hello, Hello) and hello.peer == b"p2"
+    d.refuse(hello, "engine rank 1 is up")
+    assert replies(d) == [(b"p2", Handshake("REFUSED", rank=1, reason="engine rank 1 is up"))]
+    d.greet(hello)
+    ((peer, reply),) = replies(d)
+    assert peer == b"p2" and reply.launch == 2 and 1 not in d.ready
+    assert d.on_message(frames(b"p2", "READY", 1)) == 1
+    assert d.on_message(frames(b"p3", "READY", 5)) is None  # unknown rank: dropped
+    assert d.on_message([b"p3", b"\xc1"]) is None and d.drops.dropped >= 2
