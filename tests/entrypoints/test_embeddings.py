@@ -156,3 +156,17 @@ def test_offline_embed_last_and_mean(model: Path) -> None:
                 llm.shutdown()
     finally:
         del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
+
+
+def test_tensor_parallel_embeddings_equal_one_rank(model: Path) -> None:
+    """Under -tp 2 the pooled vectors are those of one rank (the final hidden state is whole
+    on every rank after the last all-reduce)."""
+    from treadle import LLM
+
+    llm = LLM(str(model), max_model_len=512, tensor_parallel_size=2)
+    try:
+        outs = llm.embed(TEXTS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for text, out in zip(TEXTS, outs, strict=True):
+        assert cosine(out.outputs.embedding, reference(model, text, "last")) >= 0.9999
