@@ -117,6 +117,21 @@ def test_large_tensor_is_a_second_buffer_sharing_memory() -> None:
     assert got.data_ptr() == t.data_ptr()  # decoded in place over the frame, again no copy
 
 
+def test_the_seeds_image_tensor_is_frame_one_and_its_header_is_all_frame_zero_holds() -> None:
+    """The seed's worked example (issue 23): a [3, 336, 336] float16 tensor (677,376 bytes) in
+    a request is buffer 1, the tensor's own memory; the msgpack frame holds only
+    ("float16", (3, 336, 336), 1) for it."""
+    t = torch.randn(3, 336, 336).half()
+    bufs = MsgpackEncoder().encode(request(prompt_embeds=t))
+    assert len(bufs) == 2 and len(bufs[1]) == 677_376
+    assert np.frombuffer(bufs[1], dtype=np.uint8).ctypes.data == t.data_ptr()  # not copied
+    fields = msgspec.msgpack.decode(bytes(bufs[0]))
+    ext = next(f for f in fields if isinstance(f, msgspec.msgpack.Ext))
+    assert msgspec.msgpack.decode(ext.data) == ["float16", [3, 336, 336], 1]
+    got = MsgpackDecoder(EngineCoreRequest).decode(bufs).prompt_embeds
+    assert got.dtype == torch.float16 and torch.equal(got, t)
+
+
 def test_large_ndarray_is_a_second_buffer_sharing_memory() -> None:
     a = np.arange(5000, dtype=np.int16).reshape(50, 100)
     bufs = MsgpackEncoder().encode({"a": a, "small": np.ones(3)})
