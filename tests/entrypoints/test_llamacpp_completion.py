@@ -76,3 +76,24 @@ def test_stop_types_and_response_fields() -> None:
     j.take(output("hi", finish="length"))
     assert j.final(streamed=False) == {"content": "hi", "timings/predicted_n": 2}
     assert j.stop_type == "limit"
+
+
+def test_fim_extra_context_gives_way_so_the_prompt_fits() -> None:
+    """llama.vim's warm-up (n_predict 0) with every part at its largest: llama.cpp's cuts add
+    up to a little past the context; the extra context gives up its first tokens instead."""
+    from treadle.entrypoints.openai.fim import FimBudget, FimTokens, fim_prompt
+
+    class Tokenizer:
+        bos_token_id = None
+
+        def __call__(self, text: str, **_: object) -> object:
+            class Encoded:
+                input_ids = [7] * len(text)
+
+            return Encoded()
+
+    fim = FimTokens(1, 2, 3, 4, 5)
+    budget = FimBudget(n_batch=64, n_ctx=128, n_predict=0)
+    ids = fim_prompt(Tokenizer(), fim, [9] * 500, [8] * 500, [("f", "x" * 500)], [], budget)
+    assert len(ids) == 128 - 1  # room for the one token a prompt alone runs
+    assert ids[-1] == 3 and ids.count(1) == 1 and ids.count(2) == 1

@@ -166,4 +166,16 @@ def fim_prompt(
     tail = [fim.suffix, *suffix[:n_suffix]]
     bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
     context = extra_ids[len(extra_ids) - n_extra :] if n_extra else []
+    # llama.cpp shifts its context when the prompt and the output do not fit; treadle refuses
+    # such a prompt: the extra context gives up its first tokens so that they fit when it can
+    over = (
+        len(context)
+        + len(bos)
+        + len(head)
+        + len(tail)
+        + 1
+        - (budget.n_ctx - max(budget.n_predict, 1))
+    )
+    if over > 0:
+        context = context[min(over, len(context)) :]
     return [*context, *bos, *head, *tail, fim.middle]
