@@ -30,15 +30,29 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
         from treadle.validation import check_structured_outputs
 
         check_structured_outputs(self)
-        if isinstance(self.json, dict):
-            # Its text from here on: msgpack cannot carry every JSON number (ints past 64
-            # bits, which a schema may hold), JSON text can.
+        if isinstance(self.json, dict) and not _msgpack_safe(self.json):
+            # Its text from here on: msgpack cannot carry an int past 64 bits, JSON text can.
             self.json = json.dumps(self.json)
 
     @property
     def kind(self) -> str:
         """The one constraint given: "json", "regex", "choice", "grammar", ..."""
         return next(k for k in self.__struct_fields__ if getattr(self, k) not in (None, False))
+
+
+def _msgpack_safe(value: Any) -> bool:
+    """Whether msgpack can carry this JSON value: no int outside [-2**63, 2**64) (walked
+    without recursion: a schema may nest deeper than Python's stack)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, int) and not -(2**63) <= item < 2**64:
+            return False
+    return True
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
