@@ -170,3 +170,26 @@ def test_truncation_keeps_the_last_rows_as_it_keeps_the_last_tokens(
     )  # type: ignore[call-overload]
     assert by_embeds.choices[0].text == by_ids.choices[0].text
     assert by_embeds.usage is not None and by_embeds.usage.prompt_tokens == 5
+
+
+def test_hostile_tensors_do_not_raise_the_servers_peak_memory(server: RemoteServer) -> None:
+    """The decoder allocates nothing past its cap: after one oversized body (the HTTP layer's
+    own cost), the hostile payloads, each several times, leave the API server's peak RSS
+    (VmHWM) within a few MiB."""
+
+    def peak_kib() -> int:
+        status = Path(f"/proc/{server.proc.pid}/status").read_text()
+        return int(
+            next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
+        )
+
+    big = {**GREEDY, "prompt": "", "prompt_embeds": "A" * (6 << 20)}
+    assert httpx.post(server.url + "/v1/completions", json=big, timeout=60).status_code == 400
+    before = peak_kib()
+    for _ in range(3):
+        for payload in [*HOSTILE.values(), big["prompt_embeds"]]:
+            body = {**GREEDY, "prompt": "", "prompt_embeds": payload}
+            assert (
+                httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 400
+            )
+    assert peak_kib() - before < 16 << 10, (before, peak_kib())
