@@ -140,7 +140,6 @@ VLLM_FLAGS = [
     ["--api-server-count", "1"],
 ]
 REFUSED = [
-    ["--speculative-config", '{"method": "ngram"}'],
     ["--enable-lora"],
     ["--kv-cache-dtype", "fp8"],
     ["--quantization", "awq"],
@@ -226,3 +225,16 @@ def test_cpu_activation_dtype_flag(capsys: pytest.CaptureFixture[str]) -> None:
     bad, _ = EngineArgs.from_kwargs(cpu_activation_dtype="bfloat16")
     with pytest.raises(ValueError, match="--cpu-activation-dtype 'bfloat16': choose one of"):
         bad.create_engine_config()
+
+
+def test_speculative_config_from_the_command_line(default_model_path: str) -> None:
+    config, _, _ = prepare(
+        parse(
+            default_model_path,
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 5}',
+        )
+    )
+    assert config.speculative is not None and config.speculative.num_speculative_tokens == 5
+    with pytest.raises(ValueError, match='only "ngram"'):
+        prepare(parse(default_model_path, "--speculative-config", '{"method": "eagle"}'))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -252,6 +253,51 @@ class RestartConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` (JSON): what proposes tokens for the model to verify."""
+
+    method: str = "ngram"
+    """Only "ngram" (prompt lookup: the tokens that followed the last n tokens' latest earlier
+    occurrence in the prompt and output)."""
+    num_speculative_tokens: int = 3
+    """Tokens proposed per step (k): one forward pass verifies all k + 1 positions."""
+    prompt_lookup_min: int = 1
+    """The shortest n-gram looked up."""
+    prompt_lookup_max: int = 4
+    """The longest n-gram looked up (tried first)."""
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig:
+        """From JSON text or a dict; `ValueError` saying what to change."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"--speculative-config {value!r:.80} is not JSON") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: "
+                f"{', '.join(sorted(known))}; a draft model is not supported yet)"
+            )
+        config = cls(**value)
+        if config.method != "ngram":
+            raise ValueError(
+                f'--speculative-config method {config.method!r}: only "ngram" is supported'
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(config, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:
+                raise ValueError(f"--speculative-config {name} must be in [1, 64], got {v!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError("--speculative-config prompt_lookup_min > prompt_lookup_max")
+        return config
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -259,6 +305,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
+    speculative: SpeculativeConfig | None = None
 
 
 def field_docs(cls: type) -> dict[str, str]:

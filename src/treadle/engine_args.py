@@ -27,6 +27,7 @@ from treadle.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     field_docs,
     resolve_model,
     served_names,
@@ -192,6 +193,15 @@ class EngineArgs:
     enable_prefix_caching: bool = arg(
         CacheConfig.enable_prefix_caching, group="cache", area=CacheConfig
     )
+    speculative_config: Any = arg(
+        None,
+        "--speculative-config",
+        group="scheduler",
+        type=str,
+        help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\': n-gram prompt lookup proposes '
+        "tokens that one forward pass verifies (greedy requests; exact).",
+    )
     kv_cache_save_path: str | None = arg(
         None, "--kv-cache-save-path", "--slot-save-path", group="cache", area=CacheConfig
     )
@@ -323,6 +333,9 @@ class EngineArgs:
             frontend=replace(
                 frontend or FrontendConfig(), disable_log_stats=self.disable_log_stats
             ),
+            speculative=None
+            if self.speculative_config is None
+            else SpeculativeConfig.parse(self.speculative_config),
         )
         config.parallel.check()
         return config
@@ -415,7 +428,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
         fine=(None, "gguf"),
         flags=("-q", "--quantization"),
     ),
-    "speculative_config": VllmArg("speculative decoding is not supported", refuse=True),
     "enable_lora": VllmArg("LoRA adapters are not supported", "flag", refuse=True, fine=(False,)),
     "lora_modules": VllmArg("LoRA adapters are not supported", refuse=True),
     "reasoning_parser": VllmArg("no reasoning parser is implemented", refuse=True),

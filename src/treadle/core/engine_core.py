@@ -87,7 +87,7 @@ class EngineCore:
         # Outputs of refused requests, by client index, returned by the next step().
         self._refused: dict[int, list[EngineCoreOutput]] = {}
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.num_blocks, self.max_model_len
+            config.scheduler, config.cache, self.num_blocks, self.max_model_len, config.speculative
         )
         self.prompt_files = PromptCacheFiles(
             config, self.scheduler.kv, self.executor, self.vocab_size

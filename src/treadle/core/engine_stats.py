@@ -87,6 +87,9 @@ class PeriodicStats:
             parts.append(f"Preemptions: {preempted}")
         parts.append(f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%")
         parts.append(f"Prefix cache hit rate: {hit_rate:.1f}%")
+        if stats.spec_decode_num_draft_tokens:  # since start, as vLLM's SpecDecoding line
+            rate = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+            parts.append(f"Spec decoding acceptance rate: {100.0 * rate:.1f}%")
         return f"Engine {self.engine_index:03d}: " + ", ".join(parts)
 
 

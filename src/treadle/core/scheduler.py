@@ -15,9 +15,16 @@ import time
 
 import torch
 
-from treadle.config import CacheConfig, SchedulerConfig
+from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.request import Request, RequestStatus
+from treadle.core.spec_decode import (
+    ACCEPTANCE_DECAY,
+    BACK_OFF_BELOW,
+    PAUSE_STEPS,
+    can_speculate,
+    propose,
+)
 from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs, SchedulerStats
 from treadle.wire.worker import (
     CachedRequestData,
@@ -34,7 +41,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
+        """`speculative`: n-gram proposals for greedy requests (`core/spec_decode.py`)."""
+        self.speculative = speculative
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -50,6 +60,10 @@ class Scheduler:
         # For the periodic stats line: prompts that got their first token, tokens sampled.
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Speculative decoding's counters (vLLM's spec_decode_* metrics).
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -91,6 +105,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            proposal = self._proposal(req, budget) if n == 1 else []
+            n += len(proposal)
             while (new_blocks := self.kv.allocate_slots(req, n)) is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
                 budget += self._preempt(victim, out)
@@ -103,6 +119,8 @@ class Scheduler:
                 CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
             )
             out.num_scheduled_tokens[req.request_id] = n
+            if proposal:
+                out.spec_tokens[req.request_id] = proposal
             budget -= n
 
         while self._waiting and budget > 0 and not preempted:
@@ -164,6 +182,12 @@ class Scheduler:
                 outputs.setdefault(req.client_index, []).append(self._pooled(req, pooled))
                 continue
             token = result.sampled.get(rid)
+            proposal = sched.spec_tokens.get(rid)
+            if proposal is not None and token is not None:
+                outputs.setdefault(req.client_index, []).append(
+                    self._speculated(req, proposal, result.accepted.get(rid, []), token)
+                )
+                continue
             if token is None:  # a prefill chunk that did not reach the end of the prompt
                 self.kv.cache_full_blocks(req)
                 if prompt_logprobs is not None:
@@ -192,6 +216,59 @@ class Scheduler:
                 out.prefill_time = time.monotonic() - req.scheduled_ts
             outputs.setdefault(req.client_index, []).append(out)
         return outputs
+
+    def _proposal(self, req: Request, budget: int) -> list[int]:
+        """A decoding request's n-gram proposal (none without --speculative-config), no longer
+        than its remaining tokens, the context or the step's budget leave room for."""
+        config = self.speculative
+        if config is None or not can_speculate(req.sampling_params):
+            return []
+        if req.spec_pause > 0:
+            req.spec_pause -= 1
+            return []
+        p = req.sampling_params
+        room = min(
+            config.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens - 1
+        )
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        return propose(req.all_token_ids, room, config)
+
+    def _speculated(
+        self, req: Request, proposal: list[int], accepted: list[int], token: int
+    ) -> EngineCoreOutput:
+        """A speculating request's step: the accepted proposals and the model's own next
+        token, appended one by one under the usual stop rules; the rejected positions are
+        given back (they are computed again, with the right tokens, later)."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += len(proposal)
+        self.spec_accepted_tokens += len(accepted)
+        rate = len(accepted) / len(proposal)
+        req.spec_acceptance = ACCEPTANCE_DECAY * req.spec_acceptance + (1 - ACCEPTANCE_DECAY) * rate
+        if req.spec_acceptance < BACK_OFF_BELOW:
+            req.spec_pause, req.spec_acceptance = PAUSE_STEPS, 0.6  # one more miss: pause again
+        req.num_computed_tokens -= len(proposal) - len(accepted)
+        new: list[int] = []
+        reason = None
+        for t in [*accepted, token]:
+            req.all_token_ids.append(t)
+            new.append(t)
+            self.generation_tokens_total += 1
+            reason = self._check_stop(req, t)
+            if reason is not None:
+                break
+        # past a stop, the rest of the accepted tokens were never generated
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        self.kv.cache_full_blocks(req)
+        if reason is not None:
+            self._finish(req, reason)
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=new,
+            finish_reason=reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens,
+        )
 
     def _pooled(self, req: Request, pooled: torch.Tensor) -> EngineCoreOutput:
         self.kv.cache_full_blocks(req)
@@ -242,6 +319,9 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode_num_drafts=self.spec_drafts,
+            spec_decode_num_draft_tokens=self.spec_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_accepted_tokens,
         )
 
     # -- internals ---------------------------------------------------------------------------

@@ -95,6 +95,9 @@ def _definitions(max_model_len: int) -> dict[str, Any]:
             "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         ),
         preemptions=counter("num_preemptions", "Cumulative number of preemption from the engine."),
+        spec_drafts=counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+        spec_draft_tokens=counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
+        spec_accepted=counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
         prompt_tokens=counter("prompt_tokens", "Number of prefill tokens processed."),
         generation_tokens=counter("generation_tokens", "Number of generation tokens processed."),
         success=counter(
@@ -236,6 +239,9 @@ class StatLogger:
             ("preemptions", "num_preemptions"),
             ("prefix_queries", "prefix_cache_queries"),
             ("prefix_hits", "prefix_cache_hits"),
+            ("spec_drafts", "spec_decode_num_drafts"),
+            ("spec_draft_tokens", "spec_decode_num_draft_tokens"),
+            ("spec_accepted", "spec_decode_num_accepted_tokens"),
         ):
             delta = getattr(stats, attr) - getattr(self._last, attr)
             if delta > 0:

@@ -48,6 +48,9 @@ class SchedulerOutput:
     # the int32 bitmask is the tokens request i may sample (`treadle.structured_outputs`).
     grammar_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    # Speculative decoding: per request, the proposed tokens that follow its last token in
+    # this step (its scheduled tokens are 1 + their number; `core/spec_decode.py`).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -58,5 +61,7 @@ class ModelRunnerOutput:
     # Per request with `prompt_logprobs` whose prefill ran this step: (index in the prompt of
     # the first token scored, one row per scored prompt token).
     prompt_logprobs: dict[str, tuple[int, Logprobs]] = field(default_factory=dict)
+    # Per speculating request: the proposed tokens it accepted, which come before `sampled`.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
     # Per pooling request whose prompt ended this step: its pooled hidden state (float32).
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -141,6 +141,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         # Decodes (one token) first, then prefill chunks: the layout attention expects.
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] > 1)
+        for rid, spec in sched.spec_tokens.items():  # read after the last token, verified
+            self.requests[rid].token_ids.extend(spec)
         states = [self.requests[rid] for rid, _ in order]
         counts = [n for _, n in order]
         input_ids, positions, meta, logits_rows = self._prepare(states, counts)
@@ -149,6 +151,9 @@ class ModelRunner:
         result = ModelRunnerOutput()
         first = 0
         for state, n, row in zip(states, counts, logits_rows, strict=True):
+            if state.request_id in sched.spec_tokens:
+                spec = sched.spec_tokens[state.request_id]
+                self._verify(state, spec, hidden[first : first + n], result)
             if state.sampling_params.pooling is not None:
                 self._pool(state, hidden[first : first + n], row is not None, result)
             if state.sampling_params.prompt_logprobs is not None:
@@ -159,7 +164,9 @@ class ModelRunner:
         sampling = [
             (s, row)
             for s, row in zip(states, logits_rows, strict=True)
-            if row is not None and s.sampling_params.pooling is None
+            if row is not None
+            and s.sampling_params.pooling is None
+            and s.request_id not in sched.spec_tokens
         ]
         if sampling:
             rows = torch.tensor([row for _, row in sampling], device=self.device)
@@ -177,6 +184,21 @@ class ModelRunner:
         for state, n in zip(states, counts, strict=True):
             state.num_computed_tokens += n
         return result
+
+    def _verify(
+        self, state: RequestState, proposal: list[int], hidden: torch.Tensor, out: ModelRunnerOutput
+    ) -> None:
+        """Greedy verification of a speculating request's proposal: the model's choice at each
+        of its 1 + k positions, proposals accepted in order until the first it would not have
+        chosen; that choice (or the one after the last proposal) is its sampled token."""
+        del state.token_ids[len(state.token_ids) - len(proposal) :]
+        best = self.model.compute_logits(hidden).float().max(dim=-1).indices.tolist()
+        accepted = 0
+        while accepted < len(proposal) and best[accepted] == proposal[accepted]:
+            accepted += 1
+        state.token_ids.extend([*proposal[:accepted], best[accepted]])
+        out.accepted[state.request_id] = proposal[:accepted]
+        out.sampled[state.request_id] = best[accepted]
 
     @staticmethod
     def _pool(

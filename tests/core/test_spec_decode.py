@@ -1,0 +1,100 @@
+"""N-gram speculative decoding (issue 27): the proposer, and greedy outputs identical with and
+without speculation (the default model, offline, in one process), also when a stop rule ends
+a request inside its accepted tokens, and beside requests that do not speculate."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from treadle import LLM, SamplingParams
+from treadle.config import SpeculativeConfig
+from treadle.core.spec_decode import can_speculate, propose
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def test_the_longest_suffix_is_looked_up_at_its_latest_earlier_occurrence() -> None:
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert propose(tokens, 4, NGRAM) == [7, 8, 5, 1]  # [1, 2, 3] last seen before 7
+    assert propose(tokens, 2, NGRAM) == [7, 8]
+    assert propose([4, 5, 6], 4, NGRAM) == []  # no earlier occurrence
+    assert propose([5, 1, 5], 4, NGRAM) == [1, 5]  # a 1-gram
+    assert propose(tokens, 0, NGRAM) == []
+
+
+def test_only_plain_greedy_requests_speculate() -> None:
+    assert can_speculate(SamplingParams(temperature=0.0))
+    for changes in (
+        {"temperature": 0.7},
+        {"logprobs": 1},
+        {"repetition_penalty": 1.1},
+        {"min_tokens": 2},
+        {"logit_bias": {5: 1.0}},
+    ):
+        assert not can_speculate(SamplingParams(**{"temperature": 0.0, **changes})), changes
+
+
+def test_bad_speculative_configs_say_what_to_change() -> None:
+    for value, words in (
+        ('{"method": "eagle"}', "only"),
+        ('{"model": "x"}', "draft model"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ("not json", "not JSON"),
+        ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(value)
+
+
+PROMPTS = [
+    "List: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple,",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
+    "Write a short story about a robot.",
+]
+
+
+@pytest.fixture(scope="module")
+def outputs() -> Iterator[dict[str, object]]:
+    """Each prompt's greedy tokens and the speculation counters, plain and with n-gram."""
+    os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
+    results: dict[str, object] = {}
+    try:
+        for name, spec in (
+            ("plain", None),
+            ("ngram", {"method": "ngram", "num_speculative_tokens": 5}),
+        ):
+            llm = LLM(max_model_len=512, speculative_config=spec)
+            try:
+                greedy = SamplingParams(temperature=0.0, max_tokens=48)
+                cut = SamplingParams(temperature=0.0, max_tokens=11)
+                sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=16)
+                batch = llm.generate(
+                    [*PROMPTS, PROMPTS[0], PROMPTS[1]],
+                    [greedy] * 3 + [cut, sampled],
+                    use_tqdm=False,
+                )
+                results[name] = [list(o.outputs[0].token_ids) for o in batch]
+                alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
+                results[name + "-alone"] = [list(o.outputs[0].token_ids) for o in alone]
+                s = llm.engine_core.scheduler
+                results[name + "-counts"] = (
+                    s.spec_drafts,
+                    s.spec_draft_tokens,
+                    s.spec_accepted_tokens,
+                )
+            finally:
+                llm.shutdown()
+    finally:
+        del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
+    yield results
+
+
+def test_greedy_outputs_are_identical_with_speculation(outputs: dict[str, object]) -> None:
+    assert outputs["ngram-alone"] == outputs["plain-alone"]
+    assert outputs["ngram"] == outputs["plain"]  # batched, a max_tokens cut, a sampled one
+    assert len(outputs["ngram"][3]) == 11  # type: ignore[index]
+    drafts, proposed, accepted = outputs["ngram-counts"]  # type: ignore[misc]
+    assert drafts > 0 and accepted > 0 and accepted <= proposed
