@@ -65,3 +65,28 @@ def test_embeds_through_the_ring_give_the_greedy_text_and_nothing_is_left(
     assert server.proc.wait(60) == 0
     wait_gone(family)
     assert left_in_dev_shm(inodes) == []
+
+
+def test_the_offline_llm_sends_embeds_through_its_ring(
+    tiny_model_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    from treadle.entrypoints.llm import LLM
+    from treadle.sampling_params import SamplingParams
+
+    monkeypatch.setenv("TREADLE_TENSOR_IPC_SHM_THRESHOLD", "1024")
+    model = Path(tiny_model_factory("llama"))
+    llm = LLM(str(model), enable_prompt_embeds=True, tensor_ipc="shm", max_model_len=128)
+    try:
+        ring = llm.engine.tensor_ring  # type: ignore[union-attr]
+        assert ring is not None
+        ids = list(range(5, 25))
+        embeds = load_file(str(model / "model.safetensors"))["model.embed_tokens.weight"][ids]
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        want = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+        got = llm.generate([{"prompt_embeds": embeds}], params)[0].outputs[0].token_ids
+        assert list(got) == list(want)
+        assert ring.in_flight == 1 and ring._next_seq == 2  # it went through the ring
+        name = ring.name
+    finally:
+        llm.shutdown()
+    assert not Path(f"/dev/shm/{name}").exists()
