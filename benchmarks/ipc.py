@@ -1,4 +1,5 @@
-"""IPC benchmark: MessageQueue broadcast and round trip, ROUTER/DEALER requests, PUSH/PULL outputs.
+"""IPC benchmark: MessageQueue broadcast and round trip, ROUTER/DEALER requests, PUSH/PULL outputs,
+request tensors with --tensor-ipc direct and shm.
 
 Run: `python benchmarks/ipc.py` (part of `make bench`). Every peer is a real process (spawn).
 Figures to compare with (vLLM 0.32 on the same 2-core machine) are in the module's issue.
@@ -12,25 +13,29 @@ import statistics
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import psutil
+import torch
 import zmq
 
+from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.process import ReadyPipe, shutdown_processes, start_process, wait_for_ready
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.shm_broadcast import Handle, MessageQueue
-from treadle.ipc.zmq_utils import (
-    EngineCoreRequestType,
-    engine_identity,
-    get_open_zmq_ipc_path,
-    make_zmq_socket,
-)
+from treadle.ipc.tensor_ring import TensorRingReader, TensorRingWriter, ring_name
+from treadle.ipc.zmq_utils import EngineCoreRequestType, get_open_zmq_ipc_path, make_zmq_socket
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 MiB = 1 << 20
 SIZES = [1 << 10, 64 << 10, 1 << 20, 8 << 20]
-BENCHES = ["broadcast", "roundtrip", "idle", "requests", "outputs"]
+BENCHES = ["broadcast", "roundtrip", "idle", "requests", "outputs", "tensors"]
+# The seed's image tensor, and a long prompt_embeds of a 576-wide model.
+TENSORS = {
+    "[3, 336, 336] float16": ((3, 336, 336), torch.float16),
+    "8192 x 576 float32": ((8192, 576), torch.float32),
+}
 
 
 # -- children -------------------------------------------------------------------------------
@@ -94,7 +99,7 @@ class Workers:
 def engine_input(ready: ReadyPipe, addr: str, result_addr: str, count: int) -> None:
     """A DEALER that receives and decodes `count` ADD requests, then reports the elapsed time."""
     ctx: zmq.Context[Any] = zmq.Context()
-    sock = make_zmq_socket(ctx, addr, zmq.DEALER, bind=False, identity=engine_identity(0))
+    sock = make_zmq_socket(ctx, addr, zmq.DEALER, bind=False, identity=routing_id())
     out = make_zmq_socket(ctx, result_addr, zmq.PUSH, bind=False)
     decoder = MsgpackDecoder(EngineCoreRequest)
     sock.send(b"READY")  # registers the identity with the ROUTER
@@ -109,6 +114,26 @@ def engine_input(ready: ReadyPipe, addr: str, result_addr: str, count: int) -> N
             req = decoder.decode(frames[1:])
             assert len(req.prompt_token_ids) == 128
         out.send_pyobj(time.perf_counter() - (start or 0.0))
+    sock.close()
+    out.close()
+    ctx.term()
+
+
+def engine_tensor_input(ready: ReadyPipe, addr: str, result_addr: str) -> None:
+    """A DEALER that decodes ADD requests with a tensor (from the ring of the front end at
+    `addr`, too) and answers each with the tensor's byte count; an empty message ends it."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = make_zmq_socket(ctx, addr, zmq.DEALER, bind=False, identity=routing_id())
+    out = make_zmq_socket(ctx, result_addr, zmq.PUSH, bind=False)
+    decoder = MsgpackDecoder(EngineCoreRequest, tensor_rings=TensorRingReader([ring_name(addr)]))
+    sock.send(b"READY")
+    ready.send_ready()
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1:
+            break
+        req = decoder.decode(frames[1:])
+        out.send(str(req.prompt_embeds.nbytes).encode())
     sock.close()
     out.close()
     ctx.term()
@@ -272,6 +297,52 @@ def bench_outputs(ctx: Any, count: int, batch: int) -> None:
         zctx.term()
 
 
+def bench_tensors(ctx: Any, rounds: int) -> None:
+    """One request at a time (send, the engine decodes it into its own tensor, answers):
+    latency and the ZMQ message's size, --tensor-ipc direct against shm."""
+    zctx: zmq.Context[Any] = zmq.Context()
+    addr, result_addr = get_open_zmq_ipc_path(), get_open_zmq_ipc_path()
+    router = make_zmq_socket(zctx, addr, zmq.ROUTER)
+    results = make_zmq_socket(zctx, result_addr, zmq.PULL)
+    ring = TensorRingWriter(ring_name(addr), 32 * MiB)
+    engine = [start_process(engine_tensor_input, "EngineCore_DP0", (addr, result_addr), ctx=ctx)]
+    add = EngineCoreRequestType.ADD.value
+    try:
+        wait_for_ready(engine, 120)
+        identity, _ = router.recv_multipart()
+        for label, (shape, dtype) in TENSORS.items():
+            tensor = torch.randn(shape).to(dtype)
+            req = msgspec.structs.replace(_request(), prompt_embeds=tensor)
+            n = max(10, rounds if tensor.nbytes < 4 * MiB else rounds // 10)
+            for mode, encoder in (
+                ("direct", MsgpackEncoder()),
+                ("shm", MsgpackEncoder(tensor_ring=ring)),
+            ):
+                times = []
+                for i in range(n + 5):  # 5 to warm up
+                    start = time.perf_counter()
+                    frames = encoder.encode(req)
+                    router.send_multipart([identity, add, *frames], copy=False)
+                    assert int(results.recv()) == tensor.nbytes
+                    if i >= 5:
+                        times.append(time.perf_counter() - start)
+                size = sum(memoryview(f).nbytes for f in frames)
+                print(
+                    f"Request with a {label} tensor ({tensor.nbytes / MiB:.2f} MiB), --tensor-ipc "
+                    f"{mode}: ZMQ message {size:,} bytes in {len(frames)} frame(s); send -> "
+                    f"decoded in the engine: median {statistics.median(times) * 1e3:.3f} ms, "
+                    f"mean {statistics.fmean(times) * 1e3:.3f} ms ({n} requests)"
+                )
+        router.send_multipart([identity, b""])
+        shutdown_processes(engine, timeout=10)
+    finally:
+        shutdown_processes(engine, timeout=1)
+        ring.close()
+        router.close()
+        results.close()
+        zctx.term()
+
+
 def _fmt(size: int) -> str:
     return f"{size // MiB} MiB" if size >= MiB else f"{size // 1024} KiB"
 
@@ -296,6 +367,8 @@ def main() -> None:
         bench_requests(ctx, args.requests)
     if "outputs" in args.only:
         bench_outputs(ctx, args.requests, batch=8)
+    if "tensors" in args.only:
+        bench_tensors(ctx, args.rounds // 25)
 
 
 if __name__ == "__main__":

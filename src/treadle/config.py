@@ -105,6 +105,8 @@ class ModelConfig:
     """Activations of the linear layers that run on GGUF blocks on treadle's CPU kernels: float32 (exact: every block widened to float32, greedy output as transformers'), or int8 (each input row quantized to int8 blocks of 32 and multiplied with the weight blocks in integers, as llama.cpp: faster, a little less exact)."""
     enable_prompt_embeds: bool = False
     """Accept `prompt_embeds` (vLLM's): a prompt given as rows of input embeddings instead of token ids (on /v1/completions, base64 of `torch.save` of one [tokens, hidden_size] float tensor, read without unpickling; in the offline `LLM`, a tensor). Such a prompt has no prompt logprobs and no echo."""
+    tensor_ipc: str = "direct"
+    """How tensors of requests (`prompt_embeds`) go from the API server to the engine cores (vLLM's `mm_tensor_ipc`): `direct` (in their own ZMQ frame, zero-copy) or `shm` (one of 64 KiB or more is copied into the front end's shared-memory ring in /dev/shm, and the ZMQ message carries only a small handle; a full ring, or engines on other hosts, fall back to `direct`)."""
     pooling_type: str = "last"
     """How `/v1/embeddings` (and `LLM.embed`) make one vector of a prompt: the final hidden state of its last position (`last`, vLLM's default for decoder models) or the mean over its positions (`mean`); normalised to unit length."""
     generation_config: str = "auto"

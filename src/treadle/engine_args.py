@@ -32,7 +32,7 @@ from treadle.config import (
     resolve_model,
     served_names,
 )
-from treadle.validation import POOLING_TYPES
+from treadle.validation import POOLING_TYPES, TENSOR_IPC_MODES
 
 # Argument groups of `--help`, in vLLM's order.
 GROUPS = {
@@ -177,6 +177,9 @@ class EngineArgs:
         area=ModelConfig,
         choices=CPU_ACTIVATION_DTYPES,
     )
+    tensor_ipc: str = arg(
+        ModelConfig.tensor_ipc, group="model", area=ModelConfig, choices=TENSOR_IPC_MODES
+    )
     pooling_type: str = arg(
         ModelConfig.pooling_type, group="model", area=ModelConfig, choices=POOLING_TYPES
     )
@@ -281,6 +284,10 @@ class EngineArgs:
                 f"--generation-config {gen!r}: give auto, vllm or a directory that holds a "
                 "generation_config.json"
             )
+        if self.tensor_ipc not in TENSOR_IPC_MODES:
+            raise ValueError(
+                f"--tensor-ipc {self.tensor_ipc!r}: choose one of {', '.join(TENSOR_IPC_MODES)}"
+            )
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(
                 f"--pooling-type {self.pooling_type!r}: choose one of {', '.join(POOLING_TYPES)}"
@@ -309,6 +316,7 @@ class EngineArgs:
                 generation_config=gen,
                 cpu_activation_dtype=self.cpu_activation_dtype,
                 enable_prompt_embeds=self.enable_prompt_embeds,
+                tensor_ipc=self.tensor_ipc,
                 pooling_type=self.pooling_type,
             ),
             cache=CacheConfig(

@@ -29,6 +29,16 @@ def msgpack_zero_copy_threshold() -> int:
     return _int("TREADLE_MSGPACK_ZERO_COPY_THRESHOLD", 256)
 
 
+def tensor_ipc_shm_threshold() -> int:
+    """With --tensor-ipc shm: the smallest tensor (bytes) that goes through the tensor ring."""
+    return _int("TREADLE_TENSOR_IPC_SHM_THRESHOLD", 64 << 10)
+
+
+def tensor_ipc_shm_mb() -> int:
+    """With --tensor-ipc shm: the size of each front end's tensor ring in /dev/shm (MiB)."""
+    return _int("TREADLE_TENSOR_IPC_SHM_MB", 32)
+
+
 def allow_insecure_serialization() -> bool:
     return _bool("TREADLE_ALLOW_INSECURE_SERIALIZATION", False)
 

@@ -349,6 +349,9 @@ def check_request(
 POOLING_TYPES = ("last", "mean")
 """How a pooling request's hidden states become one vector (vLLM's `--pooling-type` names)."""
 
+TENSOR_IPC_MODES = ("direct", "shm")
+"""How request tensors reach the engine cores (`--tensor-ipc`, `ipc/tensor_ring.py`)."""
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 

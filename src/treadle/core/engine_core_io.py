@@ -31,6 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound, inbound_options
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from treadle.ipc.tensor_ring import TensorRingReader, ring_name
 from treadle.ipc.zmq_utils import make_zmq_socket, split_zmq_path
 from treadle.logger import init_logger
 from treadle.wire.control import COORDINATOR, UtilityRequest
@@ -82,7 +83,12 @@ class InputReader:
         self.ready = threading.Event()  # set once every front end has had the ready message
         self.drops = DropLog(logger)
         self.decoders = {
-            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            # Large tensors may come through the tensor ring of their front end (--tensor-ipc
+            # shm), only of these: the rings are named after the front ends' addresses.
+            EngineCoreRequestType.ADD: MsgpackDecoder(
+                EngineCoreRequest,
+                tensor_rings=TensorRingReader(ring_name(a) for a in addresses),
+            ),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
         }

@@ -64,6 +64,7 @@ from treadle.executor.multiproc import ExecutorStoppedError
 from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ReadyPipe, at_parent_death
+from treadle.ipc.tensor_ring import remove_orphaned_rings
 from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
 from treadle.logger import LogTail, init_logger, set_process_name
 from treadle.wire.control import (
@@ -238,6 +239,8 @@ class EngineCoreProc:
         at_parent_death(
             lambda: remove_ipc_files([handshake_address, *addresses.inputs, *addresses.outputs])
         )
+        # And its tensor ring (--tensor-ipc shm), if it made one.
+        at_parent_death(lambda: remove_orphaned_rings(addresses.inputs))
         self.reader = InputReader(
             self.ctx,
             addresses.inputs,

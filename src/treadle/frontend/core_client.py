@@ -45,6 +45,7 @@ from treadle.ipc.engine_auth import EngineIdentities, EngineRefusedError, new_ke
 from treadle.ipc.inbound import DropLog, check_outbound, inbound_options
 from treadle.ipc.process import ChildProcess, ProcessMonitor, describe_exit
 from treadle.ipc.serial import MsgpackEncoder
+from treadle.ipc.tensor_ring import TensorRingWriter, ring_name
 from treadle.ipc.zmq_utils import (
     get_bound_address,
     get_open_zmq_ipc_path,
@@ -156,6 +157,7 @@ class MPClient:
         self.input_socket: zmq.Socket[Any] | None = None
         self.output_socket: zmq.Socket[Any] | None = None
         self.coordinator_socket: zmq.Socket[Any] | None = None
+        self.tensor_ring: TensorRingWriter | None = None
         self.router = EngineRouter(self.num_engines)
         self.engine_pids = [0] * self.num_engines  # as each engine said (0: not known)
         if attach is None:
@@ -178,6 +180,9 @@ class MPClient:
             self.output_socket = make_zmq_socket(self.ctx, pull, zmq.PULL, linger=0, options=limits)
             mine = [get_bound_address(self.input_socket), get_bound_address(self.output_socket)]
             self.addresses = mine
+            if config.model.tensor_ipc == "shm":
+                self.tensor_ring = _make_tensor_ring(mine[0], host)
+                self.encoder.tensor_ring = self.tensor_ring
             if self.launcher is not None:
                 self.launcher.handshake(
                     self.ctx, [mine[0]], [mine[1]], [self.key], keep=self.keep_handshake
@@ -330,9 +335,25 @@ class MPClient:
             if sock is not None:
                 sock.close(linger=0)
         self.ctx.term()
+        if self.tensor_ring is not None:  # (the engines have stopped: nobody reads it now)
+            self.encoder.tensor_ring = None
+            self.tensor_ring.close()
 
 
 _decode_hello = msgspec.msgpack.Decoder(Handshake).decode
+
+
+def _make_tensor_ring(router_address: str, host: str | None) -> TensorRingWriter | None:
+    """This front end's tensor ring (--tensor-ipc shm), named after its request ROUTER, or
+    None (with a warning: tensors then go directly) where it cannot serve."""
+    if host is not None:
+        logger.warning("--tensor-ipc shm: engines may run on other hosts; sending tensors directly")
+        return None
+    try:
+        return TensorRingWriter(ring_name(router_address), envs.tensor_ipc_shm_mb() << 20)
+    except (OSError, RuntimeError) as e:
+        logger.warning("--tensor-ipc shm: no tensor ring (%s); sending tensors directly", e)
+        return None
 
 
 def settle_utility(

@@ -13,6 +13,13 @@ msgpack triple `(dtype, shape, data)`:
 - otherwise: `data` is the index of an extra buffer, which is a view of the array's own memory
   (no copy). The array must not change until the frames have been sent.
 
+With a `TensorRingWriter` (`--tensor-ipc shm`, `tensor_ring.py`), a torch tensor of at least
+`TREADLE_TENSOR_IPC_SHM_THRESHOLD` bytes (64 KiB) is copied into the shared-memory ring instead
+and travels as extension 4, `(dtype, shape, ring name, nonce, seq, offset, length)`, a few dozen
+bytes; when the ring has no room it goes as an extra buffer. Only a decoder given a
+`TensorRingReader` accepts extension 4; it copies the bytes out (releasing the region) and a
+handle it cannot read raises `DecodeError`.
+
 Extensions decode wherever they appear, also inside `Any`-typed fields (e.g.
 `UtilityOutput.result`). The decoder rebuilds out-of-band arrays as views of the received frames
 (zero-copy; a torch tensor over a read-only frame such as `bytes` is copied, because torch has
@@ -39,6 +46,7 @@ import numpy as np
 import torch
 
 from treadle import envs
+from treadle.ipc.tensor_ring import TensorRingError, TensorRingReader, TensorRingWriter
 
 __all__ = [
     "Buffer",
@@ -58,6 +66,7 @@ DecodeError = msgspec.DecodeError
 _EXT_TENSOR = 1
 _EXT_NDARRAY = 2
 _EXT_PICKLE = 3
+_EXT_TENSOR_RING = 4
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
@@ -81,15 +90,26 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 
 _ArrayHeader: TypeAlias = tuple[str, tuple[int, ...], int | bytearray]
+_RingHeader: TypeAlias = tuple[str, tuple[int, ...], str, int, int, int, int]
 _header_encoder = msgspec.msgpack.Encoder()
 
 
 class MsgpackEncoder:
     """Encodes msgspec Structs and plain data into `[msgpack, *array buffers]`."""
 
-    def __init__(self, size_threshold: int | None = None, allow_pickle: bool | None = None):
+    def __init__(
+        self,
+        size_threshold: int | None = None,
+        allow_pickle: bool | None = None,
+        tensor_ring: TensorRingWriter | None = None,
+        ring_threshold: int | None = None,
+    ):
         self.size_threshold = (
             envs.msgpack_zero_copy_threshold() if size_threshold is None else size_threshold
+        )
+        self.tensor_ring = tensor_ring
+        self.ring_threshold = (
+            envs.tensor_ipc_shm_threshold() if ring_threshold is None else ring_threshold
         )
         self.allow_pickle = (
             envs.allow_insecure_serialization() if allow_pickle is None else allow_pickle
@@ -135,7 +155,14 @@ class MsgpackEncoder:
         )
 
     def _encode_tensor(self, tensor: torch.Tensor) -> msgspec.msgpack.Ext:
-        return self._encode_array(_EXT_TENSOR, *tensor_to_buffer(tensor))
+        dtype, shape, raw = tensor_to_buffer(tensor)
+        ring = self.tensor_ring
+        if ring is not None and raw.nbytes >= self.ring_threshold:
+            handle = ring.put(raw)
+            if handle is not None:
+                header = (dtype, shape, ring.name, *handle)
+                return msgspec.msgpack.Ext(_EXT_TENSOR_RING, _header_encoder.encode(header))
+        return self._encode_array(_EXT_TENSOR, dtype, shape, raw)
 
     def _encode_array(
         self, code: int, dtype: str, shape: tuple[int, ...], raw: memoryview
@@ -154,12 +181,19 @@ class MsgpackEncoder:
 class MsgpackDecoder:
     """Decodes what `MsgpackEncoder` made into `t` (default: plain Python data)."""
 
-    def __init__(self, t: Any = Any, allow_pickle: bool | None = None):
+    def __init__(
+        self,
+        t: Any = Any,
+        allow_pickle: bool | None = None,
+        tensor_rings: TensorRingReader | None = None,
+    ):
         self.allow_pickle = (
             envs.allow_insecure_serialization() if allow_pickle is None else allow_pickle
         )
+        self.tensor_rings = tensor_rings
         self._decoder = msgspec.msgpack.Decoder(t, dec_hook=_dec_hook, ext_hook=self._ext_hook)
         self._header_decoder = msgspec.msgpack.Decoder(_ArrayHeader)
+        self._ring_decoder = msgspec.msgpack.Decoder(_RingHeader)
         self._bufs: Sequence[Any] = ()
 
     def decode(self, bufs: Buffer | Sequence[Any]) -> Any:
@@ -188,6 +222,8 @@ class MsgpackDecoder:
                     "sides to accept pickle (trusted hosts only)"
                 )
             return pickle.loads(data)
+        if code == _EXT_TENSOR_RING:
+            return self._from_ring(data)
         if code not in (_EXT_TENSOR, _EXT_NDARRAY):
             raise DecodeError(f"unknown msgpack extension type {code}")
         dtype_name, shape, payload = self._header_decoder.decode(data)
@@ -203,6 +239,16 @@ class MsgpackDecoder:
         if code == _EXT_TENSOR:
             return tensor_from_buffer(mem, dtype_name, shape)
         return _ndarray_from(mem, dtype_name, shape)
+
+    def _from_ring(self, data: memoryview) -> torch.Tensor:
+        if self.tensor_rings is None:
+            raise DecodeError("a tensor ring handle where none is accepted")
+        dtype_name, shape, name, nonce, seq, offset, length = self._ring_decoder.decode(data)
+        try:
+            raw = self.tensor_rings.take(name, nonce, seq, offset, length)
+        except TensorRingError as e:
+            raise DecodeError(str(e)) from e
+        return tensor_from_buffer(memoryview(raw), dtype_name, shape)
 
 
 def _dec_hook(t: type, obj: Any) -> Any:
