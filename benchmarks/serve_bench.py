@@ -53,7 +53,7 @@ class Server:
         self.url = ""
 
     def wait_healthy(self, timeout: float = 300.0) -> float:
-        """Seconds from launch to the first 200 from /health."""
+        """Seconds from launch to the first 200 from /health/startup (the engines loaded)."""
         import urllib.error
         import urllib.request
 
@@ -66,7 +66,7 @@ class Server:
                 self.url = m.group(1) if m else ""
             if self.url:
                 try:
-                    with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    with urllib.request.urlopen(self.url + "/health/startup", timeout=5) as resp:
                         if resp.status == 200:
                             return time.perf_counter() - self.started
                 except (urllib.error.URLError, OSError):

@@ -55,6 +55,13 @@ def mq_max_chunk_bytes() -> int:
     return int(float(value if value not in (None, "") else 16) * (1 << 20))
 
 
+def test_slow_start_s() -> float:
+    """Test-only hook, off unless set: an engine core sleeps this many seconds in its
+    "loading weights" phase, so that a test can watch a start-up (`/health/startup`)."""
+    value = os.environ.get("TREADLE_TEST_SLOW_START_S")
+    return float(value) if value else 0.0
+
+
 def test_crash_on_token() -> int | None:
     """Test-only fault hook, off unless set: an engine core that schedules a request whose
     prompt holds this token id crashes (SIGSEGV), as a kernel bug would (the engine restart

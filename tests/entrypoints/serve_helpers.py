@@ -57,7 +57,8 @@ class RemoteServer:
                     self.url = m.group(1)
             if self.url:
                 try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    # /health is 200 while the engines start; /health/startup once loaded.
+                    if httpx.get(self.url + "/health/startup", timeout=5).status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass

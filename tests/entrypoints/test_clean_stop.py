@@ -52,7 +52,7 @@ class Server:
             if m:
                 self.url = m.group(1)
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    if httpx.get(self.url + "/health/startup", timeout=5).status_code == 200:
                         models = httpx.get(self.url + "/v1/models", timeout=5).json()
                         self.model = models["data"][0]["id"]
                         return

@@ -9,7 +9,7 @@ import msgspec
 
 from treadle.frontend.handshake import HandshakeDesk, Hello
 from treadle.ipc.engine_auth import engine_token
-from treadle.wire.control import Handshake
+from treadle.wire.control import Handshake, StartupPhase
 
 
 def check_secret(rank: int, secret: bytes) -> None:
@@ -55,3 +55,26 @@ def test_an_expected_rank_gets_a_new_launch_and_a_second_hello_goes_to_the_calle
     assert d.on_message(frames(b"p2", "READY", 1)) == 1
     assert d.on_message(frames(b"p3", "READY", 5)) is None  # unknown rank: dropped
     assert d.on_message([b"p3", b"\xc1"]) is None and d.drops.dropped >= 2
+
+
+def test_phases_of_a_greeted_rank_with_its_secret_are_told_and_others_dropped() -> None:
+    told: list[tuple[int, StartupPhase]] = []
+    addresses = Handshake("ADDRESSES", inputs=["a"], outputs=["b"])
+    d = HandshakeDesk(
+        None, addresses, [b"k" * 32], [0, 0], check_secret, lambda r, p: told.append((r, p))
+    )  # type: ignore[arg-type]
+    d.expect([0])
+
+    def phase(secret: bytes, value: Any = StartupPhase.LOADING_WEIGHTS) -> list[Any]:
+        msg = {"status": "PHASE", "rank": 0, "secret": secret, "phase": value}
+        return [b"p0", msgspec.msgpack.encode(msg)]
+
+    assert d.on_message(phase(b"s0")) is None and told == []  # before HELLO: dropped
+    assert d.on_message(frames(b"p0", "HELLO", 0, b"s0")) is None
+    d.take()
+    assert d.on_message(phase(b"s0")) is None
+    assert d.on_message(phase(b"other")) is None  # not its secret: dropped
+    assert d.on_message(phase(b"s0", "compiling the universe")) is None  # fails the decode
+    assert d.on_message(phase(b"s0", "profiling the KV cache")) is None
+    assert told == [(0, StartupPhase.LOADING_WEIGHTS), (0, StartupPhase.PROFILING_KV_CACHE)]
+    assert d.on_message(frames(b"p0", "READY", 0, b"s0")) == 0

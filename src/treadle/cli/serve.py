@@ -100,7 +100,9 @@ def serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TREADLE_LOGGING_LEVEL", args.log_level.upper())
     from treadle.cli.supervise import bind_http_socket
     from treadle.entrypoints.openai.api_server import run_server
+    from treadle.entrypoints.openai.starting import EngineStart
     from treadle.frontend.async_llm import AsyncLLM
+    from treadle.frontend.startup import StartupProgress
     from treadle.ipc.process import set_process_title
 
     api_servers = (
@@ -129,7 +131,11 @@ def serve(args: argparse.Namespace) -> int:
 
             model_path = config.model.model or ""
             return run_api_servers(config, name, model_path, api_servers, server, sock)
-        engine = AsyncLLM(config, name, shutdown_timeout=server.shutdown_timeout)
+        progress = StartupProgress(config.parallel.data_parallel_size)
+        # Built while HTTP already serves (`/health/startup` follows its progress).
+        start = EngineStart(
+            lambda: AsyncLLM(config, name, server.shutdown_timeout, progress=progress), progress
+        )
     except KeyboardInterrupt:
         return 0
     except (ValueError, FileNotFoundError) as e:  # what the user asked for cannot work
@@ -139,4 +145,4 @@ def serve(args: argparse.Namespace) -> int:
         print(f"treadle serve: error: {e}", file=sys.stderr)
         return 1
     port = sock.getsockname()[1]
-    return run_server(engine, name, config.model.model or "", server, port, sock=sock)
+    return run_server(start, name, config.model.model or "", server, port, sock=sock)

@@ -32,6 +32,7 @@ from treadle.validation import (
     check_resumed,
     is_finite,
 )
+from treadle.wire.control import StartupPhase
 from treadle.wire.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -65,13 +66,21 @@ class EngineCore:
         aborts_queue: queue.Queue[list[str]] | None = None,
         on_executor_failure: Callable[[str, bool], None] | None = None,
         channels: EngineChannels | None = None,
+        on_phase: Callable[[StartupPhase], None] | None = None,
     ) -> None:
+        """`on_phase` is told each phase of the start-up as it begins (the engine core
+        process says it on the handshake socket)."""
         start = time.monotonic()
         self.engine_index = engine_index
         self.aborts_queue = aborts_queue
         self.channels = channels
+        say = on_phase or (lambda phase: None)
+        say(StartupPhase.LOADING_WEIGHTS)
+        time.sleep(envs.test_slow_start_s())
         self.executor = make_executor(config, on_executor_failure)
+        say(StartupPhase.PROFILING_KV_CACHE)
         self.num_blocks = self.executor.determine_num_blocks()
+        say(StartupPhase.ALLOCATING_KV_CACHE)
         self.executor.initialize_cache(self.num_blocks)
         self.max_model_len = _fit_max_model_len(
             self.executor.max_model_len,

@@ -10,6 +10,7 @@
 
 Handshake, on the front end's handshake ROUTER:
     engine --HELLO (rank, launch secret)--> front end --addresses, launch, tokens--> engine
+    --PHASE (loading weights, profiling / allocating the KV cache)--> front end
     (loads, sizes KV) --READY--> front end
 then the engine's first message on each input DEALER (a fresh random routing identity) is a
 ready message with that front end's token, which binds the engine's rank to the connection
@@ -74,6 +75,7 @@ from treadle.wire.control import (
     MAX_LOG_LINES,
     DeathReport,
     Handshake,
+    StartupPhase,
     UtilityRequest,
 )
 from treadle.wire.engine import (
@@ -204,6 +206,10 @@ class EngineCoreProc:
                 raise RuntimeError("the front end sent no token for each of its request sockets")
             if addresses.launch > 1 and envs.test_fail_restart_rank() == dp_rank:
                 raise RuntimeError("TREADLE_TEST_FAIL_RESTART_RANK: a restart fails to start")
+
+            def say(phase: StartupPhase) -> None:  # how far the start-up got (`/health/startup`)
+                hs.send(encode(Handshake("PHASE", rank=dp_rank, secret=secret, phase=phase)))
+
             self.engine = EngineCore(
                 config,
                 engine_index=dp_rank,
@@ -215,6 +221,7 @@ class EngineCoreProc:
                     coordinator_input=addresses.coordinator_input,
                     coordinator_output=addresses.coordinator_output,
                 ),
+                on_phase=say,
             )
             info = Handshake(
                 "READY",

@@ -32,6 +32,7 @@ from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_state import EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S, EngineWatch, GuardedTasks
 from treadle.frontend.inflight import InFlight
+from treadle.frontend.startup import StartupProgress
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, signal_children
 from treadle.logger import init_logger
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
@@ -71,9 +72,11 @@ class AsyncMPClient(MPClient):
         shutdown_timeout: float = 0.0,
         client_index: int = 0,
         attach: AttachTo | None = None,
+        progress: StartupProgress | None = None,
     ):
         # Set before the engines start: shutdown() (also on a failed start) reads them.
         self.listener = listener
+        self.progress = progress
         self.loop: asyncio.AbstractEventLoop | None = None
         self._utility: dict[int, asyncio.Future[Any]] = {}
         self._utility_engine: dict[int, int] = {}  # call id -> engine

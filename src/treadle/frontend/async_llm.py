@@ -24,6 +24,7 @@ from treadle.frontend.input_processor import InputProcessor, PreparedRequest
 from treadle.frontend.metrics import StatLogger
 from treadle.frontend.output_processor import OutputProcessor
 from treadle.frontend.request_stats import LatencyWindow, RequestStatsTable
+from treadle.frontend.startup import StartupProgress
 from treadle.ipc.zmq_utils import get_bound_address
 from treadle.logger import init_logger
 from treadle.model.loader import read_arch
@@ -77,7 +78,10 @@ class AsyncLLM:
         shutdown_timeout: float = 0.0,
         client_index: int = 0,
         attach: AttachTo | None = None,
+        progress: StartupProgress | None = None,
     ):
+        """Starts the engines (or attaches to them) and returns once they are ready;
+        `progress` is told how far their start-up got (it is `finish`ed here)."""
         self.config = config
         self.client_index = client_index
         self.model_name = model_name
@@ -91,6 +95,7 @@ class AsyncLLM:
                 shutdown_timeout=shutdown_timeout,
                 client_index=client_index,
                 attach=attach,
+                progress=progress,
             )
             self.tokenizer = tokenizer.result()
         if config.frontend.chat_template is not None:  # --chat-template
@@ -121,6 +126,8 @@ class AsyncLLM:
         self.latencies = LatencyWindow(self.client.num_engines)  # for the dashboard
         # When each engine's unanswered health ping was sent (None: none is unanswered).
         self._ping_sent: list[float | None] = [None] * self.client.num_engines
+        self.progress = progress or StartupProgress(self.client.num_engines)
+        self.progress.finish()
 
     def start(self) -> None:
         """Start reading engine outputs and pinging the engines; call inside the running event

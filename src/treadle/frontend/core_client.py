@@ -41,6 +41,7 @@ from treadle.config import EngineConfig
 from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.output_reader import OutputReader
+from treadle.frontend.startup import StartupProgress
 from treadle.ipc.engine_auth import EngineIdentities, EngineRefusedError, new_key
 from treadle.ipc.inbound import DropLog, check_outbound, inbound_options
 from treadle.ipc.process import ChildProcess, ProcessMonitor, describe_exit
@@ -129,6 +130,7 @@ class MPClient:
     """
 
     keep_handshake = False  # keep the handshake socket open (`launcher.desk`) after start-up
+    progress: StartupProgress | None = None  # told how far the engines' start-up got
 
     def __init__(
         self,
@@ -163,7 +165,7 @@ class MPClient:
         if attach is None:
             # Start the engines before this process makes its zmq context: the context's IO
             # threads would make forking unsafe. DEALERs that connect early are retried by zmq.
-            self.launcher = EngineLauncher(config, shutdown_timeout)
+            self.launcher = EngineLauncher(config, shutdown_timeout, progress=self.progress)
             _live_clients.add(self)
         self.ctx: zmq.Context[Any] = zmq.Context()
         try:

@@ -6,6 +6,7 @@ that rejoins a lost rank).
     engine --HELLO (rank, secret)--> desk
         --ADDRESSES (front ends, coordinator, launch number, a token per front end)--> engine
         (or --REFUSED (reason)--> engine, which fails its start-up saying why)
+    engine --PHASE (loading weights, profiling the KV cache, ...)--> desk (`on_phase`)
     engine loads the model, sizes its KV cache --READY--> desk
 
 The desk answers the ranks it `expect`s: a HELLO of one of them starts a new launch of that
@@ -30,7 +31,7 @@ import zmq
 from treadle.ipc.engine_auth import engine_token
 from treadle.ipc.inbound import DropLog
 from treadle.logger import init_logger
-from treadle.wire.control import Handshake
+from treadle.wire.control import Handshake, StartupPhase
 
 logger = init_logger(__name__)
 
@@ -52,12 +53,14 @@ class HandshakeDesk:
         keys: list[bytes],
         launches: list[int],
         check_secret: Callable[[int, bytes], None],
+        on_phase: Callable[[int, StartupPhase], None] | None = None,
     ) -> None:
         self.sock = sock
         self.addresses = addresses  # ADDRESSES without launch and tokens
         self.keys = keys
         self.launches = launches  # rank -> its last launch number (the launcher's list)
         self.check_secret = check_secret  # raises ValueError for a HELLO without its secret
+        self.on_phase = on_phase  # told each PHASE of a greeted rank
         self.expected: set[int] = set()
         self.ready: dict[int, Handshake] = {}  # rank -> its READY, since it was expected
         self._greeted: dict[int, tuple[bytes, bytes]] = {}  # rank -> (its secret, the reply)
@@ -93,6 +96,10 @@ class HandshakeDesk:
                 raise ValueError(f"{msg.status} from engine rank {rank} before HELLO")
             if not hmac.compare_digest(msg.secret, self._greeted[rank][0]):
                 raise ValueError(f"not the secret of engine rank {rank}'s HELLO")
+            if msg.status == "PHASE" and msg.phase is not None:
+                if self.on_phase is not None:
+                    self.on_phase(rank, msg.phase)
+                return None
             if msg.status != "READY":
                 raise ValueError(f"unknown status {msg.status!r} of engine rank {rank}")
         except Exception as e:

@@ -6,6 +6,7 @@ coordinator) and answering every engine's start-up handshake (ARCHITECTURE §2, 
     infos = launcher.handshake(ctx, inputs, outputs, keys)
         engine --HELLO (rank, secret)--> handshake ROUTER
             --ADDRESSES (front ends, coordinator, launch number, a token per front end)--> engine
+        engine --PHASE (loading weights, profiling the KV cache, ...)--> handshake ROUTER
         engine loads the model, sizes its KV cache --READY--> handshake ROUTER
 
 The handshake socket is ipc when every engine runs here, else tcp on
@@ -36,6 +37,7 @@ from treadle.config import EngineConfig
 from treadle.core.dp_coordinator import run_dp_coordinator
 from treadle.core.engine_core_proc import run_engine_core
 from treadle.frontend.handshake import HandshakeDesk, Hello
+from treadle.frontend.startup import StartupProgress
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import (
     ChildProcess,
@@ -51,7 +53,7 @@ from treadle.ipc.zmq_utils import (
     remove_ipc_files,
 )
 from treadle.logger import init_logger
-from treadle.wire.control import CoordinatorAddresses, Handshake
+from treadle.wire.control import CoordinatorAddresses, Handshake, StartupPhase
 from treadle.worker.worker import check_config
 
 logger = init_logger(__name__)
@@ -66,7 +68,14 @@ def front_end_host(config: EngineConfig) -> str | None:
 
 
 class EngineLauncher:
-    def __init__(self, config: EngineConfig, shutdown_timeout: float = 0.0, front_end: bool = True):
+    def __init__(
+        self,
+        config: EngineConfig,
+        shutdown_timeout: float = 0.0,
+        front_end: bool = True,
+        progress: StartupProgress | None = None,
+    ):
+        """`progress`: told each engine's start-up phase (and given the children, to stop)."""
         p = config.parallel
         p.check()
         check_config(config)  # a mistake in the flags fails here, before any process starts
@@ -89,6 +98,9 @@ class EngineLauncher:
         self._launches = [0] * p.data_parallel_size  # rank -> its last handshake's number
         self._coordinator_addresses: CoordinatorAddresses | None = None
         self.desk: HandshakeDesk | None = None  # the handshake socket, when kept open
+        self.progress = progress
+        if progress is not None:
+            progress.children = lambda: self.children
         try:
             if front_end and p.data_parallel_size > 1:
                 self.coordinator = start_process(
@@ -187,7 +199,8 @@ class EngineLauncher:
         sock = make_zmq_socket(
             ctx, self.handshake_address, zmq.ROUTER, linger=0, options=inbound_options()
         )
-        desk = HandshakeDesk(sock, addresses, keys, self._launches, self._check_secret)
+        on_phase = self.progress.report if self.progress is not None else None
+        desk = HandshakeDesk(sock, addresses, keys, self._launches, self._check_secret, on_phase)
         desk.expect(expected)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -208,6 +221,8 @@ class EngineLauncher:
                     hello = desk.on_message(sock.recv_multipart())
                     if isinstance(hello, Hello):  # a second one for its rank
                         desk.refuse(hello, f"engine rank {hello.rank} has said HELLO already")
+                    elif hello is not None and on_phase is not None:  # its READY
+                        on_phase(hello, StartupPhase.HANDSHAKE)
                     for reply in desk.take():
                         sock.send_multipart(reply)
         except BaseException:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from enum import StrEnum
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -20,11 +21,25 @@ ENGINE_CORE_STOPPED: Final = b"ENGINE_CORE_STOPPED"  # stopped by a signal: all 
 COORDINATOR: Final = -1
 
 
+class StartupPhase(StrEnum):
+    """How far an engine's start-up got, in order (`/health/startup` and `/topology` show
+    it). The engine core says each of the middle three in a PHASE message on the handshake
+    socket; the front end knows the others. treadle compiles no kernels (it runs eagerly), so
+    there is no such phase."""
+
+    STARTING = "starting"  # its process runs; it has not been answered yet
+    LOADING_WEIGHTS = "loading weights"  # (and starting the TP workers, which load theirs)
+    PROFILING_KV_CACHE = "profiling the KV cache"  # how many KV blocks fit
+    ALLOCATING_KV_CACHE = "allocating the KV cache"
+    HANDSHAKE = "handshake"  # loaded (READY): connecting to the front ends' request sockets
+    READY = "ready"  # every engine connected and the front end serves
+
+
 class Handshake(msgspec.Struct, omit_defaults=True):
     """Messages on the handshake socket, in both directions, and the engine's first message
     on each front end's request socket (`ipc/engine_auth.py`)."""
 
-    status: str  # HELLO | ADDRESSES | REFUSED | READY
+    status: str  # HELLO | ADDRESSES | REFUSED | PHASE | READY
     inputs: list[str] = []
     outputs: list[str] = []
     coordinator_input: str = ""  # XPUB of the DP coordinator (the engine subscribes)
@@ -41,6 +56,9 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     tokens: list[bytes] = []  # ADDRESSES: per front end, `engine_token(its key, rank, launch)`
     token: bytes = b""  # the first message on a request socket: that front end's token
     reason: str = ""  # REFUSED (instead of ADDRESSES): why the front end refuses this engine
+    # PHASE (with rank and secret, between ADDRESSES and READY): what the engine starts doing.
+    # An unknown phase fails the decode: the message is dropped.
+    phase: StartupPhase | None = None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):

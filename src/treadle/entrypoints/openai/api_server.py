@@ -1,18 +1,18 @@
 """The API server: FastAPI routes, OpenAI-style errors, API keys, metrics, and its lifecycle.
 
-With one API server, this runs in the `treadle serve` process itself; it starts the engine
-core process (through `AsyncLLM`) before the HTTP socket opens, and exits non-zero if the
-engine dies.
+With one API server, this runs in the `treadle serve` process itself; it serves HTTP as soon
+as its socket is bound while it starts the engine core processes (through `AsyncLLM`, in a
+thread: `starting.py`), and exits non-zero if they fail to start or die. With several, each
+builds its engine client first (the supervisor starts the engines), then serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import logging
 import signal
 import socket
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,12 +26,12 @@ from pydantic import ValidationError
 
 import treadle
 from treadle.config import EngineConfig
+from treadle.entrypoints.openai.api_key import KEYED_PREFIXES, add_key_check
 from treadle.entrypoints.openai.body_limit import BodySizeLimit
 from treadle.entrypoints.openai.chat_page import add_chat_routes
 from treadle.entrypoints.openai.cli_args import FrontendArgs
-from treadle.entrypoints.openai.dashboard import KEYED_PATHS, add_dashboard_routes
+from treadle.entrypoints.openai.dashboard import add_dashboard_routes
 from treadle.entrypoints.openai.errors import HANDLED, APIError, error_body, error_for
-from treadle.entrypoints.openai.llamacpp import KEYED_PATHS as LLAMACPP_PATHS
 from treadle.entrypoints.openai.llamacpp import add_llamacpp_routes
 from treadle.entrypoints.openai.openapi_responses import (
     GENERATED,
@@ -51,6 +51,7 @@ from treadle.entrypoints.openai.protocol import (
 )
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.serving_embeddings import EmbeddingRequest
+from treadle.entrypoints.openai.starting import EngineStart, StartingServer, say_listening
 from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import AttachTo
 from treadle.frontend.metrics import render_metrics
@@ -70,7 +71,6 @@ def build_app(
     """The HTTP app. `model_path` (resolved) is only logged; clients see the served names."""
     server = server or FrontendArgs()
     api_key = server.api_key
-    keyed_prefixes = ("/v1", "/invocations", *KEYED_PATHS, *LLAMACPP_PATHS)
     serving = OpenAIServing(engine, model_name)
     inputs = serving.inputs
 
@@ -79,9 +79,7 @@ def build_app(
         engine.start()
         logger.info("Serving %s as %r", model_path, model_name)
         if announce:  # uvicorn says where it listens only when it opened the socket itself
-            uvicorn_log = logging.getLogger("uvicorn.error")
-            # Above info (--uvicorn-log-level warning) uvicorn would not say it: treadle does.
-            (uvicorn_log if uvicorn_log.isEnabledFor(logging.INFO) else logger).info("%s", announce)
+            say_listening(announce)
         yield
         inputs.shutdown()
 
@@ -112,7 +110,7 @@ def build_app(
                 limits.max_model_len,
                 limits.max_logprobs,
             )
-            describe_errors(schema, keyed_prefixes if api_key else ())
+            describe_errors(schema, KEYED_PREFIXES if api_key else ())
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -134,26 +132,7 @@ def build_app(
         app.add_exception_handler(handled, openai_error)
 
     if api_key:
-        expected = f"Bearer {api_key}".encode()
-        root = server.root_path.rstrip("/")
-
-        @app.middleware("http")
-        async def check_key(request: Request, call_next: Any) -> Response:
-            given = request.headers.get("Authorization", "").encode()
-            path = request.scope["path"]
-            if root and (path == root or path.startswith(root + "/")):  # as routing does
-                path = path[len(root) :]
-            keyed = path.startswith(keyed_prefixes)
-            # Constant time: how long a wrong key takes must not tell how much of it was right.
-            if keyed and not hmac.compare_digest(given, expected):
-                return JSONResponse(
-                    error_body(
-                        "Unauthorized: missing or wrong API key", 401, "AuthenticationError"
-                    ),
-                    status_code=401,
-                )
-            response: Response = await call_next(request)
-            return response
+        add_key_check(app, api_key, server.root_path)
 
     @app.get("/health", response_class=Response, responses={200: NO_CONTENT, **errors(503)})
     async def health() -> Response:
@@ -173,6 +152,12 @@ def build_app(
         if why is None:
             return Response(status_code=200)
         return JSONResponse(error_body(f"not ready: {why}", 503, "NotReady"), status_code=503)
+
+    @app.get("/health/startup", responses=errors(503))
+    async def startup() -> dict[str, Any]:
+        """Start-up: 200 once every engine has loaded and connected (before that, 503 with
+        each engine's phase: `starting.py`)."""
+        return {"status": "ready", "engines": engine.progress.to_json()}
 
     @app.api_route(
         "/ping",
@@ -260,7 +245,7 @@ def build_app(
 
 
 def run_server(
-    engine: AsyncLLM,
+    engine: AsyncLLM | EngineStart,
     model_name: str,
     model_path: str,
     server: FrontendArgs,
@@ -269,13 +254,38 @@ def run_server(
     shared: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit 0) or engine death (exit 1); returns the exit code.
-    `sock`: the HTTP socket, already bound (by the CLI, or by the supervisor for several API
-    servers, which `shared` says); `port`: the one it is bound to."""
+    `engine`: the engine client, built; or how to build it, while HTTP already serves
+    (`starting.py`: a start-up that fails exits 1, saying why). `sock`: the HTTP socket,
+    already bound (by the CLI, or by the supervisor for several API servers, which `shared`
+    says); `port`: the one it is bound to."""
     announce = None
-    if sock is not None and engine.client_index == 0:
+    built = engine if isinstance(engine, AsyncLLM) else None
+    if sock is not None and (built is None or built.client_index == 0):
         note = " (shared by every API server)" if shared else ""
         announce = f"Uvicorn running on {server.scheme}://{server.host}:{port}{note}"
-    app = build_app(engine, model_name, model_path, server, announce)
+    engine_died = False
+
+    def on_dead(reason: str) -> None:
+        nonlocal engine_died
+        engine_died = True
+        # Give failing streams a moment to send their error, then stop serving.
+        asyncio.get_running_loop().call_later(2.0, setattr, http_server, "should_exit", True)
+
+    app: Any
+    starting = None
+    if built is not None:
+        built.when_dead(on_dead)
+        app = build_app(built, model_name, model_path, server, announce)
+    else:
+        assert isinstance(engine, EngineStart)
+        app = starting = StartingServer(
+            engine,
+            lambda e: build_app(e, model_name, model_path, server),
+            server,
+            announce,
+            stop_serving=lambda: setattr(http_server, "should_exit", True),
+            on_engine=lambda e: e.when_dead(on_dead),
+        )
     config = uvicorn.Config(
         app,
         host=server.host,
@@ -288,18 +298,9 @@ def run_server(
         loop="uvloop",
         http="httptools",
         # Streams end when the engine has drained (--shutdown-timeout), not before.
-        timeout_graceful_shutdown=5 + int(engine.shutdown_timeout),
+        timeout_graceful_shutdown=5 + int(server.shutdown_timeout),
     )
     http_server = uvicorn.Server(config)
-    engine_died = False
-
-    def on_dead(reason: str) -> None:
-        nonlocal engine_died
-        engine_died = True
-        # Give failing streams a moment to send their error, then stop serving.
-        asyncio.get_running_loop().call_later(2.0, setattr, http_server, "should_exit", True)
-
-    engine.when_dead(on_dead)
     # uvicorn handles SIGTERM/SIGINT while it serves and raises them again when it is done;
     # by then they have been handled, so let them pass and shut the engine down below.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -307,7 +308,13 @@ def run_server(
     try:
         http_server.run(sockets=[sock] if sock is not None else None)
     finally:
-        engine.shutdown()
+        if starting is not None:
+            built = starting.join()
+        if built is not None:
+            built.shutdown()
+    if starting is not None and starting.failure is not None:
+        print(f"treadle serve: error: {starting.failure}", file=sys.stderr)
+        return 1
     if engine_died:
         logger.error("Exiting because the engine core died")
         return 1

@@ -62,8 +62,12 @@ def add_dashboard_routes(app: FastAPI, engine: AsyncLLM) -> None:
 
     @app.get("/topology")
     async def topology() -> dict[str, Any]:
-        """Every process of the deployment, the channels between them, each engine's load."""
-        return await collect(engine)
+        """Every process of the deployment, the channels between them, each engine's load
+        (and its start-up phase: "ready" by now)."""
+        doc = await collect(engine)
+        for entry in doc.get("engines", []):
+            entry["phase"] = engine.progress.phases[entry["dp_rank"]]
+        return doc
 
     @app.get(  # (not response_class=HTMLResponse: the schema would say errors are HTML too)
         "/dashboard",
