@@ -189,9 +189,12 @@ def test_kill_9_of_an_api_server_fails_only_its_streams_and_it_comes_back(
     log = server.output()
     assert f"APIServer_{index} (pid {victim}) died: killed by signal 9 (SIGKILL)" in log, log
     assert "Restarting it (restart 1 of at most 3" in log, log
-    # Each engine aborted the dead one's requests at once (their KV freed), no others.
+    # Each engine aborted the dead one's requests at once (their KV freed), no others. (A
+    # stream whose request the dead server had not yet sent to an engine fails with nothing
+    # to abort: at most one per failed stream.)
     aborted = re.findall(r"Aborting the (\d+) request\(s\) of front end (\d+)", log)
-    assert sum(int(n) for n, _ in aborted) == failed and {i for _, i in aborted} == {str(index)}
+    assert 1 <= sum(int(n) for n, _ in aborted) <= failed
+    assert {i for _, i in aborted} == {str(index)}
     assert back_s < 60, back_s  # its load time: a new process, its tokenizer, the engines
     # /health on the port answered 200 throughout: the listening socket is shared, so each new
     # connection goes to a live API server. Only a request that the dead one had accepted

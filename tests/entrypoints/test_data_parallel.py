@@ -329,7 +329,9 @@ def test_a_lost_headless_engine_hands_its_requests_to_the_other(
             futures = [
                 pool.submit(_stream, front, p, 400, counts, i) for i, p in enumerate(PROMPTS)
             ]
-            while min(counts) < 20:
+            # every stream under way (a few tokens each: on a loaded machine one stream can run
+            # far ahead while another waits for its first token)
+            while min(counts) < 3:
                 assert not any(f.done() for f in futures), [f.result() for f in futures]
                 time.sleep(0.01)
             engine = next(
