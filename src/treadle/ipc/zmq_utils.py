@@ -5,7 +5,8 @@
   subscription). Sockets it makes remove the ipc socket files they bound when they close.
 - Local peers talk over `ipc://$TREADLE_RPC_BASE_PATH/<uuid4>` (socket files mode 0600); remote
   ones over tcp, binding port 0 and reading the real port back from LAST_ENDPOINT, never probing
-  for a free port first (that races).
+  for a free port first (that races). With a cluster secret every tcp socket speaks CURVE
+  with keys derived from it (`cluster_auth.py`): a peer without the secret is refused and logged.
 - On the ROUTER/DEALER pair each engine connection has a random routing identity, bound to
   the engine's DP rank by its first message (`engine_auth.py`). Each message to an engine is
   `[identity][type byte][msgpack][aux...]`, the type byte an `EngineCoreRequestType`.
@@ -25,6 +26,7 @@ from typing import Any
 import zmq
 
 from treadle import envs
+from treadle.ipc import cluster_auth
 from treadle.logger import init_logger
 from treadle.wire.engine import EngineCoreRequestType
 
@@ -160,6 +162,8 @@ def make_zmq_socket(
             sock.setsockopt(zmq.IPV6, 1)
         if bind is None:
             bind = socket_type not in _CONNECT_TYPES
+        if scheme == "tcp":
+            cluster_auth.secure(sock, bind)
         if bind:
             sock.bind(path)
             if scheme == "ipc":
