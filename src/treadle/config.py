@@ -206,6 +206,7 @@ class ParallelConfig:
                 "engines on other hosts need --data-parallel-rpc-port (and "
                 "--data-parallel-address) to find the front end"
             )
+        envs.host_ip()  # a bad TREADLE_HOST_IP is a start-up error, not a socket's
         self.check_cluster_secret()
 
     def check_cluster_secret(self) -> None:

@@ -85,7 +85,11 @@ def split_zmq_path(path: str) -> tuple[str, str, str]:
 
 
 def get_ip() -> str:
-    """This host's address as other hosts would reach it (no packet is sent); 127.0.0.1 if none."""
+    """This host's address as other hosts would reach it: TREADLE_HOST_IP, else the interface
+    that routes outward (no packet is sent); 127.0.0.1 if none."""
+    chosen = envs.host_ip()
+    if chosen is not None:
+        return chosen
     for family, probe in (
         (socket.AF_INET, ("8.8.8.8", 80)),
         (socket.AF_INET6, ("2001:4860::", 80)),
@@ -171,11 +175,24 @@ def make_zmq_socket(
                 sock._treadle_ipc_files.append(host)  # type: ignore[attr-defined]
                 _bound_ipc_files[host] = os.getpid()
         else:
-            sock.connect(path)
+            sock.connect(_from_host_ip(path) if scheme == "tcp" else path)
     except BaseException:
         sock.close(linger=0)
         raise
     return sock
+
+
+def _from_host_ip(path: str) -> str:
+    """`tcp://dest` from TREADLE_HOST_IP when set (libzmq's `tcp://source;dest`): the peer and
+    /topology see this host's chosen address, not whichever one the kernel picks."""
+    source = envs.host_ip()
+    if source is None or ";" in path:
+        return path
+    _, host, _ = split_zmq_path(path)
+    if _is_ipv6(source) != _is_ipv6(host):
+        return path  # a v4 source cannot reach a v6 peer (or the reverse)
+    src = f"[{source}]" if _is_ipv6(source) else source
+    return f"tcp://{src}:0;{path.removeprefix('tcp://')}"
 
 
 @contextlib.contextmanager
