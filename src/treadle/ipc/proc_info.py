@@ -21,7 +21,7 @@ _ROLES = (
     ("APIServerSupervisor", re.compile(r"APIServerSupervisor$")),
     ("APIServer", re.compile(r"APIServer_(?P<api_server>\d+)$")),
     ("EngineCore", re.compile(r"EngineCore_DP(?P<dp_rank>\d+)$")),
-    ("Worker", re.compile(r"Worker_TP(?P<tp_rank>\d+)$")),
+    ("Worker", re.compile(r"Worker_(?:PP(?P<pp_rank>\d+)_)?TP(?P<tp_rank>\d+)$")),
     ("DPCoordinator", re.compile(r"DPCoordinator$")),
     ("Headless", re.compile(r"Headless$")),
 )
