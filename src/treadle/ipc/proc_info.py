@@ -41,7 +41,7 @@ def parse_title(title: str) -> tuple[str, dict[str, int]]:
     for role, pattern in _ROLES:
         m = pattern.match(title)
         if m:
-            return role, {k: int(v) for k, v in m.groupdict().items()}
+            return role, {k: int(v) for k, v in m.groupdict().items() if v is not None}
     return title, {}
 
 
