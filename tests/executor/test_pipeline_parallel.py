@@ -138,3 +138,31 @@ def test_pipeline_stages_give_one_process_tokens(model5: Path, reference, tp, pp
             assert all(0.4 * whole < w < 0.6 * whole for w in weights), (weights, whole)
         else:  # the middle stage holds two small layers
             assert weights[1] < 0.05 * whole, (weights, whole)
+
+
+@pytest.mark.slow
+def test_default_model_pp2_and_pp3_give_one_process_tokens() -> None:
+    """The acceptance check on SmolLM2 (30 layers, Q4_1 GGUF, tied embedding): greedy fp32
+    tokens of -pp 2 and -pp 3 equal one process's; each -pp 2 stage holds its 15 layers and
+    the tied table (the first to embed, the last as LM head; Q8_0, ~30 of the 101 MB): 67 MB
+    each, measured."""
+    prompts = [
+        {"prompt_token_ids": [(13 * i + j) % 30000 + 100 for j in range(24)]} for i in range(6)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for pp in (1, 2, 3):
+        llm = LLM(None, dtype="float32", pipeline_parallel_size=pp)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[pp] = (
+                [o.outputs[0].token_ids for o in outs],
+                llm.collective_rpc("weight_bytes"),
+            )
+        finally:
+            llm.shutdown()
+    assert results[2][0] == results[1][0]
+    assert results[3][0] == results[1][0]
+    whole, halves = results[1][1][0], results[2][1]
+    assert all(w < 0.7 * whole for w in halves), (halves, whole)
+    assert abs(halves[0] - halves[1]) < 0.02 * whole, (halves, whole)
