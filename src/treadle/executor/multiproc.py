@@ -48,7 +48,7 @@ from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, remove_ipc_files
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.worker_proc import STOP_WORKER, run_worker
+from treadle.worker.worker_proc import STOP_WORKER, run_worker, worker_title
 
 logger = init_logger(__name__)
 
@@ -94,12 +94,6 @@ def check_parallel_layout(arch: ModelArch, tp: int, pp: int = 1) -> None:
         raise ValueError(
             f"the MLP width {arch.intermediate_size} is not divisible by tensor_parallel_size {tp}"
         )
-
-
-def worker_title(rank: int, tp: int, pp: int) -> str:
-    if pp == 1:
-        return f"Worker_TP{rank}"
-    return f"Worker_PP{rank // tp}_TP{rank % tp}"
 
 
 class PendingStep:

@@ -5,7 +5,10 @@ own ipc socket (0600, removed on close; the executor names the addresses). A ste
 frames: a fixed header (`<4sqq`: dtype code, rows, width) and the two tensors' own memory
 (sent zero-copy, received into fresh writable memory: the next stage's norms add into the
 residual in place). Nothing is pickled; a message whose frames do not match its header is an
-error of the step (the peer is our own process, so it means a bug, not an attack).
+error of the step (the peer is our own process, so it means a bug, not an attack). A stage
+whose step fails before it sent its output sends the failure instead (`b"FAIL"`, the text):
+each later stage raises it in turn, so the last stage's reply carries the error at once
+instead of the engine core waiting out its step timeout.
 
 Why ZMQ and not the broadcast ring: the sizes are small (rows x hidden x 4 bytes: 2.3 KB per
 decode token of the default model, 4.7 MB for a 2048-token prefill chunk) and the pair is
@@ -24,6 +27,7 @@ from treadle.ipc.inbound import inbound_options
 from treadle.ipc.zmq_utils import make_zmq_socket
 
 _HEADER = struct.Struct("<4sqq")
+_FAIL = b"FAIL"
 _DTYPES = {b"f32\0": torch.float32, b"bf16": torch.bfloat16, b"f16\0": torch.float16}
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
@@ -46,6 +50,7 @@ class StageLink:
             )
         if send_to is not None:
             self.push = make_zmq_socket(self.ctx, send_to, zmq.PUSH, bind=False, linger=0)
+        self.sent = False  # this step's output (or failure) went on: the worker resets it
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         assert self.push is not None
@@ -53,10 +58,19 @@ class StageLink:
         header = _HEADER.pack(_CODES[hidden.dtype], hidden.shape[0], hidden.shape[1])
         frames: list[bytes | memoryview] = [header, _bytes_view(hidden), _bytes_view(residual)]
         self.push.send_multipart(frames, copy=False)
+        self.sent = True
+
+    def send_failure(self, text: str) -> None:
+        """Tell the next stage that this step failed here (it raises `StageLinkError`)."""
+        assert self.push is not None
+        self.push.send_multipart([_FAIL, text.encode()[:4096]])
+        self.sent = True
 
     def recv(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.pull is not None
         frames = self.pull.recv_multipart(copy=False)
+        if len(frames) == 2 and frames[0].bytes == _FAIL:
+            raise StageLinkError(frames[1].bytes.decode(errors="replace"))
         if len(frames) != 3 or len(frames[0].buffer) != _HEADER.size:
             raise StageLinkError(f"a stage message of {len(frames)} frames, not 3")
         code, rows, width = _HEADER.unpack(frames[0].buffer)
@@ -70,6 +84,9 @@ class StageLink:
                 raise StageLinkError(
                     f"a stage tensor of {len(frame.buffer)} bytes for [{rows}, {width}] {dtype}"
                 )
+            if not nbytes:
+                out.append(torch.empty(0, width, dtype=dtype))
+                continue
             memory = bytearray(frame.buffer)  # writable: norms add into the residual in place
             out.append(torch.frombuffer(memory, dtype=dtype).view(rows, width))
         return out[0], out[1]

@@ -28,7 +28,7 @@ from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker import kv_file
 from treadle.worker.cpu_share import ThreadGovernor
 from treadle.worker.model_runner import ModelRunner
-from treadle.worker.pp_transfer import StageLink
+from treadle.worker.pp_transfer import StageLink, StageLinkError
 from treadle.worker.sampler import TokenPieces
 
 logger = init_logger(__name__)
@@ -332,7 +332,20 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
-        output = self.runner.execute_model(sched)
+        link = self.link
+        if link is None:
+            output = self.runner.execute_model(sched)
+        else:
+            link.sent = False
+            try:
+                output = self.runner.execute_model(sched)
+            except Exception as e:  # the later stages must not wait for this step's output
+                if link.push is not None and not link.sent:
+                    said = str(e) if isinstance(e, StageLinkError) else f"{type(e).__name__}: {e}"
+                    if not isinstance(e, StageLinkError):
+                        said = f"pipeline stage {pp_rank()} failed: {said}"
+                    link.send_failure(said)
+                raise
         self.threads.after_step()
         return output
 

@@ -43,6 +43,13 @@ logger = init_logger(__name__)
 STOP_WORKER: tuple[None, tuple[()], None, None] = (None, (), None, None)
 
 
+def worker_title(rank: int, tp: int, pp: int) -> str:
+    """`Worker_TP<rank>`, or with several pipeline stages `Worker_PP<p>_TP<t>`."""
+    if pp == 1:
+        return f"Worker_TP{rank}"
+    return f"Worker_PP{rank // tp}_TP{rank % tp}"
+
+
 def run_worker(
     ready: ReadyPipe,
     config: EngineConfig,
@@ -57,6 +64,8 @@ def run_worker(
     without pipeline parallelism)."""
     parent = os.getppid()
     serving = False
+    parallel = config.parallel
+    title = worker_title(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         """SIGTERM to this worker alone must stop the whole engine, not this rank mid-step (the
@@ -66,7 +75,7 @@ def run_worker(
         nonlocal serving
         if serving and not parent_gone() and os.getppid() == parent:
             serving = False
-            logger.info("Worker_TP%d: SIGTERM; asking the engine core to stop", rank)
+            logger.info("%s: SIGTERM; asking the engine core to stop", title)
             os.kill(parent, signal.SIGUSR1)
             return
         raise SystemExit(0)
@@ -102,7 +111,7 @@ def run_worker(
     replies.wait_until_ready()
     serving = True
     try:
-        _busy_loop(worker, rank, requests, replies)
+        _busy_loop(worker, rank, title, requests, replies)
     finally:
         requests.close()
         replies.close()
@@ -116,7 +125,9 @@ def run_worker(
             dist.destroy_process_group()
 
 
-def _busy_loop(worker: Worker, rank: int, requests: MessageQueue, replies: MessageQueue) -> None:
+def _busy_loop(
+    worker: Worker, rank: int, title: str, requests: MessageQueue, replies: MessageQueue
+) -> None:
     while True:
         try:
             method, args, kwargs, output_rank = requests.dequeue()
@@ -128,7 +139,7 @@ def _busy_loop(worker: Worker, rank: int, requests: MessageQueue, replies: Messa
             result: Any = getattr(worker, method)(*args, **(kwargs or {}))
             reply: tuple[bool, Any] = (True, result)
         except Exception as e:
-            logger.error("Worker_TP%d: %s failed:\n%s", rank, method, traceback.format_exc())
+            logger.error("%s: %s failed:\n%s", title, method, traceback.format_exc())
             reply = (False, f"{type(e).__name__}: {e}")
         if output_rank is None or output_rank == rank:
             replies.enqueue(reply)
