@@ -57,6 +57,7 @@ def _shm_echo(handles: tuple[object, object], n: int, ready: object) -> None:
 
 def transfer(n: int = 300) -> None:
     import torch
+    import zmq
 
     from treadle.ipc.shm_broadcast import MessageQueue
     from treadle.ipc.zmq_utils import get_open_zmq_ipc_path
@@ -69,6 +70,8 @@ def transfer(n: int = 300) -> None:
         child = ctx.Process(target=_zmq_echo, args=(a, b, n))
         child.start()
         link = StageLink(b, a)
+        assert link.pull is not None
+        link.pull.setsockopt(zmq.RCVTIMEO, 60_000)  # a lost echo process fails, not hangs
         samples = []
         for _ in range(n):
             start = time.perf_counter()
@@ -90,7 +93,7 @@ def transfer(n: int = 300) -> None:
         for _ in range(n):
             start = time.perf_counter()
             out.enqueue((hidden, residual))
-            back.dequeue()
+            back.dequeue(timeout=60)
             samples.append((time.perf_counter() - start) / 2 * 1e6)
         child.join()
         out.close()
