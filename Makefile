@@ -64,6 +64,7 @@ bench: install bench-peers
 	$(BIN)/python benchmarks/structured_bench.py
 	$(BIN)/python benchmarks/ipc.py
 	$(BIN)/python benchmarks/tp_bench.py
+	$(BIN)/python benchmarks/pp_bench.py
 	$(BIN)/python benchmarks/dp_bench.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/restart_bench.py

@@ -141,7 +141,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks that each hold a shard of the model (one process each)."""
     pipeline_parallel_size: int = 1
-    """Pipeline stages; only 1 is supported so far."""
+    """Pipeline stages: each holds a contiguous share of the decoder layers (vLLM's split; TREADLE_PP_LAYER_PARTITION="10,10,10" chooses it) and tensor_parallel_size ranks of its own."""
     data_parallel_size: int = 1
     """Engine cores, each with a whole copy of the model, behind the same front end."""
     data_parallel_size_local: int | None = None
@@ -194,6 +194,13 @@ class ParallelConfig:
         )
         if dp < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, not {dp}")
+        for flag, size in (
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+        ):
+            if size < 1:
+                raise ValueError(f"{flag} must be at least 1, not {size}")
+        pp_layer_partition(None, self.pipeline_parallel_size)  # TREADLE_PP_LAYER_PARTITION's form
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be at least 1, not {self.cpu_threads}")
         if local < 0 or start < 0 or start + local > dp:
@@ -227,6 +234,49 @@ class ParallelConfig:
                 "sockets: give every host the same --cluster-secret-file (or "
                 "TREADLE_CLUSTER_SECRET), or --insecure-cluster to accept open sockets"
             )
+
+
+def pp_layer_partition(num_layers: int | None, pp_size: int) -> list[int]:
+    """The decoder layers of each pipeline stage, as vLLM's `get_pp_indices`: equal shares,
+    the remainder one each to the stages before the last (the last also runs the final norm,
+    the LM head and sampling), or TREADLE_PP_LAYER_PARTITION ("10,10,10": one count per stage,
+    each at least 1, summing to the layer count). `num_layers` None checks only the
+    variable's form (before the model's header is read) and returns []. Raises `ValueError`
+    with one line that says what to change."""
+    text = envs.pp_layer_partition()
+    if text is not None:
+        name = f"TREADLE_PP_LAYER_PARTITION={text!r}"
+        try:
+            parts = [int(p) for p in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{name} is not a comma-separated list of layer counts") from None
+        if len(parts) != pp_size:
+            raise ValueError(
+                f"{name} has {len(parts)} stages, but --pipeline-parallel-size is {pp_size}"
+            )
+        if min(parts) < 1:
+            raise ValueError(f"{name}: every stage needs at least 1 layer")
+        if num_layers is not None and sum(parts) != num_layers:
+            raise ValueError(f"{name} sums to {sum(parts)}, but the model has {num_layers} layers")
+        return parts if num_layers is not None else []
+    if num_layers is None:
+        return []
+    if num_layers < pp_size:
+        raise ValueError(
+            f"the model has {num_layers} layers: --pipeline-parallel-size {pp_size} would leave "
+            "a stage without one"
+        )
+    parts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        parts[-i] += 1
+    return parts
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers of stage `pp_rank` (`pp_layer_partition`)."""
+    parts = pp_layer_partition(num_layers, pp_size)
+    start = sum(parts[:pp_rank])
+    return start, start + parts[pp_rank]
 
 
 @dataclass(frozen=True)

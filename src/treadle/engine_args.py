@@ -267,9 +267,9 @@ class EngineArgs:
         """The checked `EngineConfig` (the model path resolved to local files). Raises
         `ValueError` or `FileNotFoundError` with one line that says what to change; the checks
         that need the model's header run later (`worker.check_config`)."""
-        if self.pipeline_parallel_size != 1:
+        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError(
-                "pipeline parallelism is not supported yet: use --pipeline-parallel-size 1"
+                "--speculative-config does not work with --pipeline-parallel-size > 1 yet"
             )
         source = resolve_model(self.model)
         if self.tokenizer is not None:
@@ -402,7 +402,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
         "nothing is compiled by torch.compile", flags=("-O", "--compilation-config")
     ),
     "distributed_executor_backend": VllmArg(
-        "tensor-parallel workers are always processes (mp)", fine=("mp",)
+        "tensor- and pipeline-parallel workers are always processes (mp)", fine=("mp",)
     ),
     "tokenizer_mode": VllmArg("the Hugging Face fast tokenizer is used", fine=("auto",)),
     "load_format": VllmArg(

@@ -99,6 +99,11 @@ def execute_model_timeout_seconds() -> int:
     return _int("TREADLE_EXECUTE_MODEL_TIMEOUT_SECONDS", 300)
 
 
+def pp_layer_partition() -> str | None:
+    """vLLM's VLLM_PP_LAYER_PARTITION: decoder layers per pipeline stage, e.g. "10,10,10"."""
+    return os.environ.get("TREADLE_PP_LAYER_PARTITION") or None
+
+
 def server_dev_mode() -> bool:
     """vLLM's VLLM_SERVER_DEV_MODE: development routes (`POST /reset_prefix_cache`)."""
     return _bool("TREADLE_SERVER_DEV_MODE", False)

@@ -20,6 +20,7 @@ from treadle.ipc.proc_info import parse_title, process_info, treadle_tree
         ("APIServerSupervisor", "APIServerSupervisor", {}),
         ("EngineCore_DP12", "EngineCore", {"dp_rank": 12}),
         ("Worker_TP1", "Worker", {"tp_rank": 1}),
+        ("Worker_PP1_TP0", "Worker", {"pp_rank": 1, "tp_rank": 0}),
         ("DPCoordinator", "DPCoordinator", {}),
         ("Headless", "Headless", {}),
         ("Something", "Something", {}),

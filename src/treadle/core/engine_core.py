@@ -18,6 +18,7 @@ from treadle.config import EngineConfig, resolve_model
 from treadle.core.engine_report import engine_report
 from treadle.core.engine_stats import PeriodicStats, StepMeter, kv_cache_lines
 from treadle.core.grammar_matchers import GrammarMatchers
+from treadle.core.pipeline import BatchQueue, TokenFeed
 from treadle.core.prompt_cache import PromptCacheFiles
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
@@ -41,7 +42,7 @@ from treadle.wire.engine import (
     SchedulerStats,
 )
 from treadle.wire.topology import EngineChannels, EngineReport
-from treadle.wire.worker import SchedulerOutput
+from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.worker import resolve_max_model_len
 
 logger = init_logger(__name__)
@@ -114,6 +115,10 @@ class EngineCore:
             self.num_blocks, config.cache.block_size, bytes_per_block, self.max_model_len
         )
         self.meter = StepMeter()  # step rates, for `get_topology`
+        # Pipeline parallelism: up to pp steps in flight (`core/pipeline.py`).
+        pp = config.parallel.pipeline_parallel_size
+        self.batch_queue = BatchQueue(pp) if pp > 1 else None
+        self.token_feed = TokenFeed()
         self._topology: tuple[float, EngineReport] | None = None
         logger.info(
             "Engine ready in %.1f s: %s, max_model_len %d",
@@ -202,7 +207,10 @@ class EngineCore:
         """Requests to run (or compiling their grammar), or refusals not yet returned by
         `step()`."""
         return (
-            bool(self._refused) or bool(self._compiling) or self.scheduler.has_unfinished_requests()
+            bool(self._refused)
+            or bool(self._compiling)
+            or self.scheduler.has_unfinished_requests()
+            or bool(self.batch_queue)
         )
 
     def _admit_compiled(self) -> None:
@@ -241,19 +249,11 @@ class EngineCore:
         if self._compiling:
             self._admit_compiled()
         per_client, self._refused = self._refused, {}
-        if self.scheduler.has_unfinished_requests():
-            sched = self.scheduler.schedule()
-            if self._crash_token is not None or self._raise_token is not None:
-                self._crash_if_poisoned(sched)
-            grammar_rows = self.scheduler.grammar_rows(sched)
-            if grammar_rows:
-                sched.grammar_request_ids = [r.request_id for r in grammar_rows]
-                sched.grammar_bitmask = self.grammars.bitmask([r.grammar for r in grammar_rows])
-            result = self.executor.execute_model(sched)
-            self.meter.on_step(sched.total_num_scheduled_tokens, len(result.sampled))
-            self._apply_eager_aborts()
-            for client, outs in self.scheduler.update_from_output(sched, result).items():
-                per_client.setdefault(client, []).extend(outs)
+        if self.batch_queue is not None:
+            self._step_pipelined(self.batch_queue, per_client)
+        elif self.scheduler.has_unfinished_requests():
+            sched = self._schedule()
+            self._update(sched, self.executor.execute_model(sched), per_client)
         if not per_client:
             return {}
         stats = self.scheduler.make_stats()
@@ -264,6 +264,43 @@ class EngineCore:
             )
             for client, outs in per_client.items()
         }
+
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        if self._crash_token is not None or self._raise_token is not None:
+            self._crash_if_poisoned(sched)
+        grammar_rows = self.scheduler.grammar_rows(sched)
+        if grammar_rows:
+            sched.grammar_request_ids = [r.request_id for r in grammar_rows]
+            sched.grammar_bitmask = self.grammars.bitmask([r.grammar for r in grammar_rows])
+        return sched
+
+    def _update(
+        self,
+        sched: SchedulerOutput,
+        result: ModelRunnerOutput,
+        per_client: dict[int, list[EngineCoreOutput]],
+    ) -> None:
+        self.meter.on_step(sched.total_num_scheduled_tokens, len(result.sampled))
+        self._apply_eager_aborts()
+        for client, outs in self.scheduler.update_from_output(sched, result).items():
+            per_client.setdefault(client, []).extend(outs)
+
+    def _step_pipelined(
+        self, queue: BatchQueue, per_client: dict[int, list[EngineCoreOutput]]
+    ) -> None:
+        """vLLM's `step_with_batch_queue` (`core/pipeline.py`): submit one more step while
+        fewer than pp are in flight, else apply the oldest one's output."""
+        if not queue.full and self.scheduler.has_unfinished_requests():
+            sched = self._schedule()
+            if sched.num_scheduled_tokens or sched.finished_request_ids:
+                self.token_feed.fill(sched, self.scheduler.requests)
+                queue.steps.append((sched, self.executor.submit_model(sched)))
+                if sched.num_scheduled_tokens and not queue.full:
+                    return  # fill the pipeline before waiting
+        if queue.steps:
+            sched, pending = queue.steps.popleft()
+            self._update(sched, self.executor.wait(pending), per_client)
 
     def _log_stats(self) -> None:
         assert self.periodic_stats is not None
@@ -336,12 +373,11 @@ def make_executor(
 ) -> UniProcExecutor | MultiprocExecutor:
     """World size 1: the worker lives here. Otherwise one worker process per rank, whose
     death is reported to `on_failure(reason, stopped)`."""
-    if config.parallel.pipeline_parallel_size != 1:
-        raise ValueError("pipeline parallelism is not supported yet: use pipeline_parallel_size 1")
     if config.parallel.world_size == 1:
         return UniProcExecutor(config)
     arch = read_arch(resolve_model(config.model.model))
-    check_parallel_layout(arch, config.parallel.tensor_parallel_size)
+    parallel = config.parallel
+    check_parallel_layout(arch, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
     return MultiprocExecutor(config, arch, max_model_len, on_failure)
 

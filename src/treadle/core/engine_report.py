@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from treadle.executor.multiproc import MultiprocExecutor
+from treadle.executor.multiproc import MultiprocExecutor, worker_title
 from treadle.ipc.proc_info import host_name, parent_title, process_info
 from treadle.ipc.shm_broadcast import Handle
 from treadle.wire.topology import EngineChannels, EngineReport, ProcessInfo, QueueInfo
@@ -43,7 +43,7 @@ def engine_report(engine: EngineCore, channels: EngineChannels | None) -> Engine
     executor = engine.executor
     if isinstance(executor, MultiprocExecutor):
         for rank, worker in enumerate(executor.workers):
-            name = f"Worker_TP{rank}"
+            name = worker_title(rank, executor.tp_size, executor.pp_size)
             info = process_info(worker.pid, name) if worker.pid else None
             processes.append(info or _dead(name, worker.pid))
         report.broadcast = queue_info(executor.broadcast.export_handle())

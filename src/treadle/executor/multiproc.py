@@ -1,5 +1,10 @@
 """`MultiprocExecutor`: one worker process per rank when TP x PP >= 2 (ARCHITECTURE §6).
 
+Ranks are ordered as vLLM's (rank = pp_rank * tp + tp_rank; titles `Worker_TP<t>`, or
+`Worker_PP<p>_TP<t>` with several pipeline stages). `execute_model` is answered by the last
+stage's first TP rank; `submit_model` / `wait` keep several steps in flight (the engine
+core's batch queue), and any other call first collects their replies, in order.
+
 Calls go out once through a shared-memory broadcast `MessageQueue`; each worker answers on its
 own `MessageQueue(1, 1)`. Replies are read in call order, so futures resolve FIFO. A worker's
 error comes back as `RuntimeError("Worker failed with error '...'")`; no reply in time is a
@@ -10,6 +15,7 @@ on purpose (`ExecutorStoppedError`: the engine core stops cleanly).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -22,7 +28,7 @@ from typing import Any
 import torch
 
 from treadle import envs
-from treadle.config import EngineConfig
+from treadle.config import EngineConfig, pp_layer_partition
 from treadle.ipc.process import (
     ChildProcess,
     ProcessMonitor,
@@ -38,10 +44,11 @@ from treadle.ipc.shm_broadcast import (
     MessageQueueShutdown,
     remove_orphaned_queue,
 )
+from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, remove_ipc_files
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.worker_proc import STOP_WORKER, run_worker
+from treadle.worker.worker_proc import STOP_WORKER, run_worker, worker_title
 
 logger = init_logger(__name__)
 
@@ -65,8 +72,11 @@ class ExecutorStoppedError(RuntimeError):
     """A worker was stopped (it exited 0): no more calls, but nothing went wrong."""
 
 
-def check_parallel_layout(arch: ModelArch, tp: int) -> None:
+def check_parallel_layout(arch: ModelArch, tp: int, pp: int = 1) -> None:
     """Reject a layout the model cannot be split into, before any process starts."""
+    if pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
+    pp_layer_partition(arch.num_layers, pp)  # a stage without a layer, a bad env partition
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
     if arch.num_heads % tp:
@@ -86,6 +96,17 @@ def check_parallel_layout(arch: ModelArch, tp: int) -> None:
         )
 
 
+class PendingStep:
+    """A submitted `execute_model` whose reply has not been read yet."""
+
+    __slots__ = ("done", "error", "result")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.result: ModelRunnerOutput | None = None
+        self.error: BaseException | None = None
+
+
 class MultiprocExecutor:
     def __init__(
         self,
@@ -95,6 +116,15 @@ class MultiprocExecutor:
         failure_callback: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.world_size = config.parallel.world_size
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first rank
+        self._pending: collections.deque[PendingStep] = collections.deque()
+        # Where each rank of a stage after the first receives the previous stage's output.
+        self.stage_addresses: list[str | None] = [
+            get_open_zmq_ipc_path() if self.pp_size > 1 and rank >= self.tp_size else None
+            for rank in range(self.world_size)
+        ]
         # What the workers' collectives run on (`run_worker` picks the same), for /topology.
         self.collective_backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.max_model_len = max_model_len
@@ -119,13 +149,14 @@ class MultiprocExecutor:
                     self.workers.append(
                         start_process(
                             run_worker,
-                            f"Worker_TP{rank}",
+                            worker_title(rank, self.tp_size, self.pp_size),
                             args=(
                                 config,
                                 rank,
                                 self.world_size,
                                 handle,
                                 f"file://{self._dist_file}",
+                                self.stage_addresses if self.pp_size > 1 else None,
                             ),
                             ctx=ctx,
                         )
@@ -175,31 +206,59 @@ class MultiprocExecutor:
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> list[Any]:
+        while self._pending:  # replies to steps in flight come first on their queue
+            self._resolve_oldest()
         if self.failure is not None:
             raise self._failed()
         self.broadcast.enqueue((method, args, kwargs, unique_reply_rank), timeout=timeout)
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
-        results = []
-        for rank in ranks:
-            try:
-                ok, result = self.reply_queues[rank].dequeue(timeout=timeout)
-            except MessageQueueShutdown:
-                raise self._failed() from None
-            if not ok:
-                if self._a_worker_stopped():  # a collective cut short by a rank that left
-                    raise ExecutorStoppedError(self.failure)
-                dead = [
-                    f"{w.describe()} died: {describe_exit(code)}"
-                    for w in self.workers
-                    if (code := w.exitcode) not in (None, 0)
-                ]
-                if dead:  # what cut its collective short comes first
-                    raise RuntimeError(
-                        f"the executor failed: {'; '.join(dead)} (Worker_TP{rank}: {result})"
-                    )
-                raise RuntimeError(f"Worker failed with error '{result}'")
-            results.append(result)
-        return results
+        return [self._reply(rank, timeout) for rank in ranks]
+
+    def _reply(self, rank: int, timeout: float | None) -> Any:
+        try:
+            ok, result = self.reply_queues[rank].dequeue(timeout=timeout)
+        except MessageQueueShutdown:
+            raise self._failed() from None
+        if not ok:
+            if self._a_worker_stopped():  # a collective cut short by a rank that left
+                raise ExecutorStoppedError(self.failure)
+            dead = [
+                f"{w.describe()} died: {describe_exit(code)}"
+                for w in self.workers
+                if (code := w.exitcode) not in (None, 0)
+            ]
+            title = worker_title(rank, self.tp_size, self.pp_size)
+            if dead:  # what cut its collective short comes first
+                raise RuntimeError(f"the executor failed: {'; '.join(dead)} ({title}: {result})")
+            raise RuntimeError(f"Worker failed with error '{result}'")
+        return result
+
+    def submit_model(self, sched: SchedulerOutput) -> PendingStep:
+        """Send a step to every worker without waiting for its reply (`wait` reads it)."""
+        if self.failure is not None:
+            raise self._failed()
+        timeout = envs.execute_model_timeout_seconds()
+        self.broadcast.enqueue(("execute_model", (sched,), None, self.output_rank), timeout)
+        pending = PendingStep()
+        self._pending.append(pending)
+        return pending
+
+    def _resolve_oldest(self) -> None:
+        pending = self._pending.popleft()
+        try:
+            pending.result = self._reply(self.output_rank, envs.execute_model_timeout_seconds())
+        except BaseException as e:
+            pending.error = e
+        pending.done = True
+
+    def wait(self, pending: PendingStep) -> ModelRunnerOutput:
+        """The reply to a submitted step (those submitted before it are read first)."""
+        while not pending.done:
+            self._resolve_oldest()
+        if pending.error is not None:
+            raise pending.error
+        assert pending.result is not None
+        return pending.result
 
     def determine_num_blocks(self) -> int:
         return int(min(self.collective_rpc("determine_num_blocks")))
@@ -208,11 +267,7 @@ class MultiprocExecutor:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        timeout = envs.execute_model_timeout_seconds()
-        result: ModelRunnerOutput = self.collective_rpc(
-            "execute_model", (sched,), timeout=timeout, unique_reply_rank=0
-        )[0]
-        return result
+        return self.wait(self.submit_model(sched))
 
     def shutdown(self) -> None:
         if self.monitor is not None:
@@ -239,5 +294,7 @@ class MultiprocExecutor:
             if worker.exitcode is not None and worker.exitcode < 0:
                 remove_orphaned_queue(handle)
         self.broadcast.close()
+        # A stage worker killed -9 leaves its socket file behind.
+        remove_ipc_files(a for a in self.stage_addresses if a is not None)
         if os.path.exists(self._dist_file):
             os.unlink(self._dist_file)

@@ -39,5 +39,12 @@ class UniProcExecutor:
         result: ModelRunnerOutput = self.collective_rpc("execute_model", (sched,))[0]
         return result
 
+    def submit_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """As `MultiprocExecutor.submit_model`; here the step runs at once."""
+        return self.execute_model(sched)
+
+    def wait(self, pending: ModelRunnerOutput) -> ModelRunnerOutput:
+        return pending
+
     def shutdown(self) -> None:
         pass

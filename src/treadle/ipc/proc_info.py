@@ -22,7 +22,7 @@ _ROLES = (
     ("APIServerSupervisor", re.compile(r"APIServerSupervisor$")),
     ("APIServer", re.compile(r"APIServer_(?P<api_server>\d+)$")),
     ("EngineCore", re.compile(r"EngineCore_DP(?P<dp_rank>\d+)$")),
-    ("Worker", re.compile(r"Worker_TP(?P<tp_rank>\d+)$")),
+    ("Worker", re.compile(r"Worker_(?:PP(?P<pp_rank>\d+)_)?TP(?P<tp_rank>\d+)$")),
     ("DPCoordinator", re.compile(r"DPCoordinator$")),
     ("Headless", re.compile(r"Headless$")),
 )
@@ -44,7 +44,7 @@ def parse_title(title: str) -> tuple[str, dict[str, int]]:
     for role, pattern in _ROLES:
         m = pattern.match(title)
         if m:
-            return role, {k: int(v) for k, v in m.groupdict().items()}
+            return role, {k: int(v) for k, v in m.groupdict().items() if v is not None}
     return title, {}
 
 

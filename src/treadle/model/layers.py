@@ -255,6 +255,12 @@ class VocabParallelEmbedding(nn.Module):
             _fill(self.weight.data[: self._gguf.raw.shape[0]], self._gguf)
         self._gguf = None
 
+    def keep_for_lookup(self, kernels: Kernels | None) -> None:
+        """A tied table on a pipeline stage without the LM head: looked up as the whole
+        model's is (from the GGUF blocks, where the LM head would run on them)."""
+        if self._gguf is not None:
+            self.prepare_lm_head(kernels)
+
     def prepare_lm_head(self, kernels: Kernels | None) -> None:
         """After loading, where this is the LM head: choose how `logits` multiplies; where
         that frees `weight` (the LM head on its blocks), lookups read the blocks."""

@@ -127,12 +127,44 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class MissingLayer(nn.Module):
+    """A place held for what another pipeline stage runs (vLLM's `PPMissingLayer`): no
+    parameters, so checkpoint names keep their indices and this stage loads none of it."""
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("this pipeline stage does not run this layer")
+
+
+class Stage:
+    """This process's share of the decoder: layers [start, end) of `num_layers`; the first
+    stage embeds, the last runs the final norm and the LM head (the whole model is one stage)."""
+
+    def __init__(self, num_layers: int, start: int, end: int) -> None:
+        self.start, self.end, self.num_layers = start, end, num_layers
+        self.first, self.last = start == 0, end == num_layers
+
+    @property
+    def whole(self) -> bool:
+        return self.first and self.last
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, max_positions: int, stage: Stage) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        tied_head_here = stage.last and arch.tie_word_embeddings
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+            if stage.first or tied_head_here
+            else MissingLayer()
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch) if stage.start <= i < stage.end else MissingLayer()
+            for i in range(arch.num_layers)
+        )
+        # (typed as the last stage's: the fused path, whole models only, reads its weight)
+        self.norm: RMSNorm = (
+            RMSNorm(arch.hidden_size, arch.rms_norm_eps) if stage.last else MissingLayer()  # type: ignore[assignment]
+        )
         self.rotary = RotaryEmbedding(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
         )
@@ -142,16 +174,20 @@ class LlamaForCausalLM(nn.Module):
     """`forward` maps a flat batch of tokens to last hidden states; `compute_logits` maps the
     rows that need sampling to vocabulary logits."""
 
-    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, max_positions: int, stage: Stage | None = None) -> None:
+        """`stage`: this pipeline stage's layers (default: the whole model)."""
         super().__init__()
         self.arch = arch
+        self.stage = stage or Stage(arch.num_layers, 0, arch.num_layers)
         # This rank's share of the KV cache shape (KV heads replicate when TP > KV heads).
         self.num_kv_heads = max(1, arch.num_kv_heads // tp_size())
         self.head_dim = arch.head_dim
-        self.num_layers = arch.num_layers
-        self.model = LlamaModel(arch, max_positions)
-        self.lm_head = (
-            self.model.embed_tokens
+        self.num_layers = self.stage.end - self.stage.start  # the layers (and KV) held here
+        self.model = LlamaModel(arch, max_positions, self.stage)
+        self.lm_head: nn.Module = (
+            MissingLayer()
+            if not self.stage.last
+            else self.model.embed_tokens
             if arch.tie_word_embeddings
             else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         )
@@ -159,7 +195,9 @@ class LlamaForCausalLM(nn.Module):
         self.kernels: Kernels | None = None  # the C kernels it runs on (the sampler's too)
 
     def decoder_layers(self) -> list[DecoderLayer]:
-        return list(self.model.layers)  # type: ignore[arg-type]
+        """This stage's decoder layers (all of them without pipeline parallelism)."""
+        layers = list(self.model.layers)[self.stage.start : self.stage.end]
+        return layers  # type: ignore[return-value]
 
     def forward(
         self,
@@ -168,19 +206,45 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """`embeds`: (rows of the batch, their input embeddings in the model's dtype), which
-        replace the lookup of those rows' token ids (a prompt given as `prompt_embeds`)."""
-        x = self.model.embed_tokens(input_ids)
-        if embeds is not None:
-            x[embeds[0]] = embeds[1]
+        """The final norm's output (the whole model, or the last pipeline stage).
+        `embeds`: (rows of the batch, their input embeddings in the model's dtype), which
+        replace the lookup of those rows' token ids (a prompt given as `prompt_embeds`);
+        `intermediate`: the previous stage's (hidden, residual)."""
+        out = self.forward_layers(input_ids, positions, kv_caches, meta, embeds, intermediate)
+        if isinstance(out, torch.Tensor):  # the fused path ends with the final norm
+            return out
+        return self.model.norm(*out)
+
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This stage's layers: (their last MLP output, the residual stream), which the next
+        stage takes as `intermediate`; or, on the fused path (the whole model only), the final
+        norm's output."""
+        residual: torch.Tensor | None = None
+        if self.stage.first:
+            x = self.model.embed_tokens(input_ids)
+            if embeds is not None:
+                x[embeds[0]] = embeds[1]
+        else:
+            if intermediate is None:
+                raise ValueError("a pipeline stage after the first needs the previous one's output")
+            x, residual = intermediate
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
         if self.fused is not None and self.fused.applies(meta):
             return self.fused.forward(x, cos_sin, kv_caches, meta)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
-        return self.model.norm(x, residual)
+        assert residual is not None
+        return x, residual
 
     @property
     def attention_backend(self) -> AttentionBackend:
@@ -191,20 +255,43 @@ class LlamaForCausalLM(nn.Module):
         how to multiply (the embedding table is only looked up by row, so an untied one
         forgets its GGUF blocks), and decode steps take the fused path where it applies."""
         self.kernels = kernels
-        self.lm_head.prepare_lm_head(kernels)
-        if self.lm_head is not self.model.embed_tokens:
-            self.model.embed_tokens.drop_gguf_blocks()
-        self.fused = FusedDecoder.build(kernels, self)
+        embed, head = self.model.embed_tokens, self.lm_head
+        if isinstance(head, VocabParallelEmbedding):
+            head.prepare_lm_head(kernels)
+        if isinstance(embed, VocabParallelEmbedding) and embed is not head:
+            if self.arch.tie_word_embeddings:  # a first stage without the LM head
+                embed.keep_for_lookup(kernels)
+            else:
+                embed.drop_gguf_blocks()
+        # A pipeline stage runs its layers on the modules (the C call ends with the final norm).
+        self.fused = FusedDecoder.build(kernels, self) if self.stage.whole else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)
+        head = self.lm_head
+        assert isinstance(head, VocabParallelEmbedding), "only the last stage has the LM head"
+        return head.logits(hidden)
+
+    def wants(self, name: str) -> bool:
+        """Whether a checkpoint tensor (Hugging Face name) belongs to this stage: the loaders
+        skip the others before reading them."""
+        if self.stage.whole:
+            return True
+        if name.startswith("model.layers."):
+            return self.stage.start <= int(name.split(".")[2]) < self.stage.end
+        if name.startswith("model.embed_tokens."):
+            return isinstance(self.model.embed_tokens, VocabParallelEmbedding)
+        if name.startswith("model.norm."):
+            return self.stage.last
+        if name.startswith("lm_head."):
+            return self.stage.last
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; each parameter's loader takes its own shard."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self.wants(name):
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from treadle.logger import init_logger
 from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch, UnsupportedModelError
 from treadle.model.gguf_file import GGUFFile, GGUFFormatError
-from treadle.model.llama import LlamaForCausalLM
+from treadle.model.llama import LlamaForCausalLM, Stage
 from treadle.model.quantized import GGUFBlocks, blocks_only, kernel_type
 
 logger = init_logger(__name__)
@@ -61,17 +61,22 @@ def load_model(
     device: torch.device,
     max_positions: int,
     cpu_activation_dtype: str = "float32",
+    stage: Stage | None = None,
 ) -> LlamaForCausalLM:
     """The model, loaded and prepared; `cpu_activation_dtype`: the GGUF-block linear layers'
-    activations on treadle's CPU kernels (`Kernels.with_activations`; nothing elsewhere)."""
+    activations on treadle's CPU kernels (`Kernels.with_activations`; nothing elsewhere);
+    `stage`: a pipeline stage's layers (default: the whole model), whose tensors alone are
+    read from the file."""
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(arch, max_positions)
+            model = LlamaForCausalLM(arch, max_positions, stage)
     finally:
         torch.set_default_dtype(torch.float32)
     weights = (
-        _gguf_weights(source.path, arch) if source.is_gguf else _safetensors_weights(source.path)
+        _gguf_weights(source.path, arch, model.wants)
+        if source.is_gguf
+        else _safetensors_weights(source.path, model.wants)
     )
     model.load_weights(weights)
     kernels = cpu_kernels.for_model(device, dtype)
@@ -92,7 +97,9 @@ def load_model(
     return model.eval()
 
 
-def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(
+    path: str, wants: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -102,7 +109,9 @@ def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in tqdm(
-                    list(f.keys()), desc=f"Loading {os.path.basename(file)}", leave=False
+                    [k for k in f.keys() if wants(k)],  # noqa: SIM118 (not a dict)
+                    desc=f"Loading {os.path.basename(file)}",
+                    leave=False,
                 ):
                     yield name, f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types
@@ -118,9 +127,12 @@ def open_gguf(path: str) -> GGUFFile:
         ) from e
 
 
-def _gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(
+    path: str, arch: ModelArch, wants: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Hugging Face-named tensors: float32, or for the block types the kernels read only the
-    blocks (`quantized.blocks_only`), which unmap the file's pages once copied out."""
+    blocks (`quantized.blocks_only`), which unmap the file's pages once copied out. Tensors
+    that `wants` refuses (another pipeline stage's) are never read: their pages stay on disk."""
     gguf = open_gguf(path)
     for tensor in tqdm(gguf.tensors, desc="Loading GGUF", leave=False):
         kind = tensor.kind
@@ -129,6 +141,8 @@ def _gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
                 f"GGUF tensor {tensor.name} has type {kind}; treadle reads {sorted(GGUF_SUPPORTED_TYPES)}"
             )
         name = _hf_name(tensor.name)
+        if not wants(name):
+            continue
         heads = 0
         if arch.family in ("llama", "mistral") and name.endswith(
             ("q_proj.weight", "k_proj.weight")

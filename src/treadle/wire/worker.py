@@ -35,6 +35,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Pipeline parallelism: the request's tokens sampled since the workers last heard of it
+    # (only the last stage samples; the others learn them here, `core/pipeline.py`).
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

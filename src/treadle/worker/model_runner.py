@@ -18,6 +18,7 @@ from treadle.model.llama import LlamaForCausalLM
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.pp_transfer import StageLink
 from treadle.worker.sampler import Infill, Sampler, SamplingRow, TokenPieces
 
 _PROMPT_LOGPROBS_ROWS = 256
@@ -73,6 +74,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, device, model.kernels)
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Pipeline parallelism: this stage's link to its neighbours (`_run_stage`).
+        self.link: StageLink | None = None
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -137,6 +140,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
+        if not self.model.stage.last:
+            self._learn_sampled(sched)
         if not sched.num_scheduled_tokens:
             return ModelRunnerOutput()
         # Decodes (one token) first, then prefill chunks: the layout attention expects.
@@ -147,7 +152,15 @@ class ModelRunner:
         counts = [n for _, n in order]
         input_ids, positions, meta, logits_rows = self._prepare(states, counts)
         embeds = self._embeds(states, counts)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
+        if not self.model.stage.whole:
+            staged = self._run_stage(input_ids, positions, meta, embeds)
+            if staged is None:  # a stage before the last: its output went on to the next
+                for state, n in zip(states, counts, strict=True):
+                    state.num_computed_tokens += n
+                return ModelRunnerOutput()
+            hidden = staged
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
         result = ModelRunnerOutput()
         first = 0
         for state, n, row in zip(states, counts, logits_rows, strict=True):
@@ -184,6 +197,34 @@ class ModelRunner:
         for state, n in zip(states, counts, strict=True):
             state.num_computed_tokens += n
         return result
+
+    def _learn_sampled(self, sched: SchedulerOutput) -> None:
+        """A stage that does not sample appends the tokens the last stage sampled."""
+        for cached in sched.cached_requests:
+            if cached.new_token_ids:
+                self.requests[cached.request_id].token_ids.extend(cached.new_token_ids)
+
+    def _run_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor | None:
+        """A pipeline stage's part of the step: the previous stage's (hidden, residual) in
+        (none on the first), this stage's layers, then on to the next stage (None), or on the
+        last stage the final norm's output."""
+        assert self.link is not None
+        stage = self.model.stage
+        intermediate = None if stage.first else self.link.recv()
+        if stage.last:
+            return self.model(input_ids, positions, self.kv_caches, meta, embeds, intermediate)
+        out = self.model.forward_layers(
+            input_ids, positions, self.kv_caches, meta, embeds, intermediate
+        )
+        assert isinstance(out, tuple)
+        self.link.send(*out)
+        return None
 
     def _verify(
         self, state: RequestState, proposal: list[int], hidden: torch.Tensor, out: ModelRunnerOutput

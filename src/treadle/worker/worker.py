@@ -11,15 +11,24 @@ import psutil
 import torch
 
 from treadle import envs
-from treadle.config import EngineConfig, ModelSource, resolve_model
+from treadle.config import (
+    EngineConfig,
+    ModelSource,
+    pp_layer_partition,
+    pp_layer_range,
+    resolve_model,
+)
 from treadle.logger import init_logger
 from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch
+from treadle.model.llama import LlamaForCausalLM, Stage
 from treadle.model.loader import load_model, read_arch
+from treadle.model.parallel import pp_rank, pp_size, tp_rank
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker import kv_file
 from treadle.worker.cpu_share import ThreadGovernor
 from treadle.worker.model_runner import ModelRunner
+from treadle.worker.pp_transfer import StageLink, StageLinkError
 from treadle.worker.sampler import TokenPieces
 
 logger = init_logger(__name__)
@@ -157,8 +166,26 @@ def check_config(config: EngineConfig) -> None:
     if name == "auto" and torch.backends.cuda.is_built():
         dtype = torch.bfloat16  # the smaller one: never refuse what the device may accept
     block_size = config.cache.block_size
-    per_block = kv_bytes_per_block(arch, dtype, block_size, config.parallel.tensor_parallel_size)
+    parallel = config.parallel
+    per_block = kv_bytes_per_block(arch, dtype, block_size, parallel.tensor_parallel_size)
+    if parallel.pipeline_parallel_size > 1:  # the stage with the most layers holds the most
+        most = max(pp_layer_partition(arch.num_layers, parallel.pipeline_parallel_size))
+        per_block = per_block * most // arch.num_layers
     check_kv_budget(budget, per_block, block_size, max_model_len, source)
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """The bytes of the weights this process holds: parameters and GGUF blocks (each storage
+    once, a tied table too)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for module in model.modules():
+        quant = getattr(getattr(module, "method", None), "quant", None)
+        tiles = getattr(quant, "tiles", None)
+        if isinstance(tiles, torch.Tensor):
+            seen[tiles.untyped_storage().data_ptr()] = tiles.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 class Worker:
@@ -171,6 +198,11 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
         self.runner: ModelRunner | None = None
+        # Pipeline parallelism: this rank's stage and its link to the neighbours (the worker
+        # process makes the link before loading).
+        start, end = pp_layer_range(self.arch.num_layers, pp_rank(), pp_size())
+        self.stage = Stage(self.arch.num_layers, start, end)
+        self.link: StageLink | None = None
         self._rss_before_load = self._weights_bytes = 0  # for the memory line
         self._fingerprint: str | None = None  # of the weights, for prompt-cache files
         parallel = config.parallel
@@ -189,6 +221,7 @@ class Worker:
             self.device,
             self.max_model_len,
             self.config.model.cpu_activation_dtype,
+            self.stage,
         )
         self._weights_bytes = _rss() - self._rss_before_load
         source = self.source
@@ -200,6 +233,7 @@ class Worker:
             self.config.model.seed,
             TokenPieces(functools.partial(_load_tokenizer, source)),
         )
+        self.runner.link = self.link
 
     def determine_num_blocks(self) -> int:
         assert self.runner is not None
@@ -220,8 +254,23 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
         self.runner.initialize_cache(num_blocks)
+        kv = num_blocks * self.runner.kv_bytes_per_block()
+        if pp_size() > 1:
+            stage = self.stage
+            logger.info(
+                "Pipeline stage %d/%d, TP rank %d: layers %d-%d%s%s, weights %.1f MiB, "
+                "KV cache %.1f MiB",
+                pp_rank(),
+                pp_size(),
+                tp_rank(),
+                stage.start,
+                stage.end - 1,
+                " + embedding" if stage.first else "",
+                " + final norm, LM head, sampling" if stage.last else "",
+                self.weight_bytes() / (1 << 20),
+                kv / (1 << 20),
+            )
         if self.device.type == "cpu":
-            kv = num_blocks * self.runner.kv_bytes_per_block()
             logger.info(
                 "Memory of this process: %s runtime, %s weights (resident), KV cache %s "
                 "reserved, resident as it fills",
@@ -229,6 +278,20 @@ class Worker:
                 _size(max(0, self._weights_bytes)),
                 _size(kv),
             )
+
+    def weight_bytes(self) -> int:
+        """The bytes of this rank's weights (`weight_bytes`), e.g. a pipeline stage's share."""
+        assert self.runner is not None
+        return weight_bytes(self.runner.model)
+
+    def stage_info(self) -> dict[str, int]:
+        """This rank's place: pipeline stage, TP rank, its layers [start, end)."""
+        return {
+            "pp_rank": pp_rank(),
+            "tp_rank": tp_rank(),
+            "layer_start": self.stage.start,
+            "layer_end": self.stage.end,
+        }
 
     def kv_bytes_per_block(self) -> int:
         """This rank's bytes of one KV block (for the engine core's start-up log)."""
@@ -269,7 +332,20 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
-        output = self.runner.execute_model(sched)
+        link = self.link
+        if link is None:
+            output = self.runner.execute_model(sched)
+        else:
+            link.sent = False
+            try:
+                output = self.runner.execute_model(sched)
+            except Exception as e:  # the later stages must not wait for this step's output
+                if link.push is not None and not link.sent:
+                    said = str(e) if isinstance(e, StageLinkError) else f"{type(e).__name__}: {e}"
+                    if not isinstance(e, StageLinkError):
+                        said = f"pipeline stage {pp_rank()} failed: {said}"
+                    link.send_failure(said)
+                raise
         self.threads.after_step()
         return output
 

@@ -1,8 +1,11 @@
-"""The worker process (tensor parallelism): one per rank, fed through the broadcast
-`MessageQueue`, replying on its own `MessageQueue(1, 1)` (ARCHITECTURE §4, §6).
+"""The worker process (tensor and pipeline parallelism): one per rank, fed through the
+broadcast `MessageQueue`, replying on its own `MessageQueue(1, 1)` (ARCHITECTURE §4, §6).
+Rank = pp_rank * tp_size + tp_rank (vLLM's order); a pipeline stage's ranks pass their
+output to the next stage's rank of the same TP rank (`pp_transfer.py`).
 
 Start-up, in the same order as the executor: join the torch.distributed group (gloo on CPU,
-NCCL on CUDA) -> load this rank's shard -> READY with the reply queue's handle on the ready
+NCCL on CUDA; one TP group per stage) -> link to the neighbouring stages -> load this rank's
+shard (its stage's layers only) -> READY with the reply queue's handle on the ready
 pipe -> ready barrier of the broadcast queue -> ready barrier of the reply queue. Then each
 message `(method, args, kwargs, output_rank)` runs `getattr(worker, method)`; only
 `output_rank` (or every rank, when None) replies `(ok, result or error text)`.
@@ -27,7 +30,8 @@ from treadle.ipc.shm_broadcast import (
     remove_orphaned_queue,
 )
 from treadle.logger import init_logger
-from treadle.model.parallel import init_tensor_parallel
+from treadle.model.parallel import init_parallel
+from treadle.worker.pp_transfer import StageLink
 from treadle.worker.worker import Worker
 
 logger = init_logger(__name__)
@@ -39,6 +43,13 @@ logger = init_logger(__name__)
 STOP_WORKER: tuple[None, tuple[()], None, None] = (None, (), None, None)
 
 
+def worker_title(rank: int, tp: int, pp: int) -> str:
+    """`Worker_TP<rank>`, or with several pipeline stages `Worker_PP<p>_TP<t>`."""
+    if pp == 1:
+        return f"Worker_TP{rank}"
+    return f"Worker_PP{rank // tp}_TP{rank % tp}"
+
+
 def run_worker(
     ready: ReadyPipe,
     config: EngineConfig,
@@ -46,10 +57,15 @@ def run_worker(
     world_size: int,
     broadcast_handle: Handle,
     dist_init: str,
+    stage_addresses: list[str | None] | None = None,
 ) -> None:
-    """Process entry (`treadle.ipc.process.start_process` target)."""
+    """Process entry (`treadle.ipc.process.start_process` target). `stage_addresses[r]`:
+    where rank r receives the previous stage's output (None on the first stage; no list
+    without pipeline parallelism)."""
     parent = os.getppid()
     serving = False
+    parallel = config.parallel
+    title = worker_title(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         """SIGTERM to this worker alone must stop the whole engine, not this rank mid-step (the
@@ -59,7 +75,7 @@ def run_worker(
         nonlocal serving
         if serving and not parent_gone() and os.getppid() == parent:
             serving = False
-            logger.info("Worker_TP%d: SIGTERM; asking the engine core to stop", rank)
+            logger.info("%s: SIGTERM; asking the engine core to stop", title)
             os.kill(parent, signal.SIGUSR1)
             return
         raise SystemExit(0)
@@ -76,8 +92,17 @@ def run_worker(
         rank=rank,
         world_size=world_size,
     )
-    init_tensor_parallel(rank, world_size)
+    tp = config.parallel.tensor_parallel_size
+    pp = config.parallel.pipeline_parallel_size
+    pp_rank, tp_rank = divmod(rank, tp)
+    init_parallel(tp_rank, tp, pp_rank, pp, make_groups=True)
+    link = None
+    if pp > 1 and stage_addresses is not None:
+        link = StageLink(
+            stage_addresses[rank], stage_addresses[rank + tp] if pp_rank < pp - 1 else None
+        )
     worker = Worker(config, rank)
+    worker.link = link
     worker.load_model()
     replies = MessageQueue(1, 1)
     ready.send_ready(replies.export_handle())
@@ -86,7 +111,7 @@ def run_worker(
     replies.wait_until_ready()
     serving = True
     try:
-        _busy_loop(worker, rank, requests, replies)
+        _busy_loop(worker, rank, title, requests, replies)
     finally:
         requests.close()
         replies.close()
@@ -94,11 +119,15 @@ def run_worker(
         # will remove it.
         if rank == 0 and os.getppid() != parent:
             remove_orphaned_queue(broadcast_handle)
+        if link is not None:
+            link.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _busy_loop(worker: Worker, rank: int, requests: MessageQueue, replies: MessageQueue) -> None:
+def _busy_loop(
+    worker: Worker, rank: int, title: str, requests: MessageQueue, replies: MessageQueue
+) -> None:
     while True:
         try:
             method, args, kwargs, output_rank = requests.dequeue()
@@ -110,7 +139,7 @@ def _busy_loop(worker: Worker, rank: int, requests: MessageQueue, replies: Messa
             result: Any = getattr(worker, method)(*args, **(kwargs or {}))
             reply: tuple[bool, Any] = (True, result)
         except Exception as e:
-            logger.error("Worker_TP%d: %s failed:\n%s", rank, method, traceback.format_exc())
+            logger.error("%s: %s failed:\n%s", title, method, traceback.format_exc())
             reply = (False, f"{type(e).__name__}: {e}")
         if output_rank is None or output_rank == rank:
             replies.enqueue(reply)
