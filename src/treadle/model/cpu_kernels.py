@@ -178,6 +178,7 @@ def kv_type(cache: torch.Tensor) -> int:
     except KeyError:
         raise ValueError(f"no CPU kernel reads a KV cache of {cache.dtype}") from None
 
+
 _SIGNATURES = {
     "paged_decode_attention_f32": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64]
     + [i64] * 6
