@@ -112,7 +112,7 @@ def main() -> int:
         print(json.dumps(measure(args.new_tokens, args.kv_cache_dtype)))
         return 0
     other = (
-        "int8 activations" if args.kv_cache_dtype is None else f"a {args.kv_cache_dtype} KV cache"
+        "int8 activations" if args.kv_cache_dtype is None else f"the {args.kv_cache_dtype} KV cache"
     )
     from treadle.model.cpu_kernels import available_isas
     from treadle.model.linear_method import GGUF_MAX_ROWS
