@@ -9,8 +9,10 @@ cores) and they take turns: per round and context length, each generates the sam
 token and to 1 + NEW tokens (greedy, ignore_eos; the prompt's blocks are prefix-cache hits
 after the warm-up, so both calls prefill the same few tokens); the difference over NEW is that
 round's time per output token. Printed per context: the KV bytes per token, the median over
-rounds of the wall and CPU time per token, and each dtype's ratio to float32 (CPU time is the
-steadier on a shared machine: it does not count time the OS gave to other processes).
+rounds of the wall and CPU time per token, and each dtype's ratio to float32. CPU time is the
+steadier on a shared machine (it does not count time the OS gave to other processes); with
+--threads 1 (the default) it is the CPU time of the thread that runs the model, where every
+kernel runs, since the process's total also counts the other engines' idle threads.
 
     .venv/bin/python benchmarks/kv_dtype_bench.py [--isa avx2] [--threads 1] [--rounds 5]
 """
@@ -42,6 +44,7 @@ def measure(
         kv: LLM(kv_cache_dtype=kv, cpu_threads=threads, kv_cache_memory="768MiB")
         for kv in KV_DTYPES
     }
+    cpu_clock = time.thread_time if threads == 1 else time.process_time
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=1 + new_tokens, ignore_eos=True)
     out: dict[str, dict[str, list[float]]] = {}
@@ -54,9 +57,9 @@ def measure(
             for kv, llm in engines.items():
                 spent = []
                 for params in (one, many):
-                    wall, cpu = time.perf_counter(), time.process_time()
+                    wall, cpu = time.perf_counter(), cpu_clock()
                     llm.generate(prompt, params, use_tqdm=False)
-                    spent.append((time.perf_counter() - wall, time.process_time() - cpu))
+                    spent.append((time.perf_counter() - wall, cpu_clock() - cpu))
                 samples[kv][0].append((spent[1][0] - spent[0][0]) / new_tokens * 1e3)
                 samples[kv][1].append((spent[1][1] - spent[0][1]) / new_tokens * 1e3)
         for kv, (wall, cpu) in samples.items():
@@ -83,7 +86,7 @@ def report(isa: str, result: dict[str, dict[str, list[float]]], contexts: list[i
             print(
                 f"  context {n:5d}  {kv:8s} wall {wall:6.2f} ms ({wall / base['wall']:.2f}x "
                 f"float32)  cpu {cpu:6.2f} ms ({cpu / base['cpu']:.2f}x)  "
-                f"[wall per round: {', '.join(f'{x:.1f}' for x in r['wall'])}]"
+                f"[cpu per round: {', '.join(f'{x:.1f}' for x in r['cpu'])}]"
             )
 
 

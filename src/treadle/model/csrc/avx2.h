@@ -1,6 +1,7 @@
 /* treadle's CPU kernels at the AVX2 level (x86-64-v3: AVX2, FMA, F16C): 8-wide registers, 16
-   of them. Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64, tile_rows_n, expand_tile and
-   tile_gemm, with the register tiles sized for 16 registers instead of AVX-512's 32. */
+   of them. Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64,
+   tile_rows_n, expand_tile and tile_gemm, with the register tiles sized for 16 registers
+   instead of AVX-512's 32. */
 #include <immintrin.h>
 
 #define TREADLE_ISA "avx2"
@@ -143,9 +144,15 @@ static void attend_d64(const float* qh, int64_t group, const char* kh, const cha
                        const int64_t* table, int64_t len, float scale, float* scores,
                        int64_t max_len, float* out, int kvt) {
     switch (kvt) {
-    case KV_F16: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16); break;
-    case KV_BF16: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16); break;
-    case KV_I8: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8); break;
+    case KV_F16:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16);
+        break;
+    case KV_BF16:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16);
+        break;
+    case KV_I8:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8);
+        break;
     default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32);
     }
 }

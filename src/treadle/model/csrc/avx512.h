@@ -1,5 +1,6 @@
 /* treadle's CPU kernels at the AVX-512 level (x86-64-v4: F, BW, DQ, VL): 16-wide registers.
-   Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64, tile_rows_n, expand_tile and tile_gemm. */
+   Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64,
+   tile_rows_n, expand_tile and tile_gemm. */
 #include <immintrin.h>
 
 #if defined(__AVX512VNNI__)
@@ -118,9 +119,15 @@ static void attend_d64(const float* qh, int64_t group, const char* kh, const cha
                        const int64_t* table, int64_t len, float scale, float* scores,
                        int64_t max_len, float* out, int kvt) {
     switch (kvt) {
-    case KV_F16: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16); break;
-    case KV_BF16: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16); break;
-    case KV_I8: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8); break;
+    case KV_F16:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16);
+        break;
+    case KV_BF16:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16);
+        break;
+    case KV_I8:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8);
+        break;
     default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32);
     }
 }

@@ -84,8 +84,9 @@ void paged_decode_attention_f32(
                 prefetch_bytes(kh + table[0] * block_bytes_kv, block_bytes_kv);
                 for (int64_t b = 0, t = 0; t < len; b++) {
                     const char* kb = kh + table[b] * block_bytes_kv;
-                    if (b + 1 < num_used) prefetch_bytes(kh + table[b + 1] * block_bytes_kv, block_bytes_kv);
-                    else prefetch_bytes(vh + table[0] * block_bytes_kv, block_bytes_kv);
+                    const char* next = b + 1 < num_used ? kh + table[b + 1] * block_bytes_kv
+                                                        : vh + table[0] * block_bytes_kv;
+                    prefetch_bytes(next, block_bytes_kv);
                     const int64_t n = len - t < block_size ? len - t : block_size;
                     for (int64_t o = 0; o < n; o++, t++) {
                         const char* kt = kb + o * rb;
@@ -100,7 +101,8 @@ void paged_decode_attention_f32(
                 memset(acc, 0, sizeof(float) * group * head_dim);
                 for (int64_t b = 0, t = 0; t < len; b++) {
                     const char* vb = vh + table[b] * block_bytes_kv;
-                    if (b + 1 < num_used) prefetch_bytes(vh + table[b + 1] * block_bytes_kv, block_bytes_kv);
+                    if (b + 1 < num_used)
+                        prefetch_bytes(vh + table[b + 1] * block_bytes_kv, block_bytes_kv);
                     const int64_t n = len - t < block_size ? len - t : block_size;
                     for (int64_t o = 0; o < n; o++, t++) {
                         const char* vt = vb + o * rb;

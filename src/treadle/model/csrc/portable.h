@@ -1,6 +1,7 @@
 /* treadle's CPU kernels for any CPU (no ISA flags: SSE2 on x86-64, NEON on arm64 as the
    compiler sees fit): plain C loops written for the auto-vectorizer. Included by cpu_kernels.c;
-   it provides the KV rows' loads and stores, tile_rows, expand_tile and tile_gemm (attention takes the generic loop). */
+   it provides the KV rows' loads and stores, tile_rows, expand_tile and tile_gemm (attention
+   takes the generic loop). */
 
 #define TREADLE_ISA "portable"
 #define half_to_float(h) half_to_float_c(h)
