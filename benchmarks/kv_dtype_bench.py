@@ -8,8 +8,8 @@ third and int8 a little more. One engine per dtype is loaded in one process (in-
 cores) and they take turns: per round and context length, each generates the same prompt to 1
 token and to 1 + NEW tokens (greedy, ignore_eos; the prompt's blocks are prefix-cache hits
 after the warm-up, so both calls prefill the same few tokens); the difference over NEW is that
-round's time per output token. Printed per context: the KV bytes per token, the median over
-rounds of the wall and CPU time per token, and each dtype's ratio to float32. CPU time is the
+round's time per output token. First the attention kernel alone (`measure_kernel`: the KV bytes it reads, nothing else), then
+the engines. Printed per context: the KV bytes per token, the median over rounds of the wall and CPU time per token, and each dtype's ratio to float32. CPU time is the
 steadier on a shared machine (it does not count time the OS gave to other processes); with
 --threads 1 (the default) it is the CPU time of the thread that runs the model, where every
 kernel runs, since the process's total also counts the other engines' idle threads.
@@ -71,6 +71,55 @@ def measure(
     return out
 
 
+def measure_kernel(contexts: list[int], rounds: int) -> dict[str, dict[str, list[float]]]:
+    """The attention kernel alone, as a decode step of the default model calls it: one query
+    token, 9 query heads over 3 KV heads of 64, a context of n tokens in 16-token blocks, once
+    per layer over 30 layers' caches (so the step reads the whole KV from memory, not from
+    a cache level): the thread's CPU ms per step, per dtype."""
+    import torch
+
+    from treadle.model import cpu_kernels
+    from treadle.model.attention import kv_row_shape, to_cache_rows
+
+    torch.set_num_threads(1)
+    kernels = cpu_kernels.load()
+    assert kernels is not None
+    layers, kv, heads, d, bs = 30, 3, 9, 64, 16
+    q, out = torch.randn(1, heads, d), torch.empty(1, heads * d)
+    result: dict[str, dict[str, list[float]]] = {}
+    for n in contexts:
+        nb = -(-n // bs)
+        table = torch.randperm(nb).view(1, nb)
+        lens = torch.tensor([n], dtype=torch.int32)
+        for name in ("float32", "float16", "bfloat16", "int8"):
+            dtype, width = kv_row_shape(name, d)
+            caches = []
+            for _ in range(layers):
+                pair = torch.empty(2, kv, nb, bs, width, dtype=dtype)
+                pair.copy_(to_cache_rows(torch.randn(2, kv, nb, bs, d), pair))
+                caches.append(pair)
+            steps = []
+            for _ in range(rounds * 4):
+                start = time.thread_time()
+                for pair in caches:
+                    kernels.paged_decode_attention(q, pair[0], pair[1], table, lens, n, out, 0.125)
+                steps.append((time.thread_time() - start) * 1e3)
+            result[f"{n}:{'auto' if name == 'float32' else name}"] = {"cpu": steps}
+            del caches
+    return result
+
+
+def report_kernel(isa: str, result: dict[str, dict[str, list[float]]], contexts: list[int]) -> None:
+    print(f"\n{isa}: the attention kernel alone, 30 layers' KV from memory, CPU ms per step")
+    for n in contexts:
+        base = statistics.median(result[f"{n}:auto"]["cpu"])
+        print(f"  context {n:5d}  " + ", ".join(
+            f"{kv} {statistics.median(result[f'{n}:{kv}']['cpu']):.2f} ms "
+            f"({statistics.median(result[f'{n}:{kv}']['cpu']) / base:.2f}x)"
+            for kv in KV_DTYPES
+        ))  # fmt: skip
+
+
 def report(isa: str, result: dict[str, dict[str, list[float]]], contexts: list[int]) -> None:
     per_token = {kv: result[f"bytes:{kv}"]["per_token"][0] for kv in KV_DTYPES}
     print(f"\n{isa}: single-stream decode, default model, median ms per output token")
@@ -101,8 +150,9 @@ def main() -> int:
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.child:
+        kernel = measure_kernel(contexts, args.rounds)
         result = measure(args.threads, args.rounds, args.new_tokens, contexts)
-        print(json.dumps(result))
+        print(json.dumps({"kernel": kernel, "engine": result}))
         return 0
     from treadle.model.cpu_kernels import available_isas
 
@@ -121,7 +171,9 @@ def main() -> int:
         if out.returncode:
             print(out.stderr, file=sys.stderr)
             return out.returncode
-        report(isa, json.loads(out.stdout.strip().splitlines()[-1]), contexts)
+        both = json.loads(out.stdout.strip().splitlines()[-1])
+        report_kernel(isa, both["kernel"], contexts)
+        report(isa, both["engine"], contexts)
     return 0
 
 
