@@ -8,11 +8,13 @@ third and int8 a little more. One engine per dtype is loaded in one process (in-
 cores) and they take turns: per round and context length, each generates the same prompt to 1
 token and to 1 + NEW tokens (greedy, ignore_eos; the prompt's blocks are prefix-cache hits
 after the warm-up, so both calls prefill the same few tokens); the difference over NEW is that
-round's time per output token. First the attention kernel alone (`measure_kernel`: the KV bytes it reads, nothing else), then
-the engines. Printed per context: the KV bytes per token, the median over rounds of the wall and CPU time per token, and each dtype's ratio to float32. CPU time is the
-steadier on a shared machine (it does not count time the OS gave to other processes); with
---threads 1 (the default) it is the CPU time of the thread that runs the model, where every
-kernel runs, since the process's total also counts the other engines' idle threads.
+round's time per output token. First the attention kernel alone (`measure_kernel`: the KV
+bytes it reads, nothing else), then the engines. Printed per context: the KV bytes per token,
+the median over rounds of the wall and CPU time per token, and each dtype's ratio to float32.
+CPU time is the steadier on a shared machine (it does not count time the OS gave to other
+processes); with --threads 1 (the default) it is the CPU time of the thread that runs the
+model, where every kernel runs (the process's total also counts the other engines' idle
+threads).
 
     .venv/bin/python benchmarks/kv_dtype_bench.py [--isa avx2] [--threads 1] [--rounds 5]
 """
