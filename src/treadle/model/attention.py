@@ -188,12 +188,9 @@ class TorchAttention(AttentionBackend):
         num_kv = k.shape[1]
         group = num_heads // num_kv
         width = k_cache.shape[3]  # head_dim, or head_dim + 4 in an int8 cache
-        k_cache.view(num_kv, -1, width)[:, meta.slot_mapping] = to_cache_rows(k, k_cache).transpose(
-            0, 1
-        )
-        v_cache.view(num_kv, -1, width)[:, meta.slot_mapping] = to_cache_rows(v, v_cache).transpose(
-            0, 1
-        )
+        new_k, new_v = to_cache_rows(k, k_cache), to_cache_rows(v, v_cache)
+        k_cache.view(num_kv, -1, width)[:, meta.slot_mapping] = new_k.transpose(0, 1)
+        v_cache.view(num_kv, -1, width)[:, meta.slot_mapping] = new_v.transpose(0, 1)
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         if d:
