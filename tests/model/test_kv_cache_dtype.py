@@ -268,6 +268,28 @@ def test_the_same_memory_holds_more_tokens(default_model_path: str) -> None:
     assert per["float32"] / per["int8"] == 4 * arch.head_dim / (arch.head_dim + 4)
 
 
+def test_the_start_up_check_sizes_the_cache_by_its_dtype(tiny_model_factory: Any) -> None:
+    """64 KiB hold 128 tokens of the tiny model in float32 (8 blocks); 256 tokens need a
+    16-bit cache, 400 an int8 one (head size 16: 20 bytes a row against 64, 3.2x)."""
+    from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from treadle.worker.worker import check_config
+
+    tiny = str(tiny_model_factory("llama"))
+
+    def check(max_model_len: int, kv_dtype: str) -> None:
+        cache = CacheConfig(kv_cache_memory=64 << 10, kv_cache_dtype=kv_dtype)
+        check_config(EngineConfig(ModelConfig(tiny, max_model_len=max_model_len), cache,
+                                  SchedulerConfig()))  # fmt: skip
+
+    check(128, "auto")
+    with pytest.raises(ValueError, match="holds only 128 tokens"):
+        check(256, "auto")
+    check(256, "bfloat16")
+    with pytest.raises(ValueError, match="holds only 256 tokens"):
+        check(400, "float16")
+    check(400, "int8")
+
+
 def test_fp8_and_unknown_types_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     from treadle.cli.main import main
     from treadle.engine_args import EngineArgs
