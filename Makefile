@@ -71,6 +71,8 @@ bench: install bench-peers
 	$(BIN)/python benchmarks/prompt_cache.py
 	$(BIN)/python benchmarks/embed_bench.py
 	$(BIN)/python benchmarks/spec_bench.py
+	$(BIN)/python benchmarks/kv_dtype_bench.py
+	$(BIN)/python benchmarks/quality.py --kv-cache-dtype int8
 	$(BIN)/python benchmarks/restart_bench.py --serve-args "-tp 3 --dtype float32" --victim Worker_TP1 --streams 16 --rounds 2
 
 # Steady mixed load for 30 minutes; each process's RSS at 1 and 5 minutes and at the end (not

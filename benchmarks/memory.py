@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_bench import LlamaServer  # noqa: E402
@@ -77,7 +76,7 @@ def treadle_roles(server: Server) -> dict[str, int]:
 
 def measure_treadle(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     arch = read_arch(resolve_model(None))
-    kv = kv_bytes_per_block(arch, torch.float32, 1) * args.max_model_len
+    kv = kv_bytes_per_block(arch, "float32", 1) * args.max_model_len
     serve_args = ["--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(kv)]
     server = Server(tmp / "treadle.log", serve_args + shlex.split(args.serve_args))
     try:

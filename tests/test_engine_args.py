@@ -86,8 +86,8 @@ def test_vllm_kwargs_warn_and_refuse() -> None:
     assert len(warnings) == 3 and all("has no effect" in w for w in warnings)
     assert "kv-cache-memory-bytes" in warnings[0]
     assert EngineArgs.from_kwargs(kv_cache_dtype="auto", enable_chunked_prefill=True)[1] == []
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' cannot be honoured"):
-        EngineArgs.from_kwargs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False cannot be honoured"):
+        EngineArgs.from_kwargs(enable_chunked_prefill=False)
 
 
 # vLLM's most used `serve` flags (from its docs and common deployment recipes), with a value.
@@ -141,7 +141,6 @@ VLLM_FLAGS = [
 ]
 REFUSED = [
     ["--enable-lora"],
-    ["--kv-cache-dtype", "fp8"],
     ["--quantization", "awq"],
     ["--no-enable-chunked-prefill"],
     ["--reasoning-parser", "deepseek_r1"],

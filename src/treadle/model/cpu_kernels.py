@@ -1,7 +1,8 @@
 """treadle's C kernels for the CPU (`csrc/`): which ISA level to use, building and caching one
 library per level, and typed calls into it.
 
-The kernels: decode/prefill attention over the paged KV cache (`paged_decode_attention`),
+The kernels: decode/prefill attention over the paged KV cache (`paged_decode_attention`; the
+cache in float32, float16, bfloat16 or int8, `KV_TYPES`),
 linear layers on GGUF blocks (`gguf_linear`, see `quantized.py`; float32 activations, or int8
 ones with integer dot products: `with_activations`) and the small per-layer ops
 (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write), and the structured-output
@@ -165,10 +166,23 @@ def _build(isa: str) -> Path:
 
 
 i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+# The KV cache's element types as csrc/common.h numbers them (KV_F32 ... KV_I8); an int8
+# cache's rows are head_dim int8 values and the row's float32 scale (`attention.py`).
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+
+
+def kv_type(cache: torch.Tensor) -> int:
+    """The kernels' number for a KV cache tensor's element type (ValueError for another)."""
+    try:
+        return KV_TYPES[cache.dtype]
+    except KeyError:
+        raise ValueError(f"no CPU kernel reads a KV cache of {cache.dtype}") from None
+
+
 _SIGNATURES = {
     "paged_decode_attention_f32": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64]
     + [i64] * 6
-    + [f32, i64, c_int],
+    + [f32, i64, c_int, c_int],
     "gguf_linear_f32": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
     "gguf_dequantize_f32": [ptr, c_int, i64, i64, ptr, c_int],
     "gguf_linear_i8": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
@@ -176,7 +190,7 @@ _SIGNATURES = {
     "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
     "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
     "silu_and_mul_f32": [ptr, i64, i64, ptr, c_int],
-    "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64],
+    "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, c_int],
     "decode_layers_f32": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int],
     "apply_token_bitmask_f32": [ptr, i64, ptr, i64, ptr, i64, i64, c_int],
 }
@@ -224,7 +238,7 @@ class Kernels:
     def paged_decode_attention(
         self,
         q: torch.Tensor,  # [D, H, d], rows may be strided, heads contiguous
-        k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d]
+        k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d] (int8: d + 4, see KV_TYPES)
         v_cache: torch.Tensor,
         block_table: torch.Tensor,  # [D, nb] int64 (row stride 0 allowed)
         lens: torch.Tensor,  # [D] int32
@@ -240,7 +254,7 @@ class Kernels:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), lens.data_ptr(), out.data_ptr(),
             out.stride(0), num_reqs, num_heads, num_kv, head_dim, num_blocks, block_size, scale,
-            max_len, torch.get_num_threads(),
+            max_len, torch.get_num_threads(), kv_type(k_cache),
         )  # fmt: skip
 
     def gguf_linear(
@@ -315,14 +329,16 @@ class Kernels:
         k: torch.Tensor,  # [T, Hkv, d], heads contiguous, rows `stride(0)` apart
         v: torch.Tensor,  # the same shape, its own row stride
         slots: torch.Tensor,  # [T] int64
-        k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d] contiguous
+        k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, d] contiguous (int8: d + 4)
         v_cache: torch.Tensor,
     ) -> None:
+        """k and v (float32) into the cache's rows, rounded (float16, bfloat16) or quantized
+        (int8: rint(x * 127 / max|x|) per row, the row's max|x| / 127 beside it)."""
         rows, num_kv, d = k.shape
         self._lib.write_kv_f32(
             k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), rows, num_kv, d,
             slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            k_cache.shape[1] * k_cache.shape[2],
+            k_cache.shape[1] * k_cache.shape[2], kv_type(k_cache),
         )  # fmt: skip
 
     def apply_token_bitmask_(

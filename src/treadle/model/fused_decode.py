@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle.model.attention import AttentionMetadata
-from treadle.model.cpu_kernels import Kernels
+from treadle.model.cpu_kernels import Kernels, kv_type
 from treadle.model.linear_method import GGUFLinear
 from treadle.model.parallel import tp_size
 
@@ -48,7 +48,7 @@ class _Model(ctypes.Structure):  # decode_model
         ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("num_layers", _i64), ("num_blocks", _i64),
         ("block_size", _i64), ("eps", _f), ("scale", _f), ("final_norm", _p),
-        ("int8_activations", _i32),
+        ("int8_activations", _i32), ("kv_type", _i32),
     ]  # fmt: skip
 
 
@@ -123,6 +123,7 @@ class FusedDecoder:
             scale=first.self_attn.scale,
             final_norm=m.model.norm.weight.data_ptr(),
             int8_activations=int(self.kernels.activations == "int8"),
+            kv_type=kv_type(k_cache),
         )
         self._layers, self._bound_to = layers, kv_caches
         return layers

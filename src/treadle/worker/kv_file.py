@@ -10,7 +10,10 @@ The header says what the payload is and whom it fits: `token_ids` (whole blocks)
 `num_layers`, `num_kv_heads` (this rank's), `head_dim`, `dtype`, `tp_size`, `tp_rank`, the
 model as it was named, and `fingerprint` (a hash of the model's weights: a file from other
 weights under the same name is refused). The payload is, layer by layer, K then V of the
-blocks in order, each `[num_kv_heads, num_blocks, block_size, head_dim]` in `dtype`.
+blocks in order, each `[num_kv_heads, num_blocks, block_size, head_dim]` in `dtype` (the KV
+cache's, `--kv-cache-dtype`: float32, float16, bfloat16, or int8 whose rows carry 4 more bytes,
+their float32 scale). A file is read back only into a cache of the same dtype: converting
+would round twice, and the prefix it restores would no longer be what the cache computes.
 
 Reading checks the header against the reader's model and cache before anything is copied,
 the payload's length before reading it, and the digest at the end: the caller registers the
@@ -32,7 +35,13 @@ import torch
 MAGIC = b"TRDLKV01"
 MAX_HEADER_BYTES = 64 << 20  # a header of a million-token prompt is ~8 MB
 DIGEST_BYTES = 32
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
+_INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim values, then its float32 scale
 
 
 class KVFileError(ValueError):
@@ -82,11 +91,12 @@ def _header(f: BinaryIO, file_size: int) -> tuple[dict[str, Any], bytes]:
 def layout(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     """What a file must say to fit this cache."""
     k = kv_caches[0][0]
+    scale_bytes = _INT8_SCALE_BYTES if k.dtype == torch.int8 else 0
     return {
         "num_layers": len(kv_caches),
         "num_kv_heads": k.shape[0],
         "block_size": k.shape[2],
-        "head_dim": k.shape[3],
+        "head_dim": k.shape[3] - scale_bytes,
         "dtype": str(k.dtype).removeprefix("torch."),
     }
 
@@ -138,6 +148,13 @@ def load_blocks(
         for key, value in want.items():
             if header.get(key) != value:
                 saved = header.get("model", "another model")
+                if key == "dtype":
+                    flag = "auto" if header.get(key) == "float32" else header.get(key)
+                    raise KVFileError(
+                        f"was saved from a {header.get(key)} KV cache ({saved}), this server's "
+                        f"is {value} (--kv-cache-dtype): restart with --kv-cache-dtype {flag} "
+                        "to read it, or save it again"
+                    )
                 raise KVFileError(
                     f"was saved for {key} {header.get(key)!r} ({saved}), this server has {value!r}"
                 )
@@ -147,7 +164,7 @@ def load_blocks(
         if any(not 0 <= i < n for i in targets):
             raise KVFileError("has fewer blocks than asked for")
         k0 = kv_caches[0][0]
-        per_block = k0.shape[0] * k0.shape[2] * k0.shape[3] * k0.element_size()
+        per_block = k0.shape[0] * k0.shape[2] * k0.shape[3] * k0.element_size()  # int8: + scales
         payload = 2 * len(kv_caches) * n * per_block
         if file_size != len(MAGIC) + 4 + len(raw) + payload + DIGEST_BYTES:
             raise KVFileError(f"is {file_size} bytes, not what its header says (truncated?)")

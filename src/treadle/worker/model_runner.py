@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.model.attention import AttentionMetadata, PrefillChunk
+from treadle.model.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    kv_row_bytes,
+    kv_row_shape,
+    resolve_kv_cache_dtype,
+)
 from treadle.model.llama import LlamaForCausalLM
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs
@@ -62,8 +68,11 @@ class ModelRunner:
         block_size: int,
         seed: int,
         pieces: TokenPieces | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
-        """`pieces`: token texts for the infill sampler (none: requests asking for it fail)."""
+        """`pieces`: token texts for the infill sampler (none: requests asking for it fail);
+        `kv_dtype`: the KV cache's element type (`attention.resolve_kv_cache_dtype`; default
+        the model's dtype)."""
         self.model = model
         self.pieces = pieces
         # Dense -inf masks only for a backend that reads them (the C kernels read lengths).
@@ -71,6 +80,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.kv_dtype = kv_dtype or resolve_kv_cache_dtype("auto", dtype)
         self.sampler = Sampler(seed, device, model.kernels)
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -79,14 +89,17 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        per_token = 2 * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        per_token = 2 * m.num_kv_heads * kv_row_bytes(self.kv_dtype, m.head_dim)
         return per_token * self.block_size * m.num_layers
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Per layer a K and a V cache `[kv heads, num_blocks, block_size, row]` of
+        `self.kv_dtype` (an int8 row is head_dim values and a 4-byte scale: `attention.py`)."""
         m = self.model
-        shape = (m.num_kv_heads, num_blocks, self.block_size, m.head_dim)
+        dtype, width = kv_row_shape(self.kv_dtype, m.head_dim)
+        shape = (m.num_kv_heads, num_blocks, self.block_size, width)
         self.kv_caches = [
-            (zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
+            (zeros(shape, dtype, self.device), zeros(shape, dtype, self.device))
             for _ in range(m.num_layers)
         ]
 

@@ -21,6 +21,7 @@ from treadle.config import (
 from treadle.logger import init_logger
 from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch
+from treadle.model.attention import kv_row_bytes, resolve_kv_cache_dtype
 from treadle.model.llama import LlamaForCausalLM, Stage
 from treadle.model.loader import load_model, read_arch
 from treadle.model.parallel import pp_rank, pp_size, tp_rank
@@ -77,11 +78,13 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     return requested
 
 
-def kv_bytes_per_block(arch: ModelArch, dtype: torch.dtype, block_size: int, tp: int = 1) -> int:
-    """K and V of one block on one rank: 2 x kv heads (this rank's share) x head_dim x dtype
-    size x block_size x layers."""
+def kv_bytes_per_block(arch: ModelArch, kv_dtype: str, block_size: int, tp: int = 1) -> int:
+    """K and V of one block on one rank: 2 x kv heads (this rank's share) x the bytes of a row
+    of head_dim values in `kv_dtype` (`attention.kv_row_bytes`: 4, 2 or 1 byte a value, int8
+    plus a 4-byte scale) x block_size x layers."""
     kv_heads = max(1, arch.num_kv_heads // tp)
-    return 2 * kv_heads * arch.head_dim * dtype.itemsize * block_size * arch.num_layers
+    row = kv_row_bytes(kv_dtype, arch.head_dim)
+    return 2 * kv_heads * row * block_size * arch.num_layers
 
 
 def check_kv_budget(
@@ -166,8 +169,9 @@ def check_config(config: EngineConfig) -> None:
     if name == "auto" and torch.backends.cuda.is_built():
         dtype = torch.bfloat16  # the smaller one: never refuse what the device may accept
     block_size = config.cache.block_size
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
     parallel = config.parallel
-    per_block = kv_bytes_per_block(arch, dtype, block_size, parallel.tensor_parallel_size)
+    per_block = kv_bytes_per_block(arch, kv_dtype, block_size, parallel.tensor_parallel_size)
     if parallel.pipeline_parallel_size > 1:  # the stage with the most layers holds the most
         most = max(pp_layer_partition(arch.num_layers, parallel.pipeline_parallel_size))
         per_block = per_block * most // arch.num_layers
@@ -196,6 +200,7 @@ class Worker:
         self.source = resolve_model(config.model.model)
         self.arch = read_arch(self.source)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
         self.runner: ModelRunner | None = None
         # Pipeline parallelism: this rank's stage and its link to the neighbours (the worker
@@ -232,6 +237,7 @@ class Worker:
             self.config.cache.block_size,
             self.config.model.seed,
             TokenPieces(functools.partial(_load_tokenizer, source)),
+            kv_dtype=self.kv_dtype,
         )
         self.runner.link = self.link
 
@@ -270,6 +276,15 @@ class Worker:
                 self.weight_bytes() / (1 << 20),
                 kv / (1 << 20),
             )
+        per_token = self.runner.kv_bytes_per_block() // self.config.cache.block_size
+        logger.info(
+            "KV cache: %s, %s tokens of %s each (%.2fx the tokens of float32 in the same memory)",
+            self.kv_dtype,
+            f"{num_blocks * self.config.cache.block_size:,}",
+            _size(per_token),
+            kv_row_bytes("float32", self.arch.head_dim)
+            / kv_row_bytes(self.kv_dtype, self.arch.head_dim),
+        )
         if self.device.type == "cpu":
             logger.info(
                 "Memory of this process: %s runtime, %s weights (resident), KV cache %s "

@@ -1,6 +1,7 @@
 /* treadle's CPU kernels at the AVX2 level (x86-64-v3: AVX2, FMA, F16C): 8-wide registers, 16
-   of them. Included by cpu_kernels.c; it provides attend_d64, tile_rows_n, expand_tile and
-   tile_gemm, with the register tiles sized for 16 registers instead of AVX-512's 32. */
+   of them. Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64,
+   tile_rows_n, expand_tile and tile_gemm, with the register tiles sized for 16 registers
+   instead of AVX-512's 32. */
 #include <immintrin.h>
 
 #define TREADLE_ISA "avx2"
@@ -8,7 +9,6 @@
 #define HAVE_ATTEND_D64 1
 #define HAVE_TILE_ROWS_N 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
-#define D64_BLOCK_FLOATS (D64_BLOCK * 64)
 #define D64_MAX_GROUP 4
 
 static inline float hsum8(__m256 v) {
@@ -28,28 +28,69 @@ static inline __m256 sum8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
+/* 8 values of a KV cache row (common.h's types), from value i, as float32: a widening load. */
+static inline __attribute__((always_inline)) __m256 kv_load8(const char* row, const int kvt,
+                                                             int64_t i) {
+    if (kvt == KV_F32) return _mm256_loadu_ps((const float*)row + i);
+    if (kvt == KV_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)row + i)));
+    if (kvt == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)row + i))), 16));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + i))));
+}
+
+/* A cache row as float32 (the generic attention loop's per-row conversion, into L1). */
+static inline void kv_row_to_f32(const char* row, int kvt, int64_t d, float* out) {
+    int64_t i = 0;
+    if (kvt == KV_F32) { memcpy(out, row, sizeof(float) * d); return; }
+    for (; i + 8 <= d; i += 8) {
+        const __m256 v = kvt == KV_F16 ? kv_load8(row, KV_F16, i)
+                       : kvt == KV_BF16 ? kv_load8(row, KV_BF16, i) : kv_load8(row, KV_I8, i);
+        _mm256_storeu_ps(out + i, v);
+    }
+    for (; i < d; i++)
+        out[i] = kvt == KV_F16 ? _cvtsh_ss(((const uint16_t*)row)[i])
+               : kvt == KV_BF16 ? bf16_to_float(((const uint16_t*)row)[i])
+               : (float)((const int8_t*)row)[i];
+}
+
+/* One row into the cache: F16C's conversion (round to nearest even) for float16. */
+static inline void kv_store_row(char* dst, const float* x, int kvt, int64_t d) {
+    if (kvt != KV_F16) { kv_store_row_c(dst, x, kvt, d); return; }
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        _mm_storeu_si128((__m128i*)((uint16_t*)dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < d; i++) ((uint16_t*)dst)[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 /* One (request, KV head) task for head size 64 and up to 4 query heads per KV head. The K
    pass keeps a token's key in 8 registers and reads the query heads from L1; the dot products
    of 8 tokens are reduced together (sum8). The V pass accumulates one head at a time in 8
-   registers over a block that stays in L1. Blocks are asked for two ahead, as at AVX-512. */
-static void attend_d64(const float* qh, int64_t group, const float* kh, const float* vh,
-                       const int64_t* table, int64_t len, float scale, float* scores,
-                       int64_t max_len, float* out) {
+   registers over a block that stays in L1. Blocks are asked for two ahead, as at AVX-512.
+   Each cache row is widened to float32 as it is loaded (kv_load8); an int8 row's scale
+   multiplies its score (K) or its probability (V). `kvt` is a constant where inlined. */
+static inline __attribute__((always_inline)) void attend_d64_t(
+    const float* qh, int64_t group, const char* kh, const char* vh, const int64_t* table,
+    int64_t len, float scale, float* scores, int64_t max_len, float* out, const int kvt) {
     const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
-    #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * D64_BLOCK_FLOATS \
-                                         : vh + table[(i) - num_used] * D64_BLOCK_FLOATS)
-    prefetch_block(D64_AHEAD(0), D64_BLOCK_FLOATS);
-    if (1 < 2 * num_used) prefetch_block(D64_AHEAD(1), D64_BLOCK_FLOATS);
+    const int64_t rb = kv_row_bytes(kvt, 64), bb = D64_BLOCK * rb;
+    #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * bb : vh + table[(i) - num_used] * bb)
+    prefetch_bytes(D64_AHEAD(0), bb);
+    if (1 < 2 * num_used) prefetch_bytes(D64_AHEAD(1), bb);
     __m256 part[D64_MAX_GROUP][8];
+    float kscale[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  /* int8: the 8 rows' scales */
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t b = 0, t = 0; t < len; b++) {
-        const float* kb = kh + table[b] * D64_BLOCK_FLOATS;
-        if (b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(b + 2), D64_BLOCK_FLOATS);
+        const char* kb = kh + table[b] * bb;
+        if (b + 2 < 2 * num_used) prefetch_bytes(D64_AHEAD(b + 2), bb);
         const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
         for (int64_t o = 0; o < n; o++, t++) {
-            const float* kt = kb + o * 64;
+            const char* kt = kb + o * rb;
             __m256 k[8];
-            for (int i = 0; i < 8; i++) k[i] = _mm256_loadu_ps(kt + 8 * i);
+            for (int i = 0; i < 8; i++) k[i] = kv_load8(kt, kvt, 8 * i);
+            if (kvt == KV_I8) kscale[t & 7] = kv_row_scale(kt, KV_I8, 64);
             for (int64_t j = 0; j < group; j++) {
                 const float* qj = qh + j * 64;
                 __m256 d = _mm256_mul_ps(k[0], _mm256_loadu_ps(qj));
@@ -58,9 +99,11 @@ static void attend_d64(const float* qh, int64_t group, const float* kh, const fl
             }
             if ((t & 7) == 7 || t == len - 1) {
                 const int64_t t0 = t & ~(int64_t)7, filled = t - t0 + 1;
+                const __m256 rows_scale = kvt == KV_I8
+                    ? _mm256_mul_ps(vscale, _mm256_loadu_ps(kscale)) : vscale;
                 for (int64_t j = 0; j < group; j++) {
                     for (int64_t i = filled; i < 8; i++) part[j][i] = _mm256_setzero_ps();
-                    const __m256 s = _mm256_mul_ps(sum8(part[j]), vscale);
+                    const __m256 s = _mm256_mul_ps(sum8(part[j]), rows_scale);
                     if (filled == 8) _mm256_storeu_ps(scores + j * max_len + t0, s);
                     else {
                         float tmp[8];
@@ -74,24 +117,44 @@ static void attend_d64(const float* qh, int64_t group, const float* kh, const fl
     softmax_rows(scores, group, len, max_len);
     memset(out, 0, sizeof(float) * group * 64);
     for (int64_t b = 0, t = 0; t < len; b++) {
-        const float* vb = vh + table[b] * D64_BLOCK_FLOATS;
-        if (num_used + b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(num_used + b + 2), D64_BLOCK_FLOATS);
+        const char* vb = vh + table[b] * bb;
+        if (num_used + b + 2 < 2 * num_used) prefetch_bytes(D64_AHEAD(num_used + b + 2), bb);
         const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
+        float vs[D64_BLOCK];  /* int8: the block's rows' scales */
+        if (kvt == KV_I8)
+            for (int64_t o = 0; o < n; o++) vs[o] = kv_row_scale(vb + o * rb, KV_I8, 64);
         for (int64_t j = 0; j < group; j++) {
             float* oj = out + j * 64;
             const float* sj = scores + j * max_len + t;
             __m256 a[8];
             for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(oj + 8 * i);
             for (int64_t o = 0; o < n; o++) {
-                const __m256 p = _mm256_broadcast_ss(sj + o);
-                const float* vt = vb + o * 64;
-                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * i), a[i]);
+                const __m256 p = _mm256_set1_ps(kvt == KV_I8 ? sj[o] * vs[o] : sj[o]);
+                const char* vt = vb + o * rb;
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(p, kv_load8(vt, kvt, 8 * i), a[i]);
             }
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(oj + 8 * i, a[i]);
         }
         t += n;
     }
     #undef D64_AHEAD
+}
+
+static void attend_d64(const float* qh, int64_t group, const char* kh, const char* vh,
+                       const int64_t* table, int64_t len, float scale, float* scores,
+                       int64_t max_len, float* out, int kvt) {
+    switch (kvt) {
+    case KV_F16:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16);
+        break;
+    case KV_BF16:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16);
+        break;
+    case KV_I8:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8);
+        break;
+    default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32);
+    }
 }
 
 /* A block's 32 quants as float32 in 4 registers, in order (d and m not applied). Q4: the 16

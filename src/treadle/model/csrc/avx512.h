@@ -1,5 +1,6 @@
 /* treadle's CPU kernels at the AVX-512 level (x86-64-v4: F, BW, DQ, VL): 16-wide registers.
-   Included by cpu_kernels.c; it provides attend_d64, tile_rows_n, expand_tile and tile_gemm. */
+   Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64,
+   tile_rows_n, expand_tile and tile_gemm. */
 #include <immintrin.h>
 
 #if defined(__AVX512VNNI__)
@@ -11,38 +12,78 @@
 #define HAVE_ATTEND_D64 1
 #define HAVE_TILE_ROWS_N 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
-#define D64_BLOCK_FLOATS (D64_BLOCK * 64)
 #define D64_MAX_GROUP 4
+
+/* 16 values of a KV cache row (common.h's types), from value i, as float32: a widening load. */
+static inline __attribute__((always_inline)) __m512 kv_load16(const char* row, const int kvt,
+                                                              int64_t i) {
+    if (kvt == KV_F32) return _mm512_loadu_ps((const float*)row + i);
+    if (kvt == KV_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i)));
+    if (kvt == KV_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i))),
+            16));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + i))));
+}
+
+/* A cache row as float32 (the generic attention loop's per-row conversion, into L1). */
+static inline void kv_row_to_f32(const char* row, int kvt, int64_t d, float* out) {
+    int64_t i = 0;
+    if (kvt == KV_F32) { memcpy(out, row, sizeof(float) * d); return; }
+    for (; i + 16 <= d; i += 16) {
+        const __m512 v = kvt == KV_F16 ? kv_load16(row, KV_F16, i)
+                       : kvt == KV_BF16 ? kv_load16(row, KV_BF16, i) : kv_load16(row, KV_I8, i);
+        _mm512_storeu_ps(out + i, v);
+    }
+    for (; i < d; i++)
+        out[i] = kvt == KV_F16 ? _cvtsh_ss(((const uint16_t*)row)[i])
+               : kvt == KV_BF16 ? bf16_to_float(((const uint16_t*)row)[i])
+               : (float)((const int8_t*)row)[i];
+}
+
+/* One row into the cache: F16C's conversion (round to nearest even) for float16. */
+static inline void kv_store_row(char* dst, const float* x, int kvt, int64_t d) {
+    if (kvt != KV_F16) { kv_store_row_c(dst, x, kvt, d); return; }
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
+        _mm256_storeu_si256((__m256i*)((uint16_t*)dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < d; i++) ((uint16_t*)dst)[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
 
 /* One (request, KV head) task for head size 64 and up to 4 query heads per KV head (the common
    shapes): the query heads and the output sums stay in registers, and the blocks are asked for
-   two ahead (the K pass runs on into the first V blocks). */
-static void attend_d64(const float* qh, int64_t group, const float* kh, const float* vh,
-                       const int64_t* table, int64_t len, float scale, float* scores,
-                       int64_t max_len, float* out) {
+   two ahead (the K pass runs on into the first V blocks). Each cache row is widened to float32
+   as it is loaded (kv_load16); an int8 row's scale multiplies its score (K) or its probability
+   (V). `kvt` is a constant where this is inlined (attend_d64 below). */
+static inline __attribute__((always_inline)) void attend_d64_t(
+    const float* qh, int64_t group, const char* kh, const char* vh, const int64_t* table,
+    int64_t len, float scale, float* scores, int64_t max_len, float* out, const int kvt) {
     const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
+    const int64_t rb = kv_row_bytes(kvt, 64), bb = D64_BLOCK * rb;
     __m512 qv[D64_MAX_GROUP][4];
     for (int64_t j = 0; j < group; j++)
         for (int i = 0; i < 4; i++) qv[j][i] = _mm512_loadu_ps(qh + j * 64 + i * 16);
     /* block i of the K pass, then block i - num_used of the V pass */
-    #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * D64_BLOCK_FLOATS \
-                                         : vh + table[(i) - num_used] * D64_BLOCK_FLOATS)
-    prefetch_block(D64_AHEAD(0), D64_BLOCK_FLOATS);
-    if (1 < 2 * num_used) prefetch_block(D64_AHEAD(1), D64_BLOCK_FLOATS);
+    #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * bb : vh + table[(i) - num_used] * bb)
+    prefetch_bytes(D64_AHEAD(0), bb);
+    if (1 < 2 * num_used) prefetch_bytes(D64_AHEAD(1), bb);
     for (int64_t b = 0, t = 0; t < len; b++) {
-        const float* kb = kh + table[b] * D64_BLOCK_FLOATS;
-        if (b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(b + 2), D64_BLOCK_FLOATS);
+        const char* kb = kh + table[b] * bb;
+        if (b + 2 < 2 * num_used) prefetch_bytes(D64_AHEAD(b + 2), bb);
         const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
         for (int64_t o = 0; o < n; o++, t++) {
-            const float* kt = kb + o * 64;
-            const __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16);
-            const __m512 k2 = _mm512_loadu_ps(kt + 32), k3 = _mm512_loadu_ps(kt + 48);
+            const char* kt = kb + o * rb;
+            const __m512 k0 = kv_load16(kt, kvt, 0), k1 = kv_load16(kt, kvt, 16);
+            const __m512 k2 = kv_load16(kt, kvt, 32), k3 = kv_load16(kt, kvt, 48);
+            const float s = scale * kv_row_scale(kt, kvt, 64);
             for (int64_t j = 0; j < group; j++) {
                 __m512 d = _mm512_mul_ps(qv[j][0], k0);
                 d = _mm512_fmadd_ps(qv[j][1], k1, d);
                 d = _mm512_fmadd_ps(qv[j][2], k2, d);
                 d = _mm512_fmadd_ps(qv[j][3], k3, d);
-                scores[j * max_len + t] = _mm512_reduce_add_ps(d) * scale;
+                scores[j * max_len + t] = _mm512_reduce_add_ps(d) * s;
             }
         }
     }
@@ -51,15 +92,17 @@ static void attend_d64(const float* qh, int64_t group, const float* kh, const fl
     for (int64_t j = 0; j < group; j++)
         for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
     for (int64_t b = 0, t = 0; t < len; b++) {
-        const float* vb = vh + table[b] * D64_BLOCK_FLOATS;
-        if (num_used + b + 2 < 2 * num_used) prefetch_block(D64_AHEAD(num_used + b + 2), D64_BLOCK_FLOATS);
+        const char* vb = vh + table[b] * bb;
+        if (num_used + b + 2 < 2 * num_used) prefetch_bytes(D64_AHEAD(num_used + b + 2), bb);
         const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
         for (int64_t o = 0; o < n; o++, t++) {
-            const float* vt = vb + o * 64;
-            const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
-            const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+            const char* vt = vb + o * rb;
+            const __m512 v0 = kv_load16(vt, kvt, 0), v1 = kv_load16(vt, kvt, 16);
+            const __m512 v2 = kv_load16(vt, kvt, 32), v3 = kv_load16(vt, kvt, 48);
+            const float vs = kv_row_scale(vt, kvt, 64);
             for (int64_t j = 0; j < group; j++) {
-                const __m512 p = _mm512_set1_ps(scores[j * max_len + t]);
+                const __m512 p = _mm512_set1_ps(kvt == KV_I8 ? scores[j * max_len + t] * vs
+                                                             : scores[j * max_len + t]);
                 acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
                 acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
                 acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
@@ -70,6 +113,23 @@ static void attend_d64(const float* qh, int64_t group, const float* kh, const fl
     #undef D64_AHEAD
     for (int64_t j = 0; j < group; j++)
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + j * 64 + i * 16, acc[j][i]);
+}
+
+static void attend_d64(const float* qh, int64_t group, const char* kh, const char* vh,
+                       const int64_t* table, int64_t len, float scale, float* scores,
+                       int64_t max_len, float* out, int kvt) {
+    switch (kvt) {
+    case KV_F16:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16);
+        break;
+    case KV_BF16:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16);
+        break;
+    case KV_I8:
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8);
+        break;
+    default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32);
+    }
 }
 
 /* A block's 32 quants as float32 in 2 registers, in order (d and m not applied). */

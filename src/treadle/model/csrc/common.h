@@ -54,6 +54,95 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t strid
     }
 }
 
+/* ---- The KV cache's element types (`--kv-cache-dtype`) ------------------------------------
+
+   A cache row is one token's K (or V) of one KV head, head_dim values. The attention kernel and
+   the KV write take the type with the cache, and the readers convert each row in registers (a
+   16-bit value is exactly a float32's upper or rounded half; int8 is q * the row's scale), so
+   a decode step reads 2 or ~3.8 times fewer bytes than float32 and never expands the cache.
+
+       KV_F32   float32[d]                     4 d bytes
+       KV_F16   IEEE half[d]                   2 d bytes (round to nearest even on write)
+       KV_BF16  bfloat16[d]                    2 d bytes (round to nearest even on write)
+       KV_I8    int8 q[d], float32 scale       d + 4 bytes: x = q * scale, with scale =
+                                               max|x| / 127 and q = rint(x * (127 / max|x|))
+
+   int8 takes one scale per (token, head) row rather than llama.cpp's q8_0 blocks of 32: the
+   scale then factors out of both products (score = scale_k (q . k), and V's is folded into the
+   token's probability), so the inner loops are the float32 loops with a widening load; at
+   head_dim 64 the row is 68 bytes where q8_0 takes 68 too. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };
+
+static inline int64_t kv_row_bytes(int kvt, int64_t d) {
+    return kvt == KV_F32 ? 4 * d : kvt == KV_I8 ? d + 4 : 2 * d;
+}
+
+/* The int8 row's scale (1 for the other types: their values are the values). */
+static inline float kv_row_scale(const char* row, int kvt, int64_t d) {
+    if (kvt != KV_I8) return 1.f;
+    float s;
+    memcpy(&s, row + d, sizeof(s));
+    return s;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+/* float -> bfloat16, round to nearest even (a NaN stays a quiet NaN), as PyTorch's. */
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* float -> IEEE half, round to nearest even (overflow to inf, subnormals kept), in plain C for
+   the portable level (the AVX levels use F16C's instruction). */
+static inline uint16_t float_to_half_c(float f) {
+    union { float f; uint32_t u; } v = { f };
+    const uint32_t sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);                /* nan */
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);               /* >= 65520: inf */
+    if (a < 0x38800000u) {                                                 /* subnormal or 0 */
+        if (a < 0x33000000u) return (uint16_t)sign;                        /* < 2^-25: 0 */
+        const uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;
+        const int shift = 126 - (int)(a >> 23);                            /* 14 .. 24 */
+        uint32_t h = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    const uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);                      /* nearest even */
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
+/* One row of x (d floats) into a cache row of type kvt: the plain-C part of every level (the
+   levels' headers replace the float16 one with F16C). */
+static inline void kv_store_row_c(char* dst, const float* x, int kvt, int64_t d) {
+    if (kvt == KV_F32) {
+        memcpy(dst, x, sizeof(float) * d);
+    } else if (kvt == KV_BF16) {
+        uint16_t* o = (uint16_t*)dst;
+        for (int64_t i = 0; i < d; i++) o[i] = float_to_bf16(x[i]);
+    } else if (kvt == KV_F16) {
+        uint16_t* o = (uint16_t*)dst;
+        for (int64_t i = 0; i < d; i++) o[i] = float_to_half_c(x[i]);
+    } else {
+        float amax = 0.f;
+        for (int64_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+        int8_t* q = (int8_t*)dst;
+        for (int64_t i = 0; i < d; i++) q[i] = (int8_t)rintf(x[i] * inv);
+        memcpy(dst + d, &scale, sizeof(scale));
+    }
+}
+
+/* Ask for `bytes` of a block ahead of use (as prefetch_block, counted in bytes). */
+static inline void prefetch_bytes(const char* block, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(block + i, 0, 1);
+}
+
 /* ---- GGUF blocks in the kernel's layout ---------------------------------------------------
 
    Weight layout (made once at load by quantized.py): the output rows go in tiles of TILE_N; a

@@ -1,7 +1,7 @@
 /* treadle's CPU kernels, called through ctypes (cpu_kernels.py):
 
    - paged_decode_attention_f32: decode (and prefill) attention reading the paged KV cache in
-     place;
+     place, its rows float32, float16, bfloat16 or int8 (`--kv-cache-dtype`, common.h);
    - gguf_linear_f32: y = x W^T with W kept in its GGUF blocks (Q4_0, Q4_1, Q8_0) and expanded
      to float32 on the fly, so that a decode step reads 0.75-1.25 bytes per weight instead of 4;
    - gguf_linear_i8: the same product with x quantized to int8 blocks and integer dot products
@@ -42,61 +42,77 @@ static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, in
 const char* treadle_kernel_isa(void) { return TREADLE_ISA; }
 int gguf_linear_i8_max_rows(void) { return I8_MAX_ROWS; }
 
+/* Attention of float32 queries over the paged KV cache, whose rows are of type kv_type
+   (common.h: float32, float16, bfloat16 or int8 with a scale per row). The hand-tiled path
+   (attend_d64) widens each row in registers; the generic loop widens one row at a time into
+   an L1 buffer of head_dim floats. */
 void paged_decode_attention_f32(
     const float* q, int64_t q_row_stride,          /* q[r, head, :] at q + r*stride + head*d */
-    const float* k_cache, const float* v_cache,    /* [num_kv, num_blocks, block_size, d] */
+    const void* k_cache, const void* v_cache,      /* [num_kv, num_blocks, block_size] rows */
     const int64_t* block_table, int64_t table_stride,
     const int32_t* lens,                           /* context tokens of each request */
     float* out, int64_t out_row_stride,            /* out[r, head*d + i] */
     int64_t num_reqs, int64_t num_heads, int64_t num_kv, int64_t head_dim,
-    int64_t num_blocks, int64_t block_size, float scale, int64_t max_len, int num_threads)
+    int64_t num_blocks, int64_t block_size, float scale, int64_t max_len, int num_threads,
+    int kv_type)
 {
     const int64_t group = num_heads / num_kv;
-    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const int64_t rb = kv_row_bytes(kv_type, head_dim);
+    const int64_t block_bytes_kv = block_size * rb;
+    const int64_t head_stride = num_blocks * block_bytes_kv;
     #pragma omp parallel num_threads(num_threads)
     {
         float* scores = (float*)malloc(sizeof(float) * group * max_len);
         float* acc = (float*)malloc(sizeof(float) * group * head_dim);
+        float* row = (float*)malloc(sizeof(float) * head_dim);
         #pragma omp for collapse(2) schedule(dynamic, 4)
         for (int64_t r = 0; r < num_reqs; r++) {
             for (int64_t h = 0; h < num_kv; h++) {
                 const int64_t len = lens[r];
                 const int64_t* table = block_table + r * table_stride;
                 const float* qh = q + r * q_row_stride + h * group * head_dim;
-                const float* kh = k_cache + h * head_stride;
-                const float* vh = v_cache + h * head_stride;
+                const char* kh = (const char*)k_cache + h * head_stride;
+                const char* vh = (const char*)v_cache + h * head_stride;
 #if HAVE_ATTEND_D64
                 if (head_dim == 64 && group <= D64_MAX_GROUP && block_size == D64_BLOCK) {
                     attend_d64(qh, group, kh, vh, table, len, scale, scores, max_len,
-                               out + r * out_row_stride + h * group * head_dim);
+                               out + r * out_row_stride + h * group * head_dim, kv_type);
                     continue;
                 }
 #endif
                 const int64_t num_used = (len + block_size - 1) / block_size;
-                const int64_t block_floats = block_size * head_dim;
-                prefetch_block(kh + table[0] * block_floats, block_floats);
+                prefetch_bytes(kh + table[0] * block_bytes_kv, block_bytes_kv);
                 for (int64_t b = 0, t = 0; t < len; b++) {
-                    const float* kb = kh + table[b] * block_floats;
-                    if (b + 1 < num_used) prefetch_block(kh + table[b + 1] * block_floats, block_floats);
-                    else prefetch_block(vh + table[0] * block_floats, block_floats);
+                    const char* kb = kh + table[b] * block_bytes_kv;
+                    const char* next = b + 1 < num_used ? kh + table[b + 1] * block_bytes_kv
+                                                        : vh + table[0] * block_bytes_kv;
+                    prefetch_bytes(next, block_bytes_kv);
                     const int64_t n = len - t < block_size ? len - t : block_size;
-                    for (int64_t o = 0; o < n; o++, t++)
+                    for (int64_t o = 0; o < n; o++, t++) {
+                        const char* kt = kb + o * rb;
+                        const float* ktf = kv_type == KV_F32 ? (const float*)kt : row;
+                        if (kv_type != KV_F32) kv_row_to_f32(kt, kv_type, head_dim, row);
+                        const float s = scale * kv_row_scale(kt, kv_type, head_dim);
                         for (int64_t j = 0; j < group; j++)
-                            scores[j * max_len + t] =
-                                dot(qh + j * head_dim, kb + o * head_dim, head_dim) * scale;
+                            scores[j * max_len + t] = dot(qh + j * head_dim, ktf, head_dim) * s;
+                    }
                 }
                 softmax_rows(scores, group, len, max_len);
                 memset(acc, 0, sizeof(float) * group * head_dim);
                 for (int64_t b = 0, t = 0; t < len; b++) {
-                    const float* vb = vh + table[b] * block_floats;
-                    if (b + 1 < num_used) prefetch_block(vh + table[b + 1] * block_floats, block_floats);
+                    const char* vb = vh + table[b] * block_bytes_kv;
+                    if (b + 1 < num_used)
+                        prefetch_bytes(vh + table[b + 1] * block_bytes_kv, block_bytes_kv);
                     const int64_t n = len - t < block_size ? len - t : block_size;
                     for (int64_t o = 0; o < n; o++, t++) {
-                        const float* vt = vb + o * head_dim;
+                        const char* vt = vb + o * rb;
+                        const float* vtf = kv_type == KV_F32 ? (const float*)vt : row;
+                        if (kv_type != KV_F32) kv_row_to_f32(vt, kv_type, head_dim, row);
+                        const float vs = kv_row_scale(vt, kv_type, head_dim);
                         for (int64_t j = 0; j < group; j++) {
-                            const float p = scores[j * max_len + t];
+                            const float p = scores[j * max_len + t] * vs;
                             float* a = acc + j * head_dim;
-                            for (int64_t i = 0; i < head_dim; i++) a[i] += p * vt[i];
+                            for (int64_t i = 0; i < head_dim; i++) a[i] += p * vtf[i];
                         }
                     }
                 }
@@ -107,6 +123,7 @@ void paged_decode_attention_f32(
         }
         free(scores);
         free(acc);
+        free(row);
     }
 }
 
@@ -313,16 +330,18 @@ void silu_and_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out,
     }
 }
 
-/* The new tokens' K and V into the paged cache: caches [num_kv, slots, d], row t of k and v
-   (num_kv heads of size d each, rows k_stride and v_stride apart) to slot slots[t]. */
+/* The new tokens' K and V into the paged cache: caches [num_kv, slots] rows of head size d
+   and type kv_type (common.h), row t of k and v (num_kv heads of size d each, rows k_stride
+   and v_stride apart) to slot slots[t], converted (rounded, or quantized) on the way. */
 void write_kv_f32(const float* k, const float* v, int64_t k_stride, int64_t v_stride,
-                  int64_t rows, int64_t num_kv, int64_t d, const int64_t* slots, float* k_cache,
-                  float* v_cache, int64_t num_slots) {
+                  int64_t rows, int64_t num_kv, int64_t d, const int64_t* slots, void* k_cache,
+                  void* v_cache, int64_t num_slots, int kv_type) {
+    const int64_t rb = kv_row_bytes(kv_type, d);
     for (int64_t t = 0; t < rows; t++)
         for (int64_t h = 0; h < num_kv; h++) {
-            const int64_t dst = (h * num_slots + slots[t]) * d;
-            memcpy(k_cache + dst, k + t * k_stride + h * d, sizeof(float) * d);
-            memcpy(v_cache + dst, v + t * v_stride + h * d, sizeof(float) * d);
+            const int64_t dst = (h * num_slots + slots[t]) * rb;
+            kv_store_row((char*)k_cache + dst, k + t * k_stride + h * d, kv_type, d);
+            kv_store_row((char*)v_cache + dst, v + t * v_stride + h * d, kv_type, d);
         }
 }
 
@@ -386,8 +405,8 @@ typedef struct {
     const void* gate_up;
     const void* down;
     const float* qkv_bias;  /* or NULL */
-    float* k_cache;         /* [num_kv, num_blocks, block_size, head_dim] */
-    float* v_cache;
+    void* k_cache;          /* [num_kv, num_blocks, block_size] rows of kv_type (common.h) */
+    void* v_cache;
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
 } decode_layer;
 
@@ -397,6 +416,7 @@ typedef struct {
     float eps, scale;
     const float* final_norm;
     int32_t int8_activations;  /* the linear layers on gguf_linear_i8, not _f32 */
+    int32_t kv_type;           /* the KV cache's rows (common.h's KV_*) */
 } decode_model;
 
 void decode_layers_f32(
@@ -432,10 +452,11 @@ void decode_layers_f32(
         rope_f32(qkv, qkv_size, M, m->heads, d, cos, sin, num_threads);
         rope_f32(qkv + q_size, qkv_size, M, m->kv_heads, d, cos, sin, num_threads);
         write_kv_f32(qkv + q_size, qkv + q_size + kv_size, qkv_size, qkv_size, M, m->kv_heads, d,
-                     slots, L->k_cache, L->v_cache, m->num_blocks * m->block_size);
+                     slots, L->k_cache, L->v_cache, m->num_blocks * m->block_size, m->kv_type);
         paged_decode_attention_f32(qkv, qkv_size, L->k_cache, L->v_cache, block_table,
                                    table_stride, lens, attn, q_size, M, m->heads, m->kv_heads, d,
-                                   m->num_blocks, m->block_size, m->scale, max_len, num_threads);
+                                   m->num_blocks, m->block_size, m->scale, max_len, num_threads,
+                                   m->kv_type);
         linear(attn, q_size, M, q_size, L->o, L->o_kind, H, x, H, num_threads);
         add_rms_norm_f32(residual, x, M, H, L->post_norm, m->eps, h, num_threads);
         linear(h, H, M, H, L->gate_up, L->gate_up_kind, 2 * I, gate_up, 2 * I,

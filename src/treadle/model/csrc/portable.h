@@ -1,10 +1,24 @@
 /* treadle's CPU kernels for any CPU (no ISA flags: SSE2 on x86-64, NEON on arm64 as the
    compiler sees fit): plain C loops written for the auto-vectorizer. Included by cpu_kernels.c;
-   it provides tile_rows, expand_tile and tile_gemm (attention takes the generic loop). */
+   it provides the KV rows' loads and stores, tile_rows, expand_tile and tile_gemm (attention
+   takes the generic loop). */
 
 #define TREADLE_ISA "portable"
 #define half_to_float(h) half_to_float_c(h)
 #define HAVE_ATTEND_D64 0
+
+/* A cache row as float32 (common.h's types), for the generic attention loop. */
+static inline void kv_row_to_f32(const char* row, int kvt, int64_t d, float* out) {
+    if (kvt == KV_F32) memcpy(out, row, sizeof(float) * d);
+    else if (kvt == KV_F16)
+        for (int64_t i = 0; i < d; i++) out[i] = half_to_float_c(((const uint16_t*)row)[i]);
+    else if (kvt == KV_BF16)
+        for (int64_t i = 0; i < d; i++) out[i] = bf16_to_float(((const uint16_t*)row)[i]);
+    else
+        for (int64_t i = 0; i < d; i++) out[i] = (float)((const int8_t*)row)[i];
+}
+
+#define kv_store_row kv_store_row_c
 
 /* A block's 32 weights as float32, w = d q + m. */
 static inline void block_weights(const char* blocks, int kind, int j, float w[32]) {
