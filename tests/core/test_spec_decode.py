@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
 
 from treadle import LLM, SamplingParams
 from treadle.config import SpeculativeConfig
 from treadle.core.spec_decode import can_speculate, propose
+from treadle.sampling_params import StructuredOutputsParams
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -25,16 +28,22 @@ def test_the_longest_suffix_is_looked_up_at_its_latest_earlier_occurrence() -> N
     assert propose(tokens, 0, NGRAM) == []
 
 
-def test_only_plain_greedy_requests_speculate() -> None:
-    assert can_speculate(SamplingParams(temperature=0.0))
-    for changes in (
+def test_who_speculates() -> None:
+    """Sampled requests, penalties, biases, min_tokens and logprobs speculate (`Sampler.verify`
+    processes each position as plain sampling would); a grammar, pooling and infill do not."""
+    for params in (
+        {"temperature": 0.0},
         {"temperature": 0.7},
         {"logprobs": 1},
         {"repetition_penalty": 1.1},
         {"min_tokens": 2},
         {"logit_bias": {5: 1.0}},
     ):
-        assert not can_speculate(SamplingParams(**{"temperature": 0.0, **changes})), changes
+        assert can_speculate(SamplingParams(**params)), params  # type: ignore[arg-type]
+    assert not can_speculate(SamplingParams(pooling="last"))
+    assert not can_speculate(SamplingParams(infill=True))
+    grammar = StructuredOutputsParams(regex="[ab]+")
+    assert not can_speculate(SamplingParams(structured_outputs=grammar))
 
 
 def test_bad_speculative_configs_say_what_to_change() -> None:
@@ -54,6 +63,21 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
     "Write a short story about a robot.",
 ]
+
+
+def fused_rows(llm: LLM) -> list[int]:
+    """From now on, the number of rows of each step that takes the fused decode path."""
+    fused = llm.engine_core.executor.worker.runner.model.fused  # type: ignore[union-attr]
+    assert fused is not None
+    rows: list[int] = []
+    forward = fused.forward
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return forward(x, *args)
+
+    fused.forward = counted  # type: ignore[method-assign]
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +101,9 @@ def outputs() -> Iterator[dict[str, object]]:
                     use_tqdm=False,
                 )
                 results[name] = [list(o.outputs[0].token_ids) for o in batch]
+                rows = fused_rows(llm)
                 alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
+                results[name + "-fused-rows"] = max(rows)
                 results[name + "-alone"] = [list(o.outputs[0].token_ids) for o in alone]
                 s = llm.engine_core.scheduler
                 results[name + "-counts"] = (
@@ -96,5 +122,8 @@ def test_greedy_outputs_are_identical_with_speculation(outputs: dict[str, object
     assert outputs["ngram-alone"] == outputs["plain-alone"]
     assert outputs["ngram"] == outputs["plain"]  # batched, a max_tokens cut, a sampled one
     assert len(outputs["ngram"][3]) == 11  # type: ignore[index]
+    assert outputs["plain-fused-rows"] == 1
+    # alone, more rows in a fused step can only be a verification's 1 + k positions
+    assert outputs["ngram-fused-rows"] > 1
     drafts, proposed, accepted = outputs["ngram-counts"]  # type: ignore[misc]
     assert drafts > 0 and accepted > 0 and accepted <= proposed

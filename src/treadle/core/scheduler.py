@@ -185,7 +185,9 @@ class Scheduler:
             proposal = sched.spec_tokens.get(rid)
             if proposal is not None and token is not None:
                 outputs.setdefault(req.client_index, []).append(
-                    self._speculated(req, proposal, result.accepted.get(rid, []), token)
+                    self._speculated(
+                        req, proposal, result.accepted.get(rid, []), token, result.logprobs.get(rid)
+                    )
                 )
                 continue
             if token is None:  # a prefill chunk that did not reach the end of the prompt
@@ -235,11 +237,17 @@ class Scheduler:
         return propose(req.all_token_ids, room, config)
 
     def _speculated(
-        self, req: Request, proposal: list[int], accepted: list[int], token: int
+        self,
+        req: Request,
+        proposal: list[int],
+        accepted: list[int],
+        token: int,
+        logprobs: Logprobs | None,
     ) -> EngineCoreOutput:
         """A speculating request's step: the accepted proposals and the model's own next
         token, appended one by one under the usual stop rules; the rejected positions are
-        given back (they are computed again, with the right tokens, later)."""
+        given back (they are computed again, with the right tokens, later). `logprobs`: one
+        row per token, cut with them."""
         self.spec_drafts += 1
         self.spec_draft_tokens += len(proposal)
         self.spec_accepted_tokens += len(accepted)
@@ -262,9 +270,13 @@ class Scheduler:
         self.kv.cache_full_blocks(req)
         if reason is not None:
             self._finish(req, reason)
+        if logprobs is not None and len(logprobs.ranks) > len(new):
+            n = len(new)
+            logprobs = Logprobs(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
         return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new,
+            new_logprobs=logprobs,
             finish_reason=reason,
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_cached_tokens,

@@ -4,17 +4,21 @@ forward pass verifies.
 Prompt lookup: the last n tokens of a request (n from `prompt_lookup_max` down to
 `prompt_lookup_min`) are looked up in its earlier tokens (prompt and output), latest
 occurrence first; the up to k tokens that followed it are the proposal. The scheduler gives
-the request 1 + k positions in one step; the model runner verifies them greedily (the model's
-own choice at each position, in order, until the first that differs: that choice is the bonus
-token), so the output is exactly that of plain greedy decoding; the positions past the first
-mismatch are given back (`Scheduler.update_from_output`).
+the request 1 + k positions in one step, which the model runner reads as 1 + k decode rows
+(the fused decode path takes them) and verifies (`Sampler.verify`): greedily (the model's own
+choice at each position, in order, until the first that differs: that choice is the bonus
+token), so the output is exactly that of plain greedy decoding; at temperature > 0 by vLLM's
+rejection sampling, so the output has exactly the distribution of plain sampling. Position j
+is processed as plain sampling would after the first j proposals (penalties, `min_tokens`,
+bad words see them); logprobs are the target model's. The positions past the first rejection
+are given back (`Scheduler.update_from_output`).
 
 Proposals stop paying when they are mostly rejected (a verifying step costs more than a plain
 decoding one): a request whose recent acceptance rate (`ACCEPTANCE_DECAY`-weighted) falls
 under `BACK_OFF_BELOW` proposes nothing for `PAUSE_STEPS` steps, then tries again.
 
-Only greedy requests without anything that changes the logits first (penalties, biases,
-banned or allowed tokens, `min_tokens`, a grammar) or that asks for logprobs speculate.
+Requests under a grammar (structured outputs: their bitmask would be needed at every
+proposed position), pooling and infill requests do not speculate.
 """
 
 from __future__ import annotations
@@ -28,20 +32,7 @@ PAUSE_STEPS = 128
 
 
 def can_speculate(p: SamplingParams) -> bool:
-    return (
-        p.temperature == 0.0
-        and p.logprobs is None
-        and p.structured_outputs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and not p.logit_bias
-        and p.allowed_token_ids is None
-        and not p.bad_words_token_ids
-        and p.min_tokens == 0
-        and p.pooling is None
-        and not p.infill
-    )
+    return p.structured_outputs is None and p.pooling is None and not p.infill
 
 
 def propose(tokens: list[int], most: int, config: SpeculativeConfig) -> list[int]:
