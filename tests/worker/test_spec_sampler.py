@@ -82,20 +82,50 @@ def test_rejection_sampling_keeps_each_position_s_distribution() -> None:
     assert abs(counts[2].sum() - N * 0.12) < 4 * (N * 0.12 * 0.88) ** 0.5
 
 
-@pytest.mark.parametrize(
-    "wrong",
-    [
-        lambda target, p: target < 1.2 * p,  # accepts a fifth too often
-        lambda target, p: target < p * p**0.1,  # accepts a little too rarely
-    ],
-)
+def too_often(probs: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor, x: int | None) -> int:
+    """A wrong rule: the proposal accepted when the draw falls under 1.2 p(x)."""
+    if x is not None and float(target) < 1.2 * float(probs[x]) * float(cdf[-1]):
+        return x
+    return sampler_module._inverse_transform(probs, cdf, target)
+
+
+def no_residual(probs: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor, x: int | None) -> int:
+    """A wrong rule: accepted with p(x), but on rejection drawn again from all of p, x too
+    (the residual not renormalised without x)."""
+    if x is not None and float(target) < float(probs[x]) * float(cdf[-1]):
+        return x
+    again = torch.rand(1) * cdf[-1:]
+    return sampler_module._inverse_transform(probs, cdf, again)
+
+
+@pytest.mark.parametrize("wrong", [too_often, no_residual])
 def test_a_wrong_acceptance_rule_is_caught(wrong: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chi-square above has power: a rule off by 20% (or p^1.1 instead of p, 11% too
-    rarely at p = 0.3) gives p-values far under the 1e-3 the right rule passes."""
-    monkeypatch.setattr(sampler_module, "_accepts", wrong)
+    """The chi-square above has power: x accepted 20% too often, or the rejected x drawn
+    again, gives p-values far under the 1e-3 the right rule passes."""
+    monkeypatch.setattr(sampler_module, "_draw", wrong)
+    torch.manual_seed(0)
     rows = [make_row(generator=torch.Generator().manual_seed(0))]
     counts = position_counts(verify_many(Sampler(0, CPU), rows * 3))
     assert chi_square_p(counts[0], P[0]) < 1e-6
+
+
+def test_a_seeded_request_draws_plain_sampling_s_tokens() -> None:
+    """The same seed, the same tokens as plain sampling, one per step, whatever is proposed:
+    the draws are plain sampling's, the proposal only decides how many positions one step
+    settles."""
+    logits = P.log()
+    plain_generator = torch.Generator().manual_seed(5)
+    plain_rows = [make_row(generator=plain_generator)]
+    spec_generator = torch.Generator().manual_seed(5)
+    spec_rows = [make_row(generator=spec_generator)] * 3
+    plain: list[int] = []
+    spec: list[int] = []
+    while len(spec) < 200:
+        accepted, token, _ = Sampler(1, CPU).verify(logits, spec_rows, [PROPOSAL])[0]
+        for j, t in enumerate([*accepted, token]):
+            spec.append(t)
+            plain.append(Sampler(2, CPU)(logits[j : j + 1].clone(), plain_rows)[0][0])
+    assert spec == plain
 
 
 def test_greedy_accepts_while_the_argmax_agrees() -> None:

@@ -214,17 +214,17 @@ class Sampler:
         all of them or None).
 
         Greedy: proposals are accepted while they are the processed logits' argmax; the
-        argmax after them is the token. Temperature > 0: vLLM's rejection sampling with a
-        one-hot draft (an n-gram proposes one token for sure): proposal x at position j is
-        accepted with probability p_j(x), p_j the distribution plain sampling would draw
-        from there; on rejection the token is drawn from p_j without x, renormalised; after
-        k acceptances the bonus token is drawn from p_k. Each position's outcome follows
-        p_j exactly, so the output has the distribution of plain sampling.
-
-        One uniform per output token from the request's generator (as plain sampling): u <
-        p_j(x) accepts; otherwise (u - p_j(x)) / (1 - p_j(x)), uniform again, draws from the
-        rest by inverse transform. A seeded request thus repeats run to run, and a preempted
-        or resumed one continues its stream (`ModelRunner._generator`)."""
+        argmax after them is the token. Temperature > 0: at each position the token is drawn
+        from p_j, the distribution plain sampling would draw from there, with one uniform
+        from the request's generator as plain sampling does; the proposal is accepted when
+        the draw is the proposal. With a one-hot draft (an n-gram proposes one token for sure)
+        this is vLLM's rejection sampling exactly: x is accepted with probability p_j(x), and
+        on rejection the token follows p_j without x, renormalised; after k acceptances the
+        bonus token follows p_k. As the draws are plain sampling's own, a seeded request
+        gives the tokens it gives without speculation (up to the float rounding of its logits
+        in a step of more rows), repeats run to run whatever was proposed, and a preempted
+        or resumed one continues its stream (`ModelRunner._generator`: one uniform per
+        output token)."""
         logits = logits.float()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(r.logprobs is not None for r in rows) else None
@@ -255,18 +255,11 @@ class Sampler:
                 for j in range(k + 1):
                     p = probs[where[first + j]]
                     cdf = p.cumsum(dim=-1)
-                    target = float(torch.rand(1, generator=generator)) * float(cdf[-1])
-                    if j < k:
-                        px = float(p[proposal[j]])
-                        if _accepts(target, px):
-                            chosen.append(proposal[j])
-                            continue
-                        p = p.clone()
-                        p[proposal[j]] = 0.0
-                        cdf = p.cumsum(dim=-1)
-                        target -= px
-                    chosen.append(_inverse_transform(p, cdf, target))
-                    break
+                    u = torch.rand(1, generator=generator).to(cdf.device)
+                    token = _draw(p, cdf, u * cdf[-1:], proposal[j] if j < k else None)
+                    chosen.append(token)
+                    if j == k or token != proposal[j]:
+                        break
             lp = None
             if raw_logprobs is not None and row.logprobs is not None:
                 per = [
@@ -283,11 +276,13 @@ class Sampler:
         return verdicts
 
 
-def _accepts(target: float, probability: float) -> bool:
-    """Rejection sampling's rule for a one-hot draft: the proposal stays when the draw (uniform
-    on [0, total mass)) falls under its probability. (A function so that a test can put a
-    wrong rule in its place and show that its statistics catch it.)"""
-    return target < probability
+def _draw(
+    probs: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor, proposal: int | None
+) -> int:
+    """The token at one verified position: plain sampling's inverse transform of the draw
+    (the proposal is accepted when this is it). A function so that a test can put a wrong
+    acceptance rule in its place and show that its statistics catch it."""
+    return _inverse_transform(probs, cdf, target)
 
 
 def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -307,11 +302,10 @@ def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return probs
 
 
-def _inverse_transform(probs: torch.Tensor, cdf: torch.Tensor, target: float) -> int:
-    """The first token of one row whose cumulative probability exceeds `target` (the most
-    likely where float rounding took it past the last step)."""
-    t = torch.tensor([target], dtype=cdf.dtype, device=cdf.device)
-    token = int(torch.searchsorted(cdf, t, right=True).clamp_(max=probs.shape[0] - 1))
+def _inverse_transform(probs: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor) -> int:
+    """`Sampler._sample`'s draw on one row: the first token whose cumulative probability
+    exceeds `target` ([1]), the most likely where float rounding took it past the last step."""
+    token = int(torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[0] - 1))
     return token if float(probs[token]) > 0 else int(probs.argmax())
 
 
