@@ -13,7 +13,7 @@ import torch
 
 from treadle import LLM, SamplingParams
 from treadle.config import SpeculativeConfig
-from treadle.core.spec_decode import can_speculate, propose
+from treadle.core.spec_decode import StepTimes, acceptance, can_speculate, plan, propose, tally
 from treadle.sampling_params import StructuredOutputsParams
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -44,6 +44,44 @@ def test_who_speculates() -> None:
     assert not can_speculate(SamplingParams(infill=True))
     grammar = StructuredOutputsParams(regex="[ab]+")
     assert not can_speculate(SamplingParams(structured_outputs=grammar))
+
+
+def times(**seconds: float) -> StepTimes:
+    t = StepTimes()
+    for rows, value in seconds.items():
+        t.record(int(rows[1:]), value)
+    return t
+
+
+def test_step_times_interpolate_and_extrapolate_optimistically() -> None:
+    t = times(r1=1.0, r9=5.0)
+    assert t.estimate(5) == 3.0 and t.estimate(12) == 5.0 and StepTimes().estimate(3) is None
+    t.record(9, 1.0)  # a moving average
+    assert 1.0 < (t.estimate(9) or 0) < 5.0
+
+
+def test_the_plan_adds_proposals_while_tokens_per_second_grow() -> None:
+    # nothing timed yet: every proposal
+    assert plan({"a": (4, 0.5)}, 1, StepTimes()) == ({"a": 4}, True)
+    # rows nearly free: all worth >= MIN_WORTH (0.9^j down to 0.9^8 = 0.43)
+    assert plan({"a": (8, 0.9)}, 1, times(r1=1.0, r9=1.01))[0] == {"a": 8}
+    # every row costs a whole step: nothing pays, and not even a sure token would
+    assert plan({"a": (8, 0.9)}, 1, times(r1=1.0, r2=2.5, r9=9.0)) == ({}, False)
+    # the second row costs 14%, later ones 100%: one proposal at 0.8, none at 0.1
+    steps = times(r1=1.0, r2=1.14, r3=2.14, r9=8.14)
+    assert plan({"a": (8, 0.8)}, 1, steps)[0] == {"a": 1}
+    assert plan({"a": (8, 0.1)}, 1, steps) == ({}, True)  # a sure token would pay: probes
+    # 16 rows: the better request first
+    flat = times(r16=1.0, r18=1.05, r19=1.2)
+    assert plan({"a": (2, 0.2), "b": (2, 0.9)}, 16, flat)[0] == {"b": 2}
+
+
+def test_acceptance_counts_hits_and_the_first_miss() -> None:
+    assert acceptance(0.0, 0.0) == 0.5  # before any proposal: cautious
+    hits, trials = tally(0.0, 0.0, proposed=4, accepted=2)  # 2 hits, 1 miss, 1 never tried
+    assert (hits, trials) == (2.0, 3.0)
+    hits, trials = tally(hits, trials, proposed=4, accepted=4)
+    assert (hits, trials) == (0.8 * 2 + 4, 0.8 * 3 + 4)
 
 
 def test_bad_speculative_configs_say_what_to_change() -> None:

@@ -14,10 +14,19 @@ import torch
 from tests.conftest import build_tiny_model
 
 from treadle import LLM, SamplingParams
+from treadle.core.spec_decode import StepTimes
 from treadle.worker import sampler as sampler_module
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
 N = 600  # requests per sample
+
+
+class FlatTimes(StepTimes):
+    def record(self, rows: int, seconds: float) -> None:
+        pass
+
+    def estimate(self, rows: int) -> float | None:
+        return 1.0
 
 
 def two_sample_p(a: Counter[tuple[int, ...]], b: Counter[tuple[int, ...]]) -> float:
@@ -47,6 +56,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
     try:
         plain = LLM(str(path), dtype="float32", max_model_len=256)
         spec = LLM(str(path), dtype="float32", max_model_len=256, speculative_config=NGRAM)
+        # every step costs the same, whatever its rows: the plan verifies every proposal
+        spec.engine_core.scheduler.step_times = FlatTimes()
         start = list(range(100, 110))
         greedy = SamplingParams(temperature=0.0, max_tokens=10)
         out = plain.generate([{"prompt_token_ids": start}], greedy, use_tqdm=False)
