@@ -8,6 +8,11 @@ the same workload on all of them in turn, so that load from other processes fall
 alike; the ratios to plain are per round, and the medians are reported. Workloads: single
 stream (the prompts one after another) and concurrency C (C requests at once, the prompts
 repeated). Outputs are checked identical to plain. Also the acceptance rate.
+
+Beside it, where `.peers/llama-server-native` exists (`make bench-peers`), llama.cpp's
+llama-server on the same prompts and model, single stream, without speculation and with its
+n-gram speculation (`--spec-type ngram-simple`, lookup of `--spec-ngram-simple-size-n` 3
+tokens, drafts of up to k tokens), in the same rounds.
 """
 
 from __future__ import annotations
@@ -16,13 +21,20 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
 os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
 
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_bench import ROOT, LlamaServer, free_port  # noqa: E402
 from treadle import LLM, SamplingParams  # noqa: E402
+from treadle.config import resolve_model  # noqa: E402
 
 PROMPTS: dict[str, list[str]] = json.loads(
     (Path(__file__).parent / "data" / "spec_prompts.json").read_text()
@@ -52,6 +64,39 @@ def timed(llm: LLM, prompts: list[str], tokens: int, concurrency: int) -> tuple[
     return sum(map(len, tokens_out)) / seconds, tokens_out
 
 
+class SpecLlamaServer(LlamaServer):
+    """llama-server, one slot, with `extra` arguments (its speculation)."""
+
+    def __init__(self, binary: Path, gguf: str, log_path: Path, extra: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        cmd = [str(binary), "-m", gguf, "-t", "2", "-np", "1", "-c", "4096", *extra]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+
+def llama_timed(url: str, prompts: list[str], tokens: int) -> float:
+    """Output tok/s of llama-server's /completion, greedy, one prompt after another."""
+    start = time.perf_counter()
+    total = 0
+    for prompt in prompts:
+        body = {
+            "prompt": prompt,
+            "n_predict": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_prompt": True,
+        }
+        req = urllib.request.Request(
+            url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            total += json.load(resp)["tokens_predicted"]
+    return total / (time.perf_counter() - start)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=128)
@@ -59,7 +104,22 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
+    ap.add_argument("--llama-server", type=Path, default=ROOT / ".peers/llama-server-native")
     args = ap.parse_args()
+    peers: dict[str, LlamaServer] = {}
+    if args.llama_server.exists():
+        gguf, logs = resolve_model(None).path, Path(tempfile.mkdtemp())
+        k = max(args.k)
+        ngram_args = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
+        ngram_args += ["--spec-ngram-simple-size-m", str(k), "--spec-draft-n-max", str(k)]
+        peers["llama.cpp"] = SpecLlamaServer(args.llama_server, gguf, logs / "plain.log", [])
+        peers[f"llama.cpp ngram k={k}"] = SpecLlamaServer(
+            args.llama_server, gguf, logs / "ngram.log", ngram_args
+        )
+        for server in peers.values():
+            server.wait_healthy()
+    else:
+        print(f"(no {args.llama_server}: `make bench-peers` builds llama.cpp's server)")
     engines: dict[str, LLM] = {"plain": LLM(max_model_len=2048)}
     for k in args.k:
         engines[f"ngram k={k}"] = LLM(max_model_len=2048, speculative_config=ngram(k))
@@ -70,6 +130,8 @@ def main() -> None:
             prompts = PROMPTS[kind]
             for c in args.concurrency:
                 speeds: dict[str, list[float]] = {name: [] for name in engines}
+                with_peers = peers if c == 1 else {}
+                speeds.update({name: [] for name in with_peers})
                 identical = True
                 for _ in range(args.rounds):
                     reference = None
@@ -78,6 +140,8 @@ def main() -> None:
                         speeds[name].append(speed)
                         reference = out if reference is None else reference
                         identical &= out == reference
+                    for name, server in with_peers.items():
+                        speeds[name].append(llama_timed(server.url, prompts, args.tokens))
                 plain = speeds["plain"]
                 line = [f"{kind}, concurrency {c}: plain {statistics.median(plain):.1f} tok/s"]
                 for name, llm in engines.items():
@@ -90,11 +154,26 @@ def main() -> None:
                         f"{name} {statistics.median(speeds[name]):.1f} "
                         f"({statistics.median(ratios):.2f}x, acc {rate:.0%} so far)"
                     )
+                for name in with_peers:
+                    ratios = [p / s for s, p in zip(speeds[name], plain, strict=True)]
+                    line.append(
+                        f"{name} {statistics.median(speeds[name]):.1f} "
+                        f"(treadle plain / it: {statistics.median(ratios):.2f}x)"
+                    )
+                if with_peers:
+                    best = {n: statistics.median(v) for n, v in speeds.items() if n in engines}
+                    name = max(best, key=best.__getitem__)
+                    peer = statistics.median(speeds[next(reversed(with_peers))])
+                    line.append(
+                        f"treadle best ({name}) / llama.cpp ngram: {best[name] / peer:.2f}x"
+                    )
                 line.append(f"identical: {identical}")
                 print("; ".join(line), flush=True)
     finally:
         for llm in engines.values():
             llm.shutdown()
+        for server in peers.values():
+            server.stop()
 
 
 if __name__ == "__main__":
