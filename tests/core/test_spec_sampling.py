@@ -118,3 +118,43 @@ def test_a_seeded_sampled_request_repeats_with_speculation(engines: dict[str, ob
     prompt = {"prompt_token_ids": engines["prompt"]}
     runs = [spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for _ in "ab"]
     assert runs[0] == runs[1]
+
+
+def test_penalties_min_tokens_logprobs_and_preemption_speculate_with_plain_outputs(
+    engines: dict[str, object],
+) -> None:
+    """Requests with penalties, min_tokens, logprobs, seeded sampling, in a KV cache too small
+    for them all (preemptions, recomputed with their generators replayed), give the tokens
+    they give without speculation, with the same logprobs; they did speculate."""
+    plain: LLM = engines["plain"]  # type: ignore[assignment]
+    prompt = {"prompt_token_ids": engines["prompt"]}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=0.5, min_tokens=30),
+        SamplingParams(temperature=0.0, max_tokens=40, logprobs=2),
+        SamplingParams(temperature=1.0, top_k=3, max_tokens=40, seed=4, frequency_penalty=0.3),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=5, logprobs=1),
+    ] * 2
+    expected = plain.generate([prompt] * len(params), params, use_tqdm=False)
+    per_block = plain.engine_core.executor.worker.runner.kv_bytes_per_block()  # type: ignore[union-attr]
+    small = LLM(
+        plain.config.model.model,
+        dtype="float32",
+        kv_cache_memory=12 * per_block,
+        max_model_len=128,
+        speculative_config=NGRAM,
+    )
+    try:
+        small.engine_core.scheduler.step_times = FlatTimes()
+        outs = small.generate([prompt] * len(params), params, use_tqdm=False)
+        s = small.engine_core.scheduler
+        assert s.num_preemptions > 0 and s.spec_accepted_tokens > 0
+    finally:
+        small.shutdown()
+    for want, got in zip(expected, outs, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        if want.outputs[0].logprobs is not None:
+            for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs or [], strict=True):
+                assert a.keys() == b.keys()
+                for t in a:
+                    assert abs(a[t].logprob - b[t].logprob) < 1e-4
