@@ -106,20 +106,25 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
     ap.add_argument("--llama-server", type=Path, default=ROOT / ".peers/llama-server-native")
     args = ap.parse_args()
-    peers: dict[str, LlamaServer] = {}
+    peers: dict[str, list[str]] = {}  # name -> llama-server's extra arguments
     if args.llama_server.exists():
-        gguf, logs = resolve_model(None).path, Path(tempfile.mkdtemp())
         k = max(args.k)
         ngram_args = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
         ngram_args += ["--spec-ngram-simple-size-m", str(k), "--spec-draft-n-max", str(k)]
-        peers["llama.cpp"] = SpecLlamaServer(args.llama_server, gguf, logs / "plain.log", [])
-        peers[f"llama.cpp ngram k={k}"] = SpecLlamaServer(
-            args.llama_server, gguf, logs / "ngram.log", ngram_args
-        )
-        for server in peers.values():
-            server.wait_healthy()
+        peers = {"llama.cpp": [], f"llama.cpp ngram k={k}": ngram_args}
     else:
         print(f"(no {args.llama_server}: `make bench-peers` builds llama.cpp's server)")
+    logs = Path(tempfile.mkdtemp())
+
+    def llama_run(extra: list[str], prompts: list[str]) -> float:
+        """A llama-server started for this run only (an idle one still takes CPU time)."""
+        server = SpecLlamaServer(args.llama_server, resolve_model(None).path, logs / "l.log", extra)
+        try:
+            server.wait_healthy()
+            return llama_timed(server.url, prompts, args.tokens)
+        finally:
+            server.stop()
+
     engines: dict[str, LLM] = {"plain": LLM(max_model_len=2048)}
     for k in args.k:
         engines[f"ngram k={k}"] = LLM(max_model_len=2048, speculative_config=ngram(k))
@@ -140,8 +145,8 @@ def main() -> None:
                         speeds[name].append(speed)
                         reference = out if reference is None else reference
                         identical &= out == reference
-                    for name, server in with_peers.items():
-                        speeds[name].append(llama_timed(server.url, prompts, args.tokens))
+                    for name, extra in with_peers.items():
+                        speeds[name].append(llama_run(extra, prompts))
                 plain = speeds["plain"]
                 line = [f"{kind}, concurrency {c}: plain {statistics.median(plain):.1f} tok/s"]
                 for name, llm in engines.items():
@@ -172,8 +177,6 @@ def main() -> None:
     finally:
         for llm in engines.values():
             llm.shutdown()
-        for server in peers.values():
-            server.stop()
 
 
 if __name__ == "__main__":
