@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
+    ap.add_argument(
+        "--cpu-activation-dtype", default="float32", help="treadle's, for every engine (int8)"
+    )
     ap.add_argument("--llama-server", type=Path, default=ROOT / ".peers/llama-server-native")
     args = ap.parse_args()
     peers: dict[str, list[str]] = {}  # name -> llama-server's extra arguments
@@ -125,9 +128,10 @@ def main() -> None:
         finally:
             server.stop()
 
-    engines: dict[str, LLM] = {"plain": LLM(max_model_len=2048)}
+    common = {"max_model_len": 2048, "cpu_activation_dtype": args.cpu_activation_dtype}
+    engines: dict[str, LLM] = {"plain": LLM(**common)}  # type: ignore[arg-type]
     for k in args.k:
-        engines[f"ngram k={k}"] = LLM(max_model_len=2048, speculative_config=ngram(k))
+        engines[f"ngram k={k}"] = LLM(**common, speculative_config=ngram(k))  # type: ignore[arg-type]
     try:
         for llm in engines.values():  # warm up
             llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
