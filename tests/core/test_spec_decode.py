@@ -104,10 +104,12 @@ PROMPTS = [
 
 
 def fused_rows(llm: LLM) -> list[int]:
-    """From now on, the number of rows of each step that takes the fused decode path."""
+    """From now on, the number of rows of each step that takes the fused decode path (none at
+    the portable level, which has no fused path)."""
     fused = llm.engine_core.executor.worker.runner.model.fused  # type: ignore[union-attr]
-    assert fused is not None
     rows: list[int] = []
+    if fused is None:
+        return rows
     forward = fused.forward
 
     def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -141,7 +143,7 @@ def outputs() -> Iterator[dict[str, object]]:
                 results[name] = [list(o.outputs[0].token_ids) for o in batch]
                 rows = fused_rows(llm)
                 alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
-                results[name + "-fused-rows"] = max(rows)
+                results[name + "-fused-rows"] = max(rows, default=0)
                 results[name + "-alone"] = [list(o.outputs[0].token_ids) for o in alone]
                 s = llm.engine_core.scheduler
                 results[name + "-counts"] = (
@@ -162,8 +164,9 @@ def test_greedy_outputs_are_identical_with_speculation(outputs: dict[str, object
     # are plain sampling's, `Sampler.verify`)
     assert outputs["ngram"] == outputs["plain"]
     assert len(outputs["ngram"][3]) == 11  # type: ignore[index]
-    assert outputs["plain-fused-rows"] == 1
-    # alone, more rows in a fused step can only be a verification's 1 + k positions
-    assert outputs["ngram-fused-rows"] > 1
+    if outputs["plain-fused-rows"]:  # the fused path applies (not at the portable level)
+        assert outputs["plain-fused-rows"] == 1
+        # alone, more rows in a fused step can only be a verification's 1 + k positions
+        assert outputs["ngram-fused-rows"] > 1
     drafts, proposed, accepted = outputs["ngram-counts"]  # type: ignore[misc]
     assert drafts > 0 and accepted > 0 and accepted <= proposed
