@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
 
 from treadle import LLM, SamplingParams
 from treadle.config import SpeculativeConfig
-from treadle.core.spec_decode import can_speculate, propose
+from treadle.core.spec_decode import StepTimes, acceptance, can_speculate, plan, propose, tally
+from treadle.sampling_params import StructuredOutputsParams
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -25,16 +28,60 @@ def test_the_longest_suffix_is_looked_up_at_its_latest_earlier_occurrence() -> N
     assert propose(tokens, 0, NGRAM) == []
 
 
-def test_only_plain_greedy_requests_speculate() -> None:
-    assert can_speculate(SamplingParams(temperature=0.0))
-    for changes in (
+def test_who_speculates() -> None:
+    """Sampled requests, penalties, biases, min_tokens and logprobs speculate (`Sampler.verify`
+    processes each position as plain sampling would); a grammar, pooling and infill do not."""
+    for params in (
+        {"temperature": 0.0},
         {"temperature": 0.7},
         {"logprobs": 1},
         {"repetition_penalty": 1.1},
         {"min_tokens": 2},
         {"logit_bias": {5: 1.0}},
     ):
-        assert not can_speculate(SamplingParams(**{"temperature": 0.0, **changes})), changes
+        assert can_speculate(SamplingParams(**params)), params  # type: ignore[arg-type]
+    assert not can_speculate(SamplingParams(pooling="last"))
+    assert not can_speculate(SamplingParams(infill=True))
+    grammar = StructuredOutputsParams(regex="[ab]+")
+    assert not can_speculate(SamplingParams(structured_outputs=grammar))
+
+
+def times(**seconds: float) -> StepTimes:
+    t = StepTimes()
+    for rows, value in seconds.items():
+        t.record(int(rows[1:]), value)
+    return t
+
+
+def test_step_times_interpolate_and_extrapolate_optimistically() -> None:
+    t = times(r1=1.0, r9=5.0)
+    assert t.estimate(5) == 3.0 and t.estimate(12) == 5.0 and StepTimes().estimate(3) is None
+    t.record(9, 1.0)  # a moving average
+    assert 1.0 < (t.estimate(9) or 0) < 5.0
+
+
+def test_the_plan_adds_proposals_while_tokens_per_second_grow() -> None:
+    # nothing timed yet: every proposal
+    assert plan({"a": (4, 0.5)}, 1, StepTimes()) == ({"a": 4}, True)
+    # rows nearly free: all worth >= MIN_WORTH (0.9^j down to 0.9^8 = 0.43)
+    assert plan({"a": (8, 0.9)}, 1, times(r1=1.0, r9=1.01))[0] == {"a": 8}
+    # every row costs a whole step: nothing pays, and not even a sure token would
+    assert plan({"a": (8, 0.9)}, 1, times(r1=1.0, r2=2.5, r9=9.0)) == ({}, False)
+    # the second row costs 14%, later ones 100%: one proposal at 0.8, none at 0.1
+    steps = times(r1=1.0, r2=1.14, r3=2.14, r9=8.14)
+    assert plan({"a": (8, 0.8)}, 1, steps)[0] == {"a": 1}
+    assert plan({"a": (8, 0.1)}, 1, steps) == ({}, True)  # a sure token would pay: probes
+    # 16 rows: the better request first
+    flat = times(r16=1.0, r18=1.05, r19=1.2)
+    assert plan({"a": (2, 0.2), "b": (2, 0.9)}, 16, flat)[0] == {"b": 2}
+
+
+def test_acceptance_counts_hits_and_the_first_miss() -> None:
+    assert acceptance(0.0, 0.0) == 0.5  # before any proposal: cautious
+    hits, trials = tally(0.0, 0.0, proposed=4, accepted=2)  # 2 hits, 1 miss, 1 never tried
+    assert (hits, trials) == (2.0, 3.0)
+    hits, trials = tally(hits, trials, proposed=4, accepted=4)
+    assert (hits, trials) == (0.8 * 2 + 4, 0.8 * 3 + 4)
 
 
 def test_bad_speculative_configs_say_what_to_change() -> None:
@@ -54,6 +101,23 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
     "Write a short story about a robot.",
 ]
+
+
+def fused_rows(llm: LLM) -> list[int]:
+    """From now on, the number of rows of each step that takes the fused decode path (none at
+    the portable level, which has no fused path)."""
+    fused = llm.engine_core.executor.worker.runner.model.fused  # type: ignore[union-attr]
+    rows: list[int] = []
+    if fused is None:
+        return rows
+    forward = fused.forward
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return forward(x, *args)
+
+    fused.forward = counted  # type: ignore[method-assign]
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +141,9 @@ def outputs() -> Iterator[dict[str, object]]:
                     use_tqdm=False,
                 )
                 results[name] = [list(o.outputs[0].token_ids) for o in batch]
+                rows = fused_rows(llm)
                 alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
+                results[name + "-fused-rows"] = max(rows, default=0)
                 results[name + "-alone"] = [list(o.outputs[0].token_ids) for o in alone]
                 s = llm.engine_core.scheduler
                 results[name + "-counts"] = (
@@ -94,7 +160,13 @@ def outputs() -> Iterator[dict[str, object]]:
 
 def test_greedy_outputs_are_identical_with_speculation(outputs: dict[str, object]) -> None:
     assert outputs["ngram-alone"] == outputs["plain-alone"]
-    assert outputs["ngram"] == outputs["plain"]  # batched, a max_tokens cut, a sampled one
+    # batched, a max_tokens cut, and a seeded sampled request (which speculates too: its draws
+    # are plain sampling's, `Sampler.verify`)
+    assert outputs["ngram"] == outputs["plain"]
     assert len(outputs["ngram"][3]) == 11  # type: ignore[index]
+    if outputs["plain-fused-rows"]:  # the fused path applies (not at the portable level)
+        assert outputs["plain-fused-rows"] == 1
+        # alone, more rows in a fused step can only be a verification's 1 + k positions
+        assert outputs["ngram-fused-rows"] > 1
     drafts, proposed, accepted = outputs["ngram-counts"]  # type: ignore[misc]
     assert drafts > 0 and accepted > 0 and accepted <= proposed

@@ -43,10 +43,11 @@ class Request:
     # The prompt as input embeddings ([num_prompt_tokens, hidden]); `prompt_token_ids` are
     # then placeholders (`treadle.prompt_embeds.placeholder_ids`).
     prompt_embeds: torch.Tensor | None = None
-    # Speculative decoding's back-off (`core/spec_decode.py`): the recent acceptance rate of
-    # its proposals, and steps left without proposals after it fell too low.
-    spec_acceptance: float = 1.0
-    spec_pause: int = 0
+    # Speculative decoding (`core/spec_decode.py`): its proposals' recent (decayed) hits and
+    # trials, and steps since it last proposed while it could have.
+    spec_hits: float = 0.0
+    spec_trials: float = 0.0
+    spec_idle: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -19,11 +19,13 @@ from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.request import Request, RequestStatus
 from treadle.core.spec_decode import (
-    ACCEPTANCE_DECAY,
-    BACK_OFF_BELOW,
-    PAUSE_STEPS,
+    PROBE_EVERY,
+    StepTimes,
+    acceptance,
     can_speculate,
+    plan,
     propose,
+    tally,
 )
 from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs, SchedulerStats
 from treadle.wire.worker import (
@@ -64,6 +66,8 @@ class Scheduler:
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        self.step_times = StepTimes()  # of steps of decode rows, by rows (`spec_decode.plan`)
+        self._step_started: float | None = None
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -98,6 +102,7 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.max_num_batched_tokens
         preempted = False
+        proposals = self._proposals(budget)
 
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
@@ -105,7 +110,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            proposal = self._proposal(req, budget) if n == 1 else []
+            proposal = proposals.get(req.request_id, [])[: budget - 1] if n == 1 else []
             n += len(proposal)
             while (new_blocks := self.kv.allocate_slots(req, n)) is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -165,12 +170,20 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         for rid, n in out.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
+        self._step_started = time.monotonic() if self.speculative is not None else None
         return out
 
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> dict[int, list[EngineCoreOutput]]:
         """Append the sampled tokens, finish what must stop; outputs grouped by client."""
+        if self._step_started is not None:
+            seconds = time.monotonic() - self._step_started
+            spec = sched.spec_tokens
+            if sched.num_scheduled_tokens and all(  # decode rows only: the fused path's steps
+                n == 1 or rid in spec for rid, n in sched.num_scheduled_tokens.items()
+            ):
+                self.step_times.record(sched.total_num_scheduled_tokens, seconds)
         outputs: dict[int, list[EngineCoreOutput]] = {}
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
@@ -185,7 +198,9 @@ class Scheduler:
             proposal = sched.spec_tokens.get(rid)
             if proposal is not None and token is not None:
                 outputs.setdefault(req.client_index, []).append(
-                    self._speculated(req, proposal, result.accepted.get(rid, []), token)
+                    self._speculated(
+                        req, proposal, result.accepted.get(rid, []), token, result.logprobs.get(rid)
+                    )
                 )
                 continue
             if token is None:  # a prefill chunk that did not reach the end of the prompt
@@ -217,36 +232,69 @@ class Scheduler:
             outputs.setdefault(req.client_index, []).append(out)
         return outputs
 
-    def _proposal(self, req: Request, budget: int) -> list[int]:
-        """A decoding request's n-gram proposal (none without --speculative-config), no longer
-        than its remaining tokens, the context or the step's budget leave room for."""
+    def _proposals(self, budget: int) -> dict[str, list[int]]:
+        """The decoding requests' n-gram proposals for this step (none without
+        --speculative-config), as many of each as `spec_decode.plan` finds worth verifying.
+        Only the requests the plan gives rows look their proposals up."""
         config = self.speculative
-        if config is None or not can_speculate(req.sampling_params):
-            return []
-        if req.spec_pause > 0:
-            req.spec_pause -= 1
-            return []
+        if config is None:
+            return {}
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        candidates = {
+            r.request_id: (self._room(r, budget), acceptance(r.spec_hits, r.spec_trials))
+            for r in decoding
+            if can_speculate(r.sampling_params)
+        }
+        if not candidates:
+            return {}
+        counts, probe = plan(candidates, len(decoding), self.step_times)
+        chosen: dict[str, list[int]] = {}
+        for rid in candidates:
+            req = self.requests[rid]
+            n = counts.get(rid, 0)
+            if n == 0 and probe and candidates[rid][0] > 0:
+                req.spec_idle += 1
+                if req.spec_idle >= PROBE_EVERY:
+                    n = 1
+            if n:
+                req.spec_idle = 0
+                proposal = propose(req.all_token_ids, n, config)
+                if proposal:
+                    chosen[rid] = proposal
+        return chosen
+
+    def _room(self, req: Request, budget: int) -> int:
+        """How many proposals a decoding request may verify: no more than its remaining
+        tokens, the context or the step's budget leave room for."""
+        assert self.speculative is not None
         p = req.sampling_params
         room = min(
-            config.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens - 1
+            self.speculative.num_speculative_tokens,
+            budget - 1,
+            self.max_model_len - req.num_tokens - 1,
         )
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - req.num_output_tokens - 1)
-        return propose(req.all_token_ids, room, config)
+        return max(room, 0)
 
     def _speculated(
-        self, req: Request, proposal: list[int], accepted: list[int], token: int
+        self,
+        req: Request,
+        proposal: list[int],
+        accepted: list[int],
+        token: int,
+        logprobs: Logprobs | None,
     ) -> EngineCoreOutput:
         """A speculating request's step: the accepted proposals and the model's own next
         token, appended one by one under the usual stop rules; the rejected positions are
-        given back (they are computed again, with the right tokens, later)."""
+        given back (they are computed again, with the right tokens, later). `logprobs`: one
+        row per token, cut with them."""
         self.spec_drafts += 1
         self.spec_draft_tokens += len(proposal)
         self.spec_accepted_tokens += len(accepted)
-        rate = len(accepted) / len(proposal)
-        req.spec_acceptance = ACCEPTANCE_DECAY * req.spec_acceptance + (1 - ACCEPTANCE_DECAY) * rate
-        if req.spec_acceptance < BACK_OFF_BELOW:
-            req.spec_pause, req.spec_acceptance = PAUSE_STEPS, 0.6  # one more miss: pause again
+        req.spec_hits, req.spec_trials = tally(
+            req.spec_hits, req.spec_trials, len(proposal), len(accepted)
+        )
         req.num_computed_tokens -= len(proposal) - len(accepted)
         new: list[int] = []
         reason = None
@@ -262,9 +310,13 @@ class Scheduler:
         self.kv.cache_full_blocks(req)
         if reason is not None:
             self._finish(req, reason)
+        if logprobs is not None and len(logprobs.ranks) > len(new):
+            n = len(new)
+            logprobs = Logprobs(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
         return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new,
+            new_logprobs=logprobs,
             finish_reason=reason,
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_cached_tokens,

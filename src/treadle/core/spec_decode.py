@@ -4,44 +4,113 @@ forward pass verifies.
 Prompt lookup: the last n tokens of a request (n from `prompt_lookup_max` down to
 `prompt_lookup_min`) are looked up in its earlier tokens (prompt and output), latest
 occurrence first; the up to k tokens that followed it are the proposal. The scheduler gives
-the request 1 + k positions in one step; the model runner verifies them greedily (the model's
-own choice at each position, in order, until the first that differs: that choice is the bonus
-token), so the output is exactly that of plain greedy decoding; the positions past the first
-mismatch are given back (`Scheduler.update_from_output`).
+the request 1 + k positions in one step, which the model runner reads as 1 + k decode rows
+(the fused decode path takes them) and verifies (`Sampler.verify`): greedily (the model's own
+choice at each position, in order, until the first that differs: that choice is the bonus
+token), so the output is exactly that of plain greedy decoding; at temperature > 0 by vLLM's
+rejection sampling, so the output has exactly the distribution of plain sampling. Position j
+is processed as plain sampling would after the first j proposals (penalties, `min_tokens`,
+bad words see them); logprobs are the target model's. The positions past the first rejection
+are given back (`Scheduler.update_from_output`).
 
-Proposals stop paying when they are mostly rejected (a verifying step costs more than a plain
-decoding one): a request whose recent acceptance rate (`ACCEPTANCE_DECAY`-weighted) falls
-under `BACK_OFF_BELOW` proposes nothing for `PAUSE_STEPS` steps, then tries again.
+How many proposals a step verifies follows what they are worth on this machine: the
+scheduler times every step of decode rows (`StepTimes`, by its number of rows), and each
+request keeps its recent acceptance rate a (per proposed token, decayed, starting at
+`PRIOR_HITS / PRIOR_TRIALS`: cautiously). Its j-th proposal is worth a^j tokens; `plan` adds
+proposals, the most valuable first, while the step's expected tokens per second grow (and
+each is worth at least `MIN_WORTH` tokens). So a request whose proposals are mostly rejected proposes nothing, a
+middling one proposes fewer, and a batch whose step time grows with every row (many
+requests on a small CPU) speculates only where acceptance is high. Row counts never timed
+are assumed to cost what the nearest count below costs (so they are tried once, and then
+known). A request the plan leaves out proposes one token every `PROBE_EVERY` steps, so
+that its rate can rise again, where a sure token would pay.
 
-Only greedy requests without anything that changes the logits first (penalties, biases,
-banned or allowed tokens, `min_tokens`, a grammar) or that asks for logprobs speculate.
+Requests under a grammar (structured outputs: their bitmask would be needed at every
+proposed position), pooling and infill requests do not speculate.
 """
 
 from __future__ import annotations
 
+import heapq
+
 from treadle.config import SpeculativeConfig
 from treadle.sampling_params import SamplingParams
 
-BACK_OFF_BELOW = 0.5
-ACCEPTANCE_DECAY = 0.5
-PAUSE_STEPS = 128
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # a request's acceptance rate before any proposal: 0.5
+DECAY = 0.8  # per verifying step, the weight of what came before
+PROBE_EVERY = 64
+MIN_WORTH = 0.05
+TIME_DECAY = 0.75  # moving average of a row count's step time
+
+
+def acceptance(hits: float, trials: float) -> float:
+    return (hits + PRIOR_HITS) / (trials + PRIOR_TRIALS)
+
+
+def tally(hits: float, trials: float, proposed: int, accepted: int) -> tuple[float, float]:
+    """(hits, trials) after a verifying step: each accepted proposal a hit, the first
+    rejected one a miss; those after it were never tried."""
+    tried = accepted + (accepted < proposed)
+    return DECAY * hits + accepted, DECAY * trials + tried
+
+
+class StepTimes:
+    """Seconds a step of decode rows takes, by its number of rows (a moving average)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = (
+            seconds if old is None else TIME_DECAY * old + (1 - TIME_DECAY) * seconds
+        )
+
+    def estimate(self, rows: int) -> float | None:
+        """Measured; else interpolated between the nearest counts timed below and above;
+        else the nearest below's (optimistic: it is then tried and timed) or above's."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = max((r for r in self.seconds if r < rows), default=None)
+        above = min((r for r in self.seconds if r > rows), default=None)
+        if below is not None and above is not None:
+            lo, hi = self.seconds[below], self.seconds[above]
+            return lo + (hi - lo) * (rows - below) / (above - below)
+        if below is not None:
+            return self.seconds[below]
+        return None if above is None else self.seconds[above]
+
+
+def plan(
+    candidates: dict[str, tuple[int, float]], base_rows: int, times: StepTimes
+) -> tuple[dict[str, int], bool]:
+    """How many of its proposals each candidate (request id -> (proposals available, its
+    acceptance rate)) verifies in a step of `base_rows` other decode rows; and whether a
+    sure token would still have paid where the plan stopped (then probes are worth it)."""
+    base = times.estimate(base_rows)
+    if base is None:  # nothing timed yet
+        return {rid: most for rid, (most, _) in candidates.items()}, True
+    rows, tokens, seconds = base_rows, float(base_rows), base
+    heap = [(-a, rid, 1) for rid, (most, a) in candidates.items() if most > 0]
+    heapq.heapify(heap)
+    counts: dict[str, int] = {}
+    while heap:
+        worth, rid, j = heap[0]
+        after = times.estimate(rows + 1)
+        assert after is not None
+        if -worth < MIN_WORTH or (tokens - worth) * seconds < tokens * after:
+            return counts, (tokens + 1) * seconds >= tokens * after
+        heapq.heappop(heap)
+        rows, tokens, seconds = rows + 1, tokens - worth, after
+        counts[rid] = j
+        most, a = candidates[rid]
+        if j < most:
+            heapq.heappush(heap, (worth * a, rid, j + 1))
+    return counts, True
 
 
 def can_speculate(p: SamplingParams) -> bool:
-    return (
-        p.temperature == 0.0
-        and p.logprobs is None
-        and p.structured_outputs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and not p.logit_bias
-        and p.allowed_token_ids is None
-        and not p.bad_words_token_ids
-        and p.min_tokens == 0
-        and p.pooling is None
-        and not p.infill
-    )
+    return p.structured_outputs is None and p.pooling is None and not p.infill
 
 
 def propose(tokens: list[int], most: int, config: SpeculativeConfig) -> list[int]:

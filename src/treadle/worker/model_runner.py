@@ -157,13 +157,17 @@ class ModelRunner:
             self._learn_sampled(sched)
         if not sched.num_scheduled_tokens:
             return ModelRunnerOutput()
-        # Decodes (one token) first, then prefill chunks: the layout attention expects.
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] > 1)
-        for rid, spec in sched.spec_tokens.items():  # read after the last token, verified
-            self.requests[rid].token_ids.extend(spec)
+        spec = sched.spec_tokens
+        # Decode rows first (one token, or a speculating request's 1 + k positions), then
+        # prefill chunks: the layout attention expects.
+        order = sorted(
+            sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] > 1 and kv[0] not in spec
+        )
+        for rid, proposal in spec.items():  # read after the last token, verified
+            self.requests[rid].token_ids.extend(proposal)
         states = [self.requests[rid] for rid, _ in order]
         counts = [n for _, n in order]
-        input_ids, positions, meta, logits_rows = self._prepare(states, counts)
+        input_ids, positions, meta, logits_rows = self._prepare(states, counts, spec)
         embeds = self._embeds(states, counts)
         if not self.model.stage.whole:
             staged = self._run_stage(input_ids, positions, meta, embeds)
@@ -176,10 +180,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
         result = ModelRunnerOutput()
         first = 0
+        verifying: list[tuple[RequestState, int, int]] = []  # (state, first row, rows)
         for state, n, row in zip(states, counts, logits_rows, strict=True):
-            if state.request_id in sched.spec_tokens:
-                spec = sched.spec_tokens[state.request_id]
-                self._verify(state, spec, hidden[first : first + n], result)
+            if state.request_id in spec:
+                verifying.append((state, first, n))
             if state.sampling_params.pooling is not None:
                 self._pool(state, hidden[first : first + n], row is not None, result)
             if state.sampling_params.prompt_logprobs is not None:
@@ -190,15 +194,18 @@ class ModelRunner:
         sampling = [
             (s, row)
             for s, row in zip(states, logits_rows, strict=True)
-            if row is not None
-            and s.sampling_params.pooling is None
-            and s.request_id not in sched.spec_tokens
+            if row is not None and s.sampling_params.pooling is None and s.request_id not in spec
         ]
+        if sampling or verifying:
+            # One LM head product for every row that needs logits: the sampled rows, then
+            # each verifying request's 1 + k rows.
+            rows = [row for _, row in sampling]
+            for _, start, n in verifying:
+                rows.extend(range(start, start + n))
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         if sampling:
-            rows = torch.tensor([row for _, row in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
             tokens, logprobs = self.sampler(
-                logits,
+                logits[: len(sampling)],
                 [self._sampling_row(s) for s, _ in sampling],
                 self._grammar(sched, [s.request_id for s, _ in sampling]),
             )
@@ -207,6 +214,8 @@ class ModelRunner:
                 result.sampled[state.request_id] = token
                 if lp is not None:
                     result.logprobs[state.request_id] = lp
+        if verifying:
+            self._verify(verifying, spec, logits[len(sampling) :], result)
         for state, n in zip(states, counts, strict=True):
             state.num_computed_tokens += n
         return result
@@ -240,19 +249,40 @@ class ModelRunner:
         return None
 
     def _verify(
-        self, state: RequestState, proposal: list[int], hidden: torch.Tensor, out: ModelRunnerOutput
+        self,
+        verifying: list[tuple[RequestState, int, int]],
+        spec: dict[str, list[int]],
+        logits: torch.Tensor,
+        out: ModelRunnerOutput,
     ) -> None:
-        """Greedy verification of a speculating request's proposal: the model's choice at each
-        of its 1 + k positions, proposals accepted in order until the first it would not have
-        chosen; that choice (or the one after the last proposal) is its sampled token."""
-        del state.token_ids[len(state.token_ids) - len(proposal) :]
-        best = self.model.compute_logits(hidden).float().max(dim=-1).indices.tolist()
-        accepted = 0
-        while accepted < len(proposal) and best[accepted] == proposal[accepted]:
-            accepted += 1
-        state.token_ids.extend([*proposal[:accepted], best[accepted]])
-        out.accepted[state.request_id] = proposal[:accepted]
-        out.sampled[state.request_id] = best[accepted]
+        """The speculating requests' proposals checked against their 1 + k rows of logits
+        (`Sampler.verify`: greedy, or rejection sampling at temperature > 0); each request's
+        tokens end with the accepted proposals and the token chosen after them."""
+        rows: list[SamplingRow] = []
+        proposals: list[list[int]] = []
+        for state, _, _ in verifying:
+            proposal = spec[state.request_id]
+            del state.token_ids[len(state.token_ids) - len(proposal) :]
+            proposals.append(proposal)
+            rows.extend(self._verify_rows(state, proposal))
+        verdicts = self.sampler.verify(logits, rows, proposals)
+        for (state, _, _), (accepted, token, lp) in zip(verifying, verdicts, strict=True):
+            state.token_ids.extend([*accepted, token])
+            out.accepted[state.request_id] = accepted
+            out.sampled[state.request_id] = token
+            if lp is not None:
+                out.logprobs[state.request_id] = lp
+
+    def _verify_rows(self, state: RequestState, proposal: list[int]) -> list[SamplingRow]:
+        """A speculating request's sampling rows, one per position: position j reads as if
+        the first j proposals had been sampled (penalties and min_tokens see them)."""
+        rows = []
+        base = len(state.token_ids)
+        for j in range(len(proposal) + 1):
+            state.token_ids.extend(proposal[:j])
+            rows.append(self._sampling_row(state))
+            del state.token_ids[base:]
+        return rows
 
     @staticmethod
     def _pool(
@@ -317,8 +347,12 @@ class ModelRunner:
         return start + 1, Logprobs(token_ids, values, ranks)
 
     def _prepare(
-        self, states: list[RequestState], counts: list[int]
+        self, states: list[RequestState], counts: list[int], spec: dict[str, list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int | None]]:
+        """The step's flat inputs. A speculating request's 1 + k positions are 1 + k decode
+        rows (its block table repeated, each row's length its position + 1: causal, since
+        every row's K/V is written before attention), so that a step of decodes and
+        verifications takes the fused decode path."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -337,9 +371,10 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in new_pos)
             reaches_end = start + n == len(state.token_ids)
             logits_rows.append(first + n - 1 if reaches_end else None)
-            if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+            if n == 1 or state.request_id in spec:
+                for p in new_pos:
+                    decode_tables.append(table)
+                    decode_lens.append(p + 1)
             else:
                 prefills.append(self._prefill_chunk(first, start, n, table))
         device = self.device

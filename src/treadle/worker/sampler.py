@@ -188,16 +188,7 @@ class Sampler:
         device = logits.device
         idx = torch.tensor(random_rows, device=device)
         sub = [rows[i] for i in random_rows]
-        x = logits[idx] / torch.tensor([r.temperature for r in sub], device=device)[:, None]
-        if any(r.top_k > 0 or r.top_p < 1.0 for r in sub):
-            x = _top_k_top_p(x, sub)
-        probs = torch.softmax(x, dim=-1)
-        if any(r.min_p > 0.0 for r in sub):
-            min_p = torch.tensor([r.min_p for r in sub], device=device)[:, None]
-            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        for j, row in enumerate(sub):
-            if row.infill is not None:
-                probs[j] = infill_probs(probs[j], row.infill)
+        probs = _probs(logits[idx], sub)
         # Inverse transform: one uniform draw per row from the row's own generator, and the
         # first token whose cumulative probability exceeds it. (An exponential race, argmax of
         # p / E, needs a draw per vocabulary entry: ~1.1 ms a row on the CPU, 70 ms a step at
@@ -213,6 +204,109 @@ class Sampler:
             sampled = torch.where(zero, probs.argmax(dim=-1, keepdim=True), sampled)
         greedy[idx] = sampled.squeeze(1)
         return greedy
+
+    def verify(
+        self, logits: torch.Tensor, rows: list[SamplingRow], proposals: list[list[int]]
+    ) -> list[tuple[list[int], int, Logprobs | None]]:
+        """Speculative decoding's check of n-gram proposals: per request, `rows` and `logits`
+        hold 1 + k positions (position j read after the first j proposals), processed as in
+        `__call__`. Per request: (the accepted proposals, the token after them, logprobs of
+        all of them or None).
+
+        Greedy: proposals are accepted while they are the processed logits' argmax; the
+        argmax after them is the token. Temperature > 0: at each position the token is drawn
+        from p_j, the distribution plain sampling would draw from there, with one uniform
+        from the request's generator as plain sampling does; the proposal is accepted when
+        the draw is the proposal. With a one-hot draft (an n-gram proposes one token for sure)
+        this is vLLM's rejection sampling exactly: x is accepted with probability p_j(x), and
+        on rejection the token follows p_j without x, renormalised; after k acceptances the
+        bonus token follows p_k. As the draws are plain sampling's own, a seeded request
+        gives the tokens it gives without speculation (up to the float rounding of its logits
+        in a step of more rows), repeats run to run whatever was proposed, and a preempted
+        or resumed one continues its stream (`ModelRunner._generator`: one uniform per
+        output token)."""
+        logits = logits.float()
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(r.logprobs is not None for r in rows) else None
+        )
+        logits = self._apply_penalties(logits, rows)
+        for i, row in enumerate(rows):
+            _restrict(logits, i, row)
+        greedy: list[int] = logits.max(dim=-1).indices.tolist()
+        random_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0]
+        probs = None
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            probs = _probs(logits[idx], [rows[i] for i in random_rows])
+        where = {row: j for j, row in enumerate(random_rows)}
+        verdicts = []
+        first = 0
+        for proposal in proposals:
+            k = len(proposal)
+            row = rows[first]
+            chosen: list[int] = []
+            if row.temperature == 0.0:
+                while len(chosen) < k and greedy[first + len(chosen)] == proposal[len(chosen)]:
+                    chosen.append(proposal[len(chosen)])
+                chosen.append(greedy[first + len(chosen)])
+            else:
+                assert probs is not None
+                generator = row.generator or self.generator
+                for j in range(k + 1):
+                    p = probs[where[first + j]]
+                    cdf = p.cumsum(dim=-1)
+                    u = torch.rand(1, generator=generator).to(cdf.device)
+                    token = _draw(p, cdf, u * cdf[-1:], proposal[j] if j < k else None)
+                    chosen.append(token)
+                    if j == k or token != proposal[j]:
+                        break
+            lp = None
+            if raw_logprobs is not None and row.logprobs is not None:
+                per = [
+                    _logprobs(raw_logprobs[first + j], t, row.logprobs)
+                    for j, t in enumerate(chosen)
+                ]
+                lp = Logprobs(
+                    [x for q in per for x in q.token_ids],
+                    [x for q in per for x in q.logprobs],
+                    [x for q in per for x in q.ranks],
+                )
+            verdicts.append((chosen[:-1], chosen[-1], lp))
+            first += k + 1
+        return verdicts
+
+
+def _draw(
+    probs: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor, proposal: int | None
+) -> int:
+    """The token at one verified position: plain sampling's inverse transform of the draw
+    (the proposal is accepted when this is it). A function so that a test can put a wrong
+    acceptance rule in its place and show that its statistics catch it."""
+    return _inverse_transform(probs, cdf, target)
+
+
+def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution sampling draws from, per row (temperature > 0): temperature, top-k,
+    top-p, min-p and the infill sampler applied to the processed logits."""
+    device = logits.device
+    x = logits / torch.tensor([r.temperature for r in rows], device=device)[:, None]
+    if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
+        x = _top_k_top_p(x, rows)
+    probs = torch.softmax(x, dim=-1)
+    if any(r.min_p > 0.0 for r in rows):
+        min_p = torch.tensor([r.min_p for r in rows], device=device)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    for j, row in enumerate(rows):
+        if row.infill is not None:
+            probs[j] = infill_probs(probs[j], row.infill)
+    return probs
+
+
+def _inverse_transform(probs: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor) -> int:
+    """`Sampler._sample`'s draw on one row: the first token whose cumulative probability
+    exceeds `target` ([1]), the most likely where float rounding took it past the last step."""
+    token = int(torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[0] - 1))
+    return token if float(probs[token]) > 0 else int(probs.argmax())
 
 
 def _restrict(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
