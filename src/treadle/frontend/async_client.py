@@ -29,6 +29,7 @@ from treadle.frontend.core_client import (
 )
 from treadle.frontend.engine_rejoin import EngineJoins
 from treadle.frontend.engine_restarts import EngineRestarts
+from treadle.frontend.engine_scale import EngineScaler
 from treadle.frontend.engine_state import EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S, EngineWatch, GuardedTasks
 from treadle.frontend.inflight import InFlight
@@ -59,6 +60,9 @@ class ClientListener(Protocol):
     def on_stopped(self, reason: str) -> None:
         """An engine was stopped on purpose (`stop_this_process` stops the server as SIGTERM
         does)."""
+
+    def on_resize(self, num_engines: int) -> None:
+        """Engines were added, or the highest removed (`POST /scale`, `engine_scale.py`)."""
 
 
 class AsyncMPClient(MPClient):
@@ -118,6 +122,7 @@ class AsyncMPClient(MPClient):
             if self.launcher is not None and desk is not None
             else None
         )
+        self.scaler = EngineScaler(self)
 
     def start(self) -> None:
         """Start reading outputs; call from inside the running event loop."""
@@ -258,7 +263,9 @@ class AsyncMPClient(MPClient):
         4 x max_num_seqs requests wait; more get `EngineDeadError`, a 503)."""
         self._check_alive()
         rank = self.router.route(request, data_parallel_rank)
-        while not self.restarts.is_up(rank):  # (it may die again before this one wakes)
+        while rank < self.num_engines and not self.restarts.is_up(
+            rank
+        ):  # (it may die again before this one wakes)
             try:
                 await self.restarts.wait_up(rank)
             except OverflowError as e:
@@ -267,11 +274,14 @@ class AsyncMPClient(MPClient):
             except asyncio.CancelledError:  # its client left while it waited
                 self.router.owners([request.request_id])
                 raise
-        if self.dead_reason is not None or self.engine_states[rank] is EngineState.LOST:
+        state = self.engine_states[rank] if rank < self.num_engines else EngineState.LOST
+        if self.dead_reason is not None or not state.serves:  # (lost, or removed: draining)
             self.router.owners([request.request_id])
-            death = self.restarts.last_death[rank]
-            why = self.dead_reason or f"engine core {rank} is lost ({death and death.cause})"
-            raise EngineDeadError(why)
+            death = self.restarts.last_death[rank] if rank < self.num_engines else None
+            why = f"engine core {rank} is {state}" + (f" ({death.cause})" if death else "")
+            if state is EngineState.DRAINING:
+                why += ": it is being removed (POST /scale); send to another rank"
+            raise EngineDeadError(self.dead_reason or why)
         self.restarts.on_send(rank)
         self.inflight.add(request, rank)
         await self.send_add(rank, request)
@@ -297,6 +307,8 @@ class AsyncMPClient(MPClient):
     async def call_utility(self, method: str, *args: Any, engine: int = 0) -> Any:
         self._check_alive()
         assert self.loop is not None and self._async_input is not None
+        if engine >= self.num_engines:
+            raise EngineDeadError(f"engine core {engine} was removed (POST /scale)")
         if not self.restarts.is_up(engine) or self.engine_states[engine] is EngineState.LOST:
             raise EngineDeadError(f"engine core {engine} is {self.engine_states[engine]}")
         call_id = next(self._call_ids)
@@ -335,7 +347,9 @@ class AsyncMPClient(MPClient):
     def _on_child_death(self, child: ChildProcess) -> None:
         """(The process monitor's thread.) A dead engine core or DP coordinator of ours is
         restarted; one that exited 0 was stopped on purpose."""
-        if not self.watch.on_child_death(child):
+        if self.scaler.retired(child):  # stopped by `POST /scale`
+            self.watch.note_exit(child)
+        elif not self.watch.on_child_death(child):
             super()._on_child_death(child)
 
     async def respawn(self, rank: int) -> None:

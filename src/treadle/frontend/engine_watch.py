@@ -126,6 +126,7 @@ class EngineWatch:
         self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
         # (when, what) of this host's engine processes that exited: explains a disconnect
         self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
+        self.expected_stops = 0  # engines stopped on purpose by `POST /scale`: not our stop
 
     def start(self, tasks: GuardedTasks, sockets: list[tuple[zmq.Socket[Any], str]]) -> None:
         """Run the watches (in the running loop); `sockets`: (monitor socket, what it
@@ -142,9 +143,7 @@ class EngineWatch:
     def on_child_death(self, child: ChildProcess) -> bool:
         """One of our processes ended: a dead engine core or DP coordinator is restarted
         (OWN); returns whether it is (else the client ends: `MPClient._on_child_death`)."""
-        self._exits.append(
-            (time.monotonic(), f"{child.describe()} exited: {describe_exit(child.exitcode)}")
-        )
+        self.note_exit(child)
         launcher, loop = self.client.launcher, self.loop
         if child.exitcode == 0 or self.mode is not RestartMode.OWN:
             return False
@@ -160,6 +159,12 @@ class EngineWatch:
                 loop.call_soon_threadsafe(self.tasks.spawn, death, "engine death report")
                 return True
         return False
+
+    def note_exit(self, child: ChildProcess) -> None:
+        """A process of this host exited: it explains a peer that leaves a socket."""
+        self._exits.append(
+            (time.monotonic(), f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+        )
 
     async def _died(self, rank: int, cause: str, exitcode: int | None) -> None:
         """Report the death with the engine's own report: an engine core that raised sent it
@@ -187,6 +192,9 @@ class EngineWatch:
         answered every request and stopped on purpose, so the client stops (other engines
         may still finish theirs: True)."""
         if frame == ENGINE_CORE_STOPPED:
+            if self.expected_stops > 0:  # one that `POST /scale` removes
+                self.expected_stops -= 1
+                return True
             self.client.stop("an engine core was stopped")
             return True
         what = "an engine core reported a fatal error (see its log)"

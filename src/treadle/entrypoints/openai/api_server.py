@@ -49,6 +49,7 @@ from treadle.entrypoints.openai.protocol import (
     TokenizeRequest,
     fill_limits,
 )
+from treadle.entrypoints.openai.scale_routes import add_scale_routes
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.serving_embeddings import EmbeddingRequest
 from treadle.entrypoints.openai.starting import EngineStart, StartingServer, say_listening
@@ -184,6 +185,7 @@ def build_app(
     add_dashboard_routes(app, engine)
     add_chat_routes(app)
     add_llamacpp_routes(app, serving)
+    add_scale_routes(app, engine)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
