@@ -110,6 +110,7 @@ def test_scale_out_and_in_under_16_streams_changes_no_text(server: RemoteServer)
     srv = server
     texts = prompts()
     reference = Streams(srv.url, texts).results()  # undisturbed, on two engines
+    ipc_files = sorted(p.name for p in srv.rpc_dir.iterdir())
 
     # 2 -> 3 while 16 streams run.
     streams = Streams(srv.url, texts)
@@ -134,6 +135,7 @@ def test_scale_out_and_in_under_16_streams_changes_no_text(server: RemoteServer)
     assert answer.status_code == 200, answer.text
     assert streams.results() == reference
     assert not psutil.pid_exists(new_pid) or psutil.Process(new_pid).status() == "zombie"
+    assert sorted(p.name for p in srv.rpc_dir.iterdir()) == ipc_files  # nothing left
     assert [e["dp_rank"] for e in engines(srv)] == [0, 1]
     gone = httpx.post(
         srv.url + "/v1/completions",

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from treadle import envs
@@ -51,8 +52,9 @@ from treadle.ipc.process import (
     start_process,
     wait_for_ready,
 )
-from treadle.ipc.zmq_utils import remove_ipc_files
+from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger
+from treadle.wire.control import EnginesLost
 
 logger = init_logger(__name__)
 
@@ -131,6 +133,7 @@ class _Restarts:
         self.api_servers: list[ChildProcess] = []  # by client index
         self.addresses: list[list[str]] = []  # what each reported: router, pull, key
         self.monitor: ProcessMonitor | None = None
+        self.lost: dict[int, str] = {}  # engine rank -> why (told to the API servers)
 
     def restartable(self, child: ChildProcess) -> bool:
         launcher = self.launcher
@@ -143,8 +146,12 @@ class _Restarts:
         """(The main thread.) The restart sequence that an API server with its own engines
         runs too (`restart_child`); nothing else runs here meanwhile."""
         cause = f"{child.describe()} died: {describe_exit(child.exitcode)}"
+        fail = self._fail
+        rank = self._rank(child)
+        if rank is not None:
+            fail = lambda why: self._engine_failed(rank, why)  # noqa: E731
         sequence = restart_child(
-            child.name, cause, self.budget, lambda: self._start_again(child), self._fail
+            child.name, cause, self.budget, lambda: self._start_again(child), fail
         )
         if sequence is not None:
             asyncio.run(sequence)
@@ -164,6 +171,28 @@ class _Restarts:
         if not self.stop.event.is_set():  # (not a restart cut short by a clean stop)
             self.stop.failure = why
         self.stop.event.set()
+
+    def _engine_failed(self, rank: int, why: str) -> None:
+        """An engine core could not be started again (its restart failed, or the budget is
+        spent): while another engine is not lost it is `lost` (its failed process killed;
+        the API servers hear it through `EnginesLost` and resume its requests on the
+        others), as with one API server; else the server ends."""
+        launcher = self.launcher
+        others = [r for r in range(launcher.num_engines) if r != rank and r not in self.lost]
+        if not others or self.stop.event.is_set():
+            self._fail(why)
+            return
+        failed = launcher.engines[rank - launcher.start_rank]
+        if failed.process.is_alive():
+            failed.process.kill()
+        shutdown_processes([failed], timeout=1.0)
+        self.lost[rank] = f"{why}; EngineCore_DP{rank} is lost, the others serve on"
+        logger.error("%s", self.lost[rank])
+
+    def _rank(self, child: ChildProcess) -> int | None:
+        launcher = self.launcher
+        i = next((i for i, e in enumerate(launcher.engines) if e is child), None)
+        return None if i is None else launcher.start_rank + i
 
     def _index(self, child: ChildProcess) -> int | None:
         return next((i for i, s in enumerate(self.api_servers) if s is child), None)
@@ -189,12 +218,46 @@ class _Restarts:
 
     def _restart_engine(self, child: ChildProcess) -> ChildProcess:
         launcher = self.launcher
-        rank = launcher.start_rank + next(i for i, e in enumerate(launcher.engines) if e is child)
+        rank = self._rank(child)
+        assert rank is not None
         ctx: zmq.Context[Any] = zmq.Context()
         try:
             return launcher.restart_engine(rank, ctx, *_split(self.addresses))
         finally:
             ctx.term()
+
+
+class _LostNotes:
+    """The supervisor's word to its API servers (issue 25): a PUB socket over ipc, on which a
+    thread says every half second which engines are lost (`EnginesLost`)."""
+
+    def __init__(self) -> None:
+        self.address = get_open_zmq_ipc_path()
+        self._thread: threading.Thread | None = None
+
+    def start(self, lost: dict[int, str], stop: threading.Event) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=(lost, stop), name="lost-engine-notes", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, lost: dict[int, str], stop: threading.Event) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = make_zmq_socket(ctx, self.address, zmq.PUB, linger=0)
+        try:
+            while not stop.wait(0.5):
+                now = dict(lost)  # (one copy: the main thread adds to it)
+                if now:
+                    ranks = sorted(now)
+                    note = EnginesLost(ranks, [now[r] for r in ranks])
+                    sock.send(msgspec.msgpack.encode(note))
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join(2.0)
 
 
 def _split(reports: list[list[str]]) -> tuple[list[str], list[str], list[bytes]]:
@@ -232,15 +295,21 @@ def run_api_servers(
         coordinator = launcher.coordinator_addresses(timeout)
         spawn = multiprocessing.get_context("spawn")  # always, for extra API servers (§7)
 
+        notes = _LostNotes()
+
         def start_api_server(index: int, reuse: list[str] | None) -> ChildProcess:
             publish = coordinator.front_publish if coordinator else None
-            worker_args = (sock, config, model_name, model_path, index, publish, args, reuse)
+            worker_args = (
+                *(sock, config, model_name, model_path, index, publish, args, reuse),
+                notes.address,
+            )
             # An orphaned API server gets 5 s (not 2) to drain and remove its socket files.
             return start_process(
                 run_api_server_worker, f"APIServer_{index}", worker_args, ctx=spawn, grace_s=5.0
             )
 
         restarts = _Restarts(config, launcher, stop, start_api_server)
+        notes.start(restarts.lost, stop.event)
         stop.restartable = restarts.restartable
         api_servers = restarts.api_servers  # the same list: a restart replaces its entry
         api_servers.extend(start_api_server(index, None) for index in range(count))
@@ -280,6 +349,8 @@ def run_api_servers(
         if launcher is not None:
             launcher.shutdown()
         sock.close()
+        stop.event.set()  # (ends the notes' thread)
+        notes.join()
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     if stop.failure is not None:

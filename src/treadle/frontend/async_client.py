@@ -34,7 +34,9 @@ from treadle.frontend.engine_state import EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S, EngineWatch, GuardedTasks
 from treadle.frontend.inflight import InFlight
 from treadle.frontend.startup import StartupProgress
+from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, signal_children
+from treadle.ipc.zmq_utils import make_zmq_socket
 from treadle.logger import init_logger
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 
@@ -102,6 +104,8 @@ class AsyncMPClient(MPClient):
         )
         self.killable = frozenset(local_ranks if kills else ())
         self._supervisor = os.getppid() if attach is not None else None  # started us
+        self._supervisor_notes = attach.supervisor if attach is not None else None
+        self._notes: zmq.Socket[Any] | None = None
         self.inflight = InFlight()
         self.restarts = EngineRestarts(
             self,
@@ -141,6 +145,12 @@ class AsyncMPClient(MPClient):
             self._monitors.append((sock, monitor))
             watched.append((monitor, name))
         self.watch.start(self.tasks, watched)
+        if self._supervisor_notes is not None and self.mode is RestartMode.FOLLOW:
+            self._notes = make_zmq_socket(
+                self.ctx, self._supervisor_notes, zmq.SUB, linger=0, options=inbound_options()
+            )
+            self._notes.setsockopt(zmq.SUBSCRIBE, b"")
+            self.spawn(self.watch.watch_supervisor(self._notes), "supervisor reader")
         if self._pending_end is not None:  # an engine ended before the loop ran
             self._end(*self._pending_end)
         self._chain_stop_signals()
@@ -379,6 +389,8 @@ class AsyncMPClient(MPClient):
         self.tasks.cancel()
         self._restore_signals()
         if not self._closed:  # the context's term() waits for every socket, monitors too
+            if self._notes is not None:
+                self._notes.close(linger=0)
             for sock, monitor in self._monitors:
                 sock.disable_monitor()
                 monitor.close(linger=0)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+import msgspec
 import psutil
 import zmq
 import zmq.asyncio
@@ -29,11 +30,13 @@ from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_state import Death, EngineState, RestartMode
 from treadle.frontend.inflight import InFlight
 from treadle.frontend.launcher import EngineLauncher
+from treadle.ipc.inbound import DropLog
 from treadle.ipc.process import ChildProcess, describe_exit
 from treadle.logger import init_logger
-from treadle.wire.control import ENGINE_CORE_STOPPED, DeathReport
+from treadle.wire.control import ENGINE_CORE_STOPPED, DeathReport, EnginesLost
 
 logger = init_logger(__name__)
+_decode_lost = msgspec.msgpack.Decoder(EnginesLost).decode
 
 # How long an engine may take to answer when a peer left the request socket (a step of a long
 # prefill must fit), or to say hello after a restart: one that does not is dead.
@@ -252,8 +255,9 @@ class EngineWatch:
             await asyncio.sleep(0.25)
             for rank in self.local_ranks:
                 pid = pids[rank]
-                if not pid or self.restarts.states[rank] is EngineState.RESTARTING:
-                    continue
+                state = self.restarts.states[rank]
+                if not pid or state in (EngineState.RESTARTING, EngineState.LOST):
+                    continue  # (a lost one's process stays gone: the supervisor said so)
                 if pid not in processes:
                     processes[pid] = process_of(pid)
                 if not running(processes[pid]):
@@ -264,6 +268,31 @@ class EngineWatch:
                     death = Death(gone, self.reports.pop(rank, None))
                     message = f"{death.describe()}; its supervisor restarts it"
                     self.restarts.down(rank, message, death)
+
+    # -- the supervisor's word (several API servers) -------------------------------------
+
+    async def watch_supervisor(self, sock: zmq.Socket[Any]) -> None:
+        """`EnginesLost` from the supervisor (`cli/supervise.py`): engines of its whose
+        restart failed while others serve are lost here too (their requests resume on the
+        others); it says so again every half second, and one lost already is left as is."""
+        drops = DropLog(logger)
+        reader = zmq.asyncio.Socket.from_socket(sock)
+        while True:
+            payload = await reader.recv()
+            try:
+                note = _decode_lost(payload)
+                states = self.restarts.states
+                if len(note.ranks) != len(note.causes) or any(
+                    not 0 <= rank < len(states) for rank in note.ranks
+                ):
+                    raise ValueError(f"ranks {note.ranks} of {len(states)} engines")
+            except Exception as e:  # (the supervisor is ours: a bug, or a stranger)
+                drops.drop("Dropped a malformed message of the supervisor: %s", e)
+                continue
+            for rank, cause in zip(note.ranks, note.causes, strict=True):
+                if self.restarts.states[rank] is not EngineState.LOST:
+                    death = Death(cause, self.reports.pop(rank, None))
+                    await self.restarts.lost([rank], death)
 
     # -- the stall watch ------------------------------------------------------------------
 

@@ -333,6 +333,7 @@ def run_api_server_worker(
     coordinator: str | None,
     server: FrontendArgs,
     reuse: list[str] | None = None,
+    supervisor: str | None = None,
 ) -> None:
     """Process entry of API server `client_index` of several (`--api-server-count`).
 
@@ -345,7 +346,7 @@ def run_api_server_worker(
         raise SystemExit(128 + signum)  # unwinds: sockets close, ipc files go
 
     signal.signal(signal.SIGTERM, leave)
-    attach = AttachTo(report=ready.send_ready, coordinator=coordinator, reuse=reuse)
+    attach = AttachTo(ready.send_ready, coordinator, reuse, supervisor)
     engine = AsyncLLM(config, model_name, server.shutdown_timeout, client_index, attach)
     port = sock.getsockname()[1]
     code = run_server(engine, model_name, model_path, server, port, sock, shared=True)
