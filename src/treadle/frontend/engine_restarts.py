@@ -32,6 +32,8 @@ mode is `RestartMode`, set once per client:
 | stall watch | requests but no finished step | `stall` | past --engine-stall-timeout not ready; past --engine-stall-kill-timeout killed where this host restarts it (OWN; FOLLOW: API server 0 only), once per process: the sentinel or pid watch reports the death |
 | a background task raises | a bug in a reader | client dead | as above |
 | supervisor's monitor (`cli/supervise.py`) | its engine core or coordinator exits non-zero | (its own process) | `restart_child` there; the API servers follow (pid watch, hello) |
+| supervisor's `EnginesLost`, FOLLOW | its restart of an engine failed, others serve | `lost` | its requests resume on the others |
+| `POST /scale` (`engine_scale.py`), OWN | fewer engines asked | (draining) | no new request; drained or moved (`lost`), stopped, removed; a death meanwhile: `lost` |
 
 `RestartBudget` is --max-engine-restarts in a 10-minute window; the supervisor spends the same
 budget when it restarts its engines itself.
