@@ -228,11 +228,15 @@ class _Restarts:
 
 
 class _LostNotes:
-    """The supervisor's word to its API servers (issue 25): a PUB socket over ipc, on which a
-    thread says every half second which engines are lost (`EnginesLost`)."""
+    """The supervisor's word to its API servers (issue 25): a PUB socket, on which a thread
+    says every half second which engines are lost (`EnginesLost`). Each API server binds its
+    SUB on an ipc address of its own (`addresses`, by client index; a restarted one binds
+    the same) and the PUB connects to every one: an API server removes its file as it exits,
+    also when this process was killed (its death pipe), and this process removes those of
+    killed API servers."""
 
-    def __init__(self) -> None:
-        self.address = get_open_zmq_ipc_path()
+    def __init__(self, count: int) -> None:
+        self.addresses = [get_open_zmq_ipc_path() for _ in range(count)]
         self._thread: threading.Thread | None = None
 
     def start(self, lost: dict[int, str], stop: threading.Event) -> None:
@@ -243,7 +247,9 @@ class _LostNotes:
 
     def _run(self, lost: dict[int, str], stop: threading.Event) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
-        sock = make_zmq_socket(ctx, self.address, zmq.PUB, linger=0)
+        sock = make_zmq_socket(ctx, self.addresses[0], zmq.PUB, bind=False, linger=0)
+        for address in self.addresses[1:]:
+            sock.connect(address)
         try:
             while not stop.wait(0.5):
                 now = dict(lost)  # (one copy: the main thread adds to it)
@@ -289,19 +295,18 @@ def run_api_servers(
     launcher: EngineLauncher | None = None
     api_servers: list[ChildProcess] = []
     addresses: list[list[str]] = []
+    notes = _LostNotes(count)
     try:
         launcher = EngineLauncher(config, args.shutdown_timeout)
         timeout = envs.engine_ready_timeout_s()
         coordinator = launcher.coordinator_addresses(timeout)
         spawn = multiprocessing.get_context("spawn")  # always, for extra API servers (§7)
 
-        notes = _LostNotes()
-
         def start_api_server(index: int, reuse: list[str] | None) -> ChildProcess:
             publish = coordinator.front_publish if coordinator else None
             worker_args = (
                 *(sock, config, model_name, model_path, index, publish, args, reuse),
-                notes.address,
+                notes.addresses[index],
             )
             # An orphaned API server gets 5 s (not 2) to drain and remove its socket files.
             return start_process(
@@ -345,7 +350,8 @@ def run_api_servers(
             if child.process.is_alive():
                 child.process.terminate()
         shutdown_processes(api_servers, timeout=10.0)
-        remove_ipc_files(a for entry in addresses for a in entry[:2])  # of a killed API server
+        # Of a killed API server:
+        remove_ipc_files([*(a for entry in addresses for a in entry[:2]), *notes.addresses])
         if launcher is not None:
             launcher.shutdown()
         sock.close()

@@ -146,8 +146,8 @@ class AsyncMPClient(MPClient):
             watched.append((monitor, name))
         self.watch.start(self.tasks, watched)
         if self._supervisor_notes is not None and self.mode is RestartMode.FOLLOW:
-            self._notes = make_zmq_socket(
-                self.ctx, self._supervisor_notes, zmq.SUB, linger=0, options=inbound_options()
+            self._notes = make_zmq_socket(  # (bound here: our file goes with us)
+                self.ctx, self._supervisor_notes, zmq.SUB, True, linger=0, options=inbound_options()
             )
             self._notes.setsockopt(zmq.SUBSCRIBE, b"")
             self.spawn(self.watch.watch_supervisor(self._notes), "supervisor reader")

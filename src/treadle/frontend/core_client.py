@@ -119,7 +119,7 @@ class AttachTo:
     report: Callable[[list[str]], None]
     coordinator: str | None = None
     reuse: list[str] | None = None
-    supervisor: str | None = None  # its PUB of `EnginesLost` (`cli/supervise.py`)
+    supervisor: str | None = None  # where to bind the SUB of its `EnginesLost` (`cli/supervise.py`)
 
 
 class MPClient:

@@ -51,6 +51,8 @@ def add_scale_routes(app: FastAPI, engine: AsyncLLM) -> None:
             status, kind = (409, "ConflictError") if e.busy else (400, "BadRequestError")
             message = str(e).replace("data_parallel_size", size_field, 1)
             raise APIError(message, status, kind, size_field) from None
+        except (RuntimeError, TimeoutError) as e:  # a new engine did not start (logged)
+            raise APIError(f"scaling to {n} failed: {e}", 500, "InternalServerError") from None
         return {
             "message": f"Scaled from {old} to {n} data parallel engines",
             "old_data_parallel_size": old,
