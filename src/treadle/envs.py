@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import tempfile
@@ -183,6 +184,21 @@ def cpu_threads() -> int | None:
     if not (value.isascii() and value.isdigit() and len(value) <= 6) or int(value) < 1:
         raise ValueError(f"TREADLE_CPU_THREADS={value!r}: give a number of threads, 1 or more")
     return int(value)
+
+
+def host_ip() -> str | None:
+    """TREADLE_HOST_IP (vLLM's VLLM_HOST_IP): this host's address as the other hosts reach it.
+    Set, it is the source of every tcp connection treadle makes and the host name that
+    /topology shows (two "hosts" on one machine: 127.0.0.1 and 127.0.0.2)."""
+    value = os.environ.get("TREADLE_HOST_IP", "").strip()
+    if not value:
+        return None
+    try:
+        return str(ipaddress.ip_address(value.strip("[]")))
+    except ValueError:
+        raise ValueError(
+            f"TREADLE_HOST_IP={value!r}: give this host's IP address (e.g. 10.0.0.2)"
+        ) from None
 
 
 def cache_dir() -> Path:

@@ -244,7 +244,10 @@ def front_and_headless(
             [TREADLE, "serve", str(tiny_llama), *common, "-dpr", "1", "--headless"],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir)),
+            # The second "host" talks from 127.0.0.2 (its connections' source, its /topology name).
+            env=dict(
+                os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir), TREADLE_HOST_IP="127.0.0.2"
+            ),
         )
         try:
             yield front, headless
@@ -289,6 +292,8 @@ def test_a_headless_second_host_serves_its_ranks(
         tcp = [c["address"] for c in topo["channels"] if c["kind"] in ("requests", "outputs")]
         assert len(tcp) == 4 and all(a.startswith("tcp://127.0.0.1:") for a in tcp)
         assert topo["engines"][1]["pid"] == engines[0].pid
+        hosts = {p["title"]: p["host"] for p in topo["processes"]}
+        assert hosts["EngineCore_DP1"] == hosts["Headless"] == "127.0.0.2" != hosts["APIServer_0"]
 
         # The front end disappears: the headless engine and its host process exit within 5 s.
         front.proc.kill()

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import zmq
 
@@ -15,6 +16,7 @@ from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.zmq_utils import (
     EngineCoreRequestType,
     get_bound_address,
+    get_ip,
     get_open_zmq_ipc_path,
     get_tcp_uri,
     make_zmq_socket,
@@ -148,3 +150,25 @@ def test_zmq_socket_ctx_closes_and_cleans_up(rpc_dir: Path) -> None:
         assert sock.socket_type == zmq.PULL
         assert list(rpc_dir.iterdir())
     assert not list(rpc_dir.iterdir())
+
+
+def test_host_ip_is_the_source_of_tcp_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TREADLE_HOST_IP: a second "host" of one machine talks from its own loopback address."""
+    monkeypatch.setenv("TREADLE_HOST_IP", "127.0.0.2")
+    assert get_ip() == "127.0.0.2"
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        server = make_zmq_socket(ctx, "tcp://127.0.0.1:0", zmq.ROUTER, linger=0)
+        client = make_zmq_socket(ctx, get_bound_address(server), zmq.DEALER, bind=False, linger=0)
+        client.send(b"hi")
+        assert server.poll(10_000) and server.recv_multipart()[-1] == b"hi"
+        peers = [c for c in psutil.Process().net_connections("tcp") if c.raddr]
+        port = int(get_bound_address(server).rsplit(":", 1)[1])
+        assert [c.laddr.ip for c in peers if c.raddr.port == port] == ["127.0.0.2"]
+        client.close()
+        server.close()
+    finally:
+        ctx.term()
+    monkeypatch.setenv("TREADLE_HOST_IP", "host-b")
+    with pytest.raises(ValueError, match="TREADLE_HOST_IP='host-b': give this host's IP"):
+        get_ip()

@@ -13,6 +13,7 @@ import socket
 
 import psutil
 
+from treadle import envs
 from treadle.wire.topology import ProcessInfo
 
 TITLE_PREFIX = "treadle::"
@@ -31,7 +32,9 @@ _seen: dict[int, psutil.Process] = {}
 
 
 def host_name() -> str:
-    return socket.gethostname()
+    """This host's name in /topology: TREADLE_HOST_IP when set (two "hosts" of one machine
+    differ only by it), else the host name."""
+    return envs.host_ip() or socket.gethostname()
 
 
 def parse_title(title: str) -> tuple[str, dict[str, int]]:

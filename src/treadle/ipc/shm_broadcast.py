@@ -56,6 +56,7 @@ from typing import Any
 import zmq
 
 from treadle import envs
+from treadle.ipc import cluster_auth
 from treadle.ipc.shm_message import Serializer, is_overflow, loads_frames, read_chunk, write_chunk
 from treadle.ipc.shm_ring import ShmRingBuffer, memory_fence, unlink_orphaned_segment
 from treadle.ipc.zmq_utils import (
@@ -197,6 +198,8 @@ class MessageQueue:
             sock.setsockopt(zmq.RCVHWM, 0)
         if ipv6:
             sock.setsockopt(zmq.IPV6, 1)
+        if addr.startswith("tcp://"):
+            cluster_auth.secure(sock, bind=False)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(addr)
         self._sockets.append(sock)

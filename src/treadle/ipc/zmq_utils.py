@@ -5,7 +5,8 @@
   subscription). Sockets it makes remove the ipc socket files they bound when they close.
 - Local peers talk over `ipc://$TREADLE_RPC_BASE_PATH/<uuid4>` (socket files mode 0600); remote
   ones over tcp, binding port 0 and reading the real port back from LAST_ENDPOINT, never probing
-  for a free port first (that races).
+  for a free port first (that races). With a cluster secret every tcp socket speaks CURVE
+  with keys derived from it (`cluster_auth.py`): a peer without the secret is refused and logged.
 - On the ROUTER/DEALER pair each engine connection has a random routing identity, bound to
   the engine's DP rank by its first message (`engine_auth.py`). Each message to an engine is
   `[identity][type byte][msgpack][aux...]`, the type byte an `EngineCoreRequestType`.
@@ -25,6 +26,7 @@ from typing import Any
 import zmq
 
 from treadle import envs
+from treadle.ipc import cluster_auth
 from treadle.logger import init_logger
 from treadle.wire.engine import EngineCoreRequestType
 
@@ -83,7 +85,11 @@ def split_zmq_path(path: str) -> tuple[str, str, str]:
 
 
 def get_ip() -> str:
-    """This host's address as other hosts would reach it (no packet is sent); 127.0.0.1 if none."""
+    """This host's address as other hosts would reach it: TREADLE_HOST_IP, else the interface
+    that routes outward (no packet is sent); 127.0.0.1 if none."""
+    chosen = envs.host_ip()
+    if chosen is not None:
+        return chosen
     for family, probe in (
         (socket.AF_INET, ("8.8.8.8", 80)),
         (socket.AF_INET6, ("2001:4860::", 80)),
@@ -160,6 +166,8 @@ def make_zmq_socket(
             sock.setsockopt(zmq.IPV6, 1)
         if bind is None:
             bind = socket_type not in _CONNECT_TYPES
+        if scheme == "tcp":
+            cluster_auth.secure(sock, bind)
         if bind:
             sock.bind(path)
             if scheme == "ipc":
@@ -167,11 +175,24 @@ def make_zmq_socket(
                 sock._treadle_ipc_files.append(host)  # type: ignore[attr-defined]
                 _bound_ipc_files[host] = os.getpid()
         else:
-            sock.connect(path)
+            sock.connect(_from_host_ip(path) if scheme == "tcp" else path)
     except BaseException:
         sock.close(linger=0)
         raise
     return sock
+
+
+def _from_host_ip(path: str) -> str:
+    """`tcp://dest` from TREADLE_HOST_IP when set (libzmq's `tcp://source;dest`): the peer and
+    /topology see this host's chosen address, not whichever one the kernel picks."""
+    source = envs.host_ip()
+    if source is None or ";" in path:
+        return path
+    _, host, _ = split_zmq_path(path)
+    if _is_ipv6(source) != _is_ipv6(host):
+        return path  # a v4 source cannot reach a v6 peer (or the reverse)
+    src = f"[{source}]" if _is_ipv6(source) else source
+    return f"tcp://{src}:0;{path.removeprefix('tcp://')}"
 
 
 @contextlib.contextmanager
