@@ -47,3 +47,32 @@ def test_a_supervised_engine_whose_restart_fails_is_lost_while_the_other_serves(
         )
         assert pinned.status_code == 503 and "lost" in pinned.json()["error"]["message"]
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
+def test_the_supervisors_restart_line_quotes_the_engines_death_report(
+    server_factory, tiny_model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    """An engine made to raise under two API servers: the supervisor restarts it, and its
+    line says what it raised (API server 0 hands the report on), as the API servers' do."""
+    srv = server_factory(
+        [str(tiny_model_factory("llama")), "-dp", "2", "--api-server-count", "2"],
+        env={"TREADLE_TEST_RAISE_ON_TOKEN": "49001"},
+    )
+    resp = httpx.post(
+        srv.url + "/v1/completions",
+        json={"prompt": [1, 2, 49001], "max_tokens": 4},
+        timeout=120,
+    )  # it kills its engine, resumes, kills it again: it fails with the second death
+    assert resp.status_code == 500, resp.text
+    raised = "exit code 1; it raised RuntimeError: TREADLE_TEST_RAISE_ON_TOKEN"
+    deadline = time.monotonic() + 30  # (the request may fail before the second line)
+    while True:
+        lines = [
+            line
+            for line in srv.output().splitlines()
+            if "APIServerSupervisor" in line and "Restarting it" in line
+        ]
+        if len(lines) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(lines) == 2 and all(raised in line for line in lines), lines

@@ -41,8 +41,10 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
+from treadle.frontend.async_client import reports_address
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.restart_sequence import RestartBudget, restart_child
+from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import (
     ChildProcess,
     ProcessMonitor,
@@ -54,7 +56,7 @@ from treadle.ipc.process import (
 )
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.wire.control import EnginesLost
+from treadle.wire.control import DeathReport, EnginesLost, decode_death_report
 
 logger = init_logger(__name__)
 
@@ -134,6 +136,8 @@ class _Restarts:
         self.addresses: list[list[str]] = []  # what each reported: router, pull, key
         self.monitor: ProcessMonitor | None = None
         self.lost: dict[int, str] = {}  # engine rank -> why (told to the API servers)
+        self.reports: zmq.Socket[Any] | None = None  # engines' death reports (API server 0)
+        self._reports: dict[int, DeathReport] = {}
 
     def restartable(self, child: ChildProcess) -> bool:
         launcher = self.launcher
@@ -148,6 +152,9 @@ class _Restarts:
         cause = f"{child.describe()} died: {describe_exit(child.exitcode)}"
         fail = self._fail
         rank = self._rank(child)
+        report = self._report_of(rank, child.exitcode) if rank is not None else None
+        if report is not None:  # as the API servers' lines say it (`Death.describe`)
+            cause = f"{cause}; it raised {report.describe()}"
         if rank is not None:
             fail = lambda why: self._engine_failed(rank, why)  # noqa: E731
         sequence = restart_child(
@@ -171,6 +178,24 @@ class _Restarts:
         if not self.stop.event.is_set():  # (not a restart cut short by a clean stop)
             self.stop.failure = why
         self.stop.event.set()
+
+    def _report_of(self, rank: int, exitcode: int | None) -> DeathReport | None:
+        """The engine's own death report, which API server 0 hands on (an engine that raised
+        sends it just before its exit 1: waited for 0.5 s)."""
+        sock = self.reports
+        if sock is None:
+            return None
+        deadline = time.monotonic() + (0.5 if exitcode == 1 else 0.0)
+        while rank not in self._reports:
+            if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                break
+            try:
+                report = decode_death_report(sock.recv())
+            except Exception as e:  # (bounded and checked: an API server is ours)
+                logger.warning("Dropped a malformed death report: %s", e)
+                continue
+            self._reports[report.engine_index] = report
+        return self._reports.pop(rank, None)
 
     def _engine_failed(self, rank: int, why: str) -> None:
         """An engine core could not be started again (its restart failed, or the budget is
@@ -296,6 +321,7 @@ def run_api_servers(
     api_servers: list[ChildProcess] = []
     addresses: list[list[str]] = []
     notes = _LostNotes(count)
+    report_ctx: zmq.Context[Any] = zmq.Context()
     try:
         launcher = EngineLauncher(config, args.shutdown_timeout)
         timeout = envs.engine_ready_timeout_s()
@@ -332,6 +358,11 @@ def run_api_servers(
             config.parallel.data_parallel_size,
         )
         restarts.addresses = addresses
+        reports = make_zmq_socket(
+            report_ctx, reports_address(notes.addresses[0]), zmq.PULL, False, linger=0,
+            options=inbound_options(),
+        )  # fmt: skip
+        restarts.reports = reports
         monitor = ProcessMonitor([*api_servers, *launcher.children], stop.on_death)
         restarts.monitor = monitor
         stop.wait(restarts.restart)
@@ -351,12 +382,19 @@ def run_api_servers(
                 child.process.terminate()
         shutdown_processes(api_servers, timeout=10.0)
         # Of a killed API server:
-        remove_ipc_files([*(a for entry in addresses for a in entry[:2]), *notes.addresses])
+        remove_ipc_files(
+            [
+                *(a for entry in addresses for a in entry[:2]),
+                *notes.addresses,
+                reports_address(notes.addresses[0]),
+            ]
+        )
         if launcher is not None:
             launcher.shutdown()
         sock.close()
         stop.event.set()  # (ends the notes' thread)
         notes.join()
+        report_ctx.destroy(linger=0)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     if stop.failure is not None:

@@ -16,6 +16,7 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -38,6 +39,7 @@ from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, signal_children
 from treadle.ipc.zmq_utils import make_zmq_socket
 from treadle.logger import init_logger
+from treadle.wire.control import DeathReport
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 
 logger = init_logger(__name__)
@@ -106,6 +108,7 @@ class AsyncMPClient(MPClient):
         self._supervisor = os.getppid() if attach is not None else None  # started us
         self._supervisor_notes = attach.supervisor if attach is not None else None
         self._notes: zmq.Socket[Any] | None = None
+        self._reports_out: zmq.Socket[Any] | None = None
         self.inflight = InFlight()
         self.restarts = EngineRestarts(
             self,
@@ -151,6 +154,12 @@ class AsyncMPClient(MPClient):
             )
             self._notes.setsockopt(zmq.SUBSCRIBE, b"")
             self.spawn(self.watch.watch_supervisor(self._notes), "supervisor reader")
+            if self.client_index == 0:  # its engines' death reports, for its restart lines
+                out = make_zmq_socket(
+                    self.ctx, reports_address(self._supervisor_notes), zmq.PUSH, True, linger=0
+                )
+                self._reports_out = out
+                self.watch.forward = lambda report: _send_quietly(out, report)
         if self._pending_end is not None:  # an engine ended before the loop ran
             self._end(*self._pending_end)
         self._chain_stop_signals()
@@ -389,12 +398,24 @@ class AsyncMPClient(MPClient):
         self.tasks.cancel()
         self._restore_signals()
         if not self._closed:  # the context's term() waits for every socket, monitors too
-            if self._notes is not None:
-                self._notes.close(linger=0)
+            for sock in (self._notes, self._reports_out):
+                if sock is not None:
+                    sock.close(linger=0)
             for sock, monitor in self._monitors:
                 sock.disable_monitor()
                 monitor.close(linger=0)
         super().shutdown(timeout)
+
+
+def reports_address(notes: str) -> str:
+    """Where API server 0 of a supervisor binds the PUSH of its engines' death reports (the
+    supervisor's PULL connects): beside its notes' SUB."""
+    return f"{notes}-reports"
+
+
+def _send_quietly(sock: zmq.Socket[Any], report: DeathReport) -> None:
+    with contextlib.suppress(zmq.Again):  # (the supervisor reads it, or nobody needs it)
+        sock.send(msgspec.msgpack.encode(report), zmq.NOBLOCK)
 
 
 def stop_this_process(reason: str) -> None:

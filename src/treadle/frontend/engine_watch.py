@@ -130,6 +130,8 @@ class EngineWatch:
         # (when, what) of this host's engine processes that exited: explains a disconnect
         self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
         self.expected_stops = 0  # engines stopped on purpose by `POST /scale`: not our stop
+        # API server 0 of a supervisor hands each death report on (its restart line quotes it)
+        self.forward: Callable[[DeathReport], None] | None = None
 
     def start(self, tasks: GuardedTasks, sockets: list[tuple[zmq.Socket[Any], str]]) -> None:
         """Run the watches (in the running loop); `sockets`: (monitor socket, what it
@@ -205,6 +207,8 @@ class EngineWatch:
             rank = frame.engine_index
             what = f"EngineCore_DP{rank} failed: {frame.describe()}"
             self.reports[rank] = frame
+            if self.forward is not None:
+                self.forward(frame)
             if self.mode is RestartMode.OFF:
                 self.restarts.last_death[rank] = Death(f"EngineCore_DP{rank} failed", frame)
         if self.mode is RestartMode.OFF:
