@@ -1,6 +1,7 @@
-"""Under the supervisor (`--api-server-count 2`), a local engine whose restart fails is lost
-while the other serves, as with one API server (issue 25 item 2): the supervisor tells every
-API server (`EnginesLost` over its PUB socket), and each resumes its requests on the others."""
+"""Under the supervisor (`--api-server-count 2`, issue 25): a local engine whose restart
+fails is lost while the other serves, as with one API server (the supervisor tells every API
+server, `EnginesLost` over a PUB socket, and each resumes its requests on the others); the
+supervisor's restart line quotes the engine's death report (API server 0 hands it on)."""
 
 from __future__ import annotations
 
