@@ -34,14 +34,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from treadle import envs
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
+from treadle.frontend.async_client import reports_address
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.restart_sequence import RestartBudget, restart_child
+from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import (
     ChildProcess,
     ProcessMonitor,
@@ -51,8 +54,9 @@ from treadle.ipc.process import (
     start_process,
     wait_for_ready,
 )
-from treadle.ipc.zmq_utils import remove_ipc_files
+from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger
+from treadle.wire.control import DeathReport, EnginesLost, decode_death_report
 
 logger = init_logger(__name__)
 
@@ -131,6 +135,9 @@ class _Restarts:
         self.api_servers: list[ChildProcess] = []  # by client index
         self.addresses: list[list[str]] = []  # what each reported: router, pull, key
         self.monitor: ProcessMonitor | None = None
+        self.lost: dict[int, str] = {}  # engine rank -> why (told to the API servers)
+        self.reports: zmq.Socket[Any] | None = None  # engines' death reports (API server 0)
+        self._reports: dict[int, DeathReport] = {}
 
     def restartable(self, child: ChildProcess) -> bool:
         launcher = self.launcher
@@ -143,8 +150,15 @@ class _Restarts:
         """(The main thread.) The restart sequence that an API server with its own engines
         runs too (`restart_child`); nothing else runs here meanwhile."""
         cause = f"{child.describe()} died: {describe_exit(child.exitcode)}"
+        fail = self._fail
+        rank = self._rank(child)
+        report = self._report_of(rank, child.exitcode) if rank is not None else None
+        if report is not None:  # as the API servers' lines say it (`Death.describe`)
+            cause = f"{cause}; it raised {report.describe()}"
+        if rank is not None:
+            fail = lambda why: self._engine_failed(rank, why)  # noqa: E731
         sequence = restart_child(
-            child.name, cause, self.budget, lambda: self._start_again(child), self._fail
+            child.name, cause, self.budget, lambda: self._start_again(child), fail
         )
         if sequence is not None:
             asyncio.run(sequence)
@@ -164,6 +178,46 @@ class _Restarts:
         if not self.stop.event.is_set():  # (not a restart cut short by a clean stop)
             self.stop.failure = why
         self.stop.event.set()
+
+    def _report_of(self, rank: int, exitcode: int | None) -> DeathReport | None:
+        """The engine's own death report, which API server 0 hands on (an engine that raised
+        sends it just before its exit 1: waited for 0.5 s)."""
+        sock = self.reports
+        if sock is None:
+            return None
+        deadline = time.monotonic() + (0.5 if exitcode == 1 else 0.0)
+        while rank not in self._reports:
+            if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                break
+            try:
+                report = decode_death_report(sock.recv())
+            except Exception as e:  # (bounded and checked: an API server is ours)
+                logger.warning("Dropped a malformed death report: %s", e)
+                continue
+            self._reports[report.engine_index] = report
+        return self._reports.pop(rank, None)
+
+    def _engine_failed(self, rank: int, why: str) -> None:
+        """An engine core could not be started again (its restart failed, or the budget is
+        spent): while another engine is not lost it is `lost` (its failed process killed;
+        the API servers hear it through `EnginesLost` and resume its requests on the
+        others), as with one API server; else the server ends."""
+        launcher = self.launcher
+        others = [r for r in range(launcher.num_engines) if r != rank and r not in self.lost]
+        if not others or self.stop.event.is_set():
+            self._fail(why)
+            return
+        failed = launcher.engines[rank - launcher.start_rank]
+        if failed.process.is_alive():
+            failed.process.kill()
+        shutdown_processes([failed], timeout=1.0)
+        self.lost[rank] = f"{why}; EngineCore_DP{rank} is lost, the others serve on"
+        logger.error("%s", self.lost[rank])
+
+    def _rank(self, child: ChildProcess) -> int | None:
+        launcher = self.launcher
+        i = next((i for i, e in enumerate(launcher.engines) if e is child), None)
+        return None if i is None else launcher.start_rank + i
 
     def _index(self, child: ChildProcess) -> int | None:
         return next((i for i, s in enumerate(self.api_servers) if s is child), None)
@@ -189,12 +243,52 @@ class _Restarts:
 
     def _restart_engine(self, child: ChildProcess) -> ChildProcess:
         launcher = self.launcher
-        rank = launcher.start_rank + next(i for i, e in enumerate(launcher.engines) if e is child)
+        rank = self._rank(child)
+        assert rank is not None
         ctx: zmq.Context[Any] = zmq.Context()
         try:
             return launcher.restart_engine(rank, ctx, *_split(self.addresses))
         finally:
             ctx.term()
+
+
+class _LostNotes:
+    """The supervisor's word to its API servers (issue 25): a PUB socket, on which a thread
+    says every half second which engines are lost (`EnginesLost`). Each API server binds its
+    SUB on an ipc address of its own (`addresses`, by client index; a restarted one binds
+    the same) and the PUB connects to every one: an API server removes its file as it exits,
+    also when this process was killed (its death pipe), and this process removes those of
+    killed API servers."""
+
+    def __init__(self, count: int) -> None:
+        self.addresses = [get_open_zmq_ipc_path() for _ in range(count)]
+        self._thread: threading.Thread | None = None
+
+    def start(self, lost: dict[int, str], stop: threading.Event) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=(lost, stop), name="lost-engine-notes", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, lost: dict[int, str], stop: threading.Event) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = make_zmq_socket(ctx, self.addresses[0], zmq.PUB, bind=False, linger=0)
+        for address in self.addresses[1:]:
+            sock.connect(address)
+        try:
+            while not stop.wait(0.5):
+                now = dict(lost)  # (one copy: the main thread adds to it)
+                if now:
+                    ranks = sorted(now)
+                    note = EnginesLost(ranks, [now[r] for r in ranks])
+                    sock.send(msgspec.msgpack.encode(note))
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join(2.0)
 
 
 def _split(reports: list[list[str]]) -> tuple[list[str], list[str], list[bytes]]:
@@ -226,6 +320,8 @@ def run_api_servers(
     launcher: EngineLauncher | None = None
     api_servers: list[ChildProcess] = []
     addresses: list[list[str]] = []
+    notes = _LostNotes(count)
+    report_ctx: zmq.Context[Any] = zmq.Context()
     try:
         launcher = EngineLauncher(config, args.shutdown_timeout)
         timeout = envs.engine_ready_timeout_s()
@@ -234,13 +330,17 @@ def run_api_servers(
 
         def start_api_server(index: int, reuse: list[str] | None) -> ChildProcess:
             publish = coordinator.front_publish if coordinator else None
-            worker_args = (sock, config, model_name, model_path, index, publish, args, reuse)
+            worker_args = (
+                *(sock, config, model_name, model_path, index, publish, args, reuse),
+                notes.addresses[index],
+            )
             # An orphaned API server gets 5 s (not 2) to drain and remove its socket files.
             return start_process(
                 run_api_server_worker, f"APIServer_{index}", worker_args, ctx=spawn, grace_s=5.0
             )
 
         restarts = _Restarts(config, launcher, stop, start_api_server)
+        notes.start(restarts.lost, stop.event)
         stop.restartable = restarts.restartable
         api_servers = restarts.api_servers  # the same list: a restart replaces its entry
         api_servers.extend(start_api_server(index, None) for index in range(count))
@@ -258,6 +358,11 @@ def run_api_servers(
             config.parallel.data_parallel_size,
         )
         restarts.addresses = addresses
+        reports = make_zmq_socket(
+            report_ctx, reports_address(notes.addresses[0]), zmq.PULL, False, linger=0,
+            options=inbound_options(),
+        )  # fmt: skip
+        restarts.reports = reports
         monitor = ProcessMonitor([*api_servers, *launcher.children], stop.on_death)
         restarts.monitor = monitor
         stop.wait(restarts.restart)
@@ -276,10 +381,20 @@ def run_api_servers(
             if child.process.is_alive():
                 child.process.terminate()
         shutdown_processes(api_servers, timeout=10.0)
-        remove_ipc_files(a for entry in addresses for a in entry[:2])  # of a killed API server
+        # Of a killed API server:
+        remove_ipc_files(
+            [
+                *(a for entry in addresses for a in entry[:2]),
+                *notes.addresses,
+                reports_address(notes.addresses[0]),
+            ]
+        )
         if launcher is not None:
             launcher.shutdown()
         sock.close()
+        stop.event.set()  # (ends the notes' thread)
+        notes.join()
+        report_ctx.destroy(linger=0)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     if stop.failure is not None:

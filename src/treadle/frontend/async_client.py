@@ -16,6 +16,7 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -29,12 +30,16 @@ from treadle.frontend.core_client import (
 )
 from treadle.frontend.engine_rejoin import EngineJoins
 from treadle.frontend.engine_restarts import EngineRestarts
+from treadle.frontend.engine_scale import EngineScaler
 from treadle.frontend.engine_state import EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S, EngineWatch, GuardedTasks
 from treadle.frontend.inflight import InFlight
 from treadle.frontend.startup import StartupProgress
+from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, signal_children
+from treadle.ipc.zmq_utils import make_zmq_socket
 from treadle.logger import init_logger
+from treadle.wire.control import DeathReport
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 
 logger = init_logger(__name__)
@@ -59,6 +64,9 @@ class ClientListener(Protocol):
     def on_stopped(self, reason: str) -> None:
         """An engine was stopped on purpose (`stop_this_process` stops the server as SIGTERM
         does)."""
+
+    def on_resize(self, num_engines: int) -> None:
+        """Engines were added, or the highest removed (`POST /scale`, `engine_scale.py`)."""
 
 
 class AsyncMPClient(MPClient):
@@ -98,6 +106,9 @@ class AsyncMPClient(MPClient):
         )
         self.killable = frozenset(local_ranks if kills else ())
         self._supervisor = os.getppid() if attach is not None else None  # started us
+        self._supervisor_notes = attach.supervisor if attach is not None else None
+        self._notes: zmq.Socket[Any] | None = None
+        self._reports_out: zmq.Socket[Any] | None = None
         self.inflight = InFlight()
         self.restarts = EngineRestarts(
             self,
@@ -118,6 +129,7 @@ class AsyncMPClient(MPClient):
             if self.launcher is not None and desk is not None
             else None
         )
+        self.scaler = EngineScaler(self)
 
     def start(self) -> None:
         """Start reading outputs; call from inside the running event loop."""
@@ -136,6 +148,18 @@ class AsyncMPClient(MPClient):
             self._monitors.append((sock, monitor))
             watched.append((monitor, name))
         self.watch.start(self.tasks, watched)
+        if self._supervisor_notes is not None and self.mode is RestartMode.FOLLOW:
+            self._notes = make_zmq_socket(  # (bound here: our file goes with us)
+                self.ctx, self._supervisor_notes, zmq.SUB, True, linger=0, options=inbound_options()
+            )
+            self._notes.setsockopt(zmq.SUBSCRIBE, b"")
+            self.spawn(self.watch.watch_supervisor(self._notes), "supervisor reader")
+            if self.client_index == 0:  # its engines' death reports, for its restart lines
+                out = make_zmq_socket(
+                    self.ctx, reports_address(self._supervisor_notes), zmq.PUSH, True, linger=0
+                )
+                self._reports_out = out
+                self.watch.forward = lambda report: _send_quietly(out, report)
         if self._pending_end is not None:  # an engine ended before the loop ran
             self._end(*self._pending_end)
         self._chain_stop_signals()
@@ -258,7 +282,9 @@ class AsyncMPClient(MPClient):
         4 x max_num_seqs requests wait; more get `EngineDeadError`, a 503)."""
         self._check_alive()
         rank = self.router.route(request, data_parallel_rank)
-        while not self.restarts.is_up(rank):  # (it may die again before this one wakes)
+        while rank < self.num_engines and not self.restarts.is_up(
+            rank
+        ):  # (it may die again before this one wakes)
             try:
                 await self.restarts.wait_up(rank)
             except OverflowError as e:
@@ -267,11 +293,14 @@ class AsyncMPClient(MPClient):
             except asyncio.CancelledError:  # its client left while it waited
                 self.router.owners([request.request_id])
                 raise
-        if self.dead_reason is not None or self.engine_states[rank] is EngineState.LOST:
+        state = self.engine_states[rank] if rank < self.num_engines else EngineState.LOST
+        if self.dead_reason is not None or not state.serves:  # (lost, or removed: draining)
             self.router.owners([request.request_id])
-            death = self.restarts.last_death[rank]
-            why = self.dead_reason or f"engine core {rank} is lost ({death and death.cause})"
-            raise EngineDeadError(why)
+            death = self.restarts.last_death[rank] if rank < self.num_engines else None
+            why = f"engine core {rank} is {state}" + (f" ({death.cause})" if death else "")
+            if state is EngineState.DRAINING:
+                why += ": it is being removed (POST /scale); send to another rank"
+            raise EngineDeadError(self.dead_reason or why)
         self.restarts.on_send(rank)
         self.inflight.add(request, rank)
         await self.send_add(rank, request)
@@ -297,6 +326,8 @@ class AsyncMPClient(MPClient):
     async def call_utility(self, method: str, *args: Any, engine: int = 0) -> Any:
         self._check_alive()
         assert self.loop is not None and self._async_input is not None
+        if engine >= self.num_engines:
+            raise EngineDeadError(f"engine core {engine} was removed (POST /scale)")
         if not self.restarts.is_up(engine) or self.engine_states[engine] is EngineState.LOST:
             raise EngineDeadError(f"engine core {engine} is {self.engine_states[engine]}")
         call_id = next(self._call_ids)
@@ -335,7 +366,9 @@ class AsyncMPClient(MPClient):
     def _on_child_death(self, child: ChildProcess) -> None:
         """(The process monitor's thread.) A dead engine core or DP coordinator of ours is
         restarted; one that exited 0 was stopped on purpose."""
-        if not self.watch.on_child_death(child):
+        if self.scaler.retired(child):  # stopped by `POST /scale`
+            self.watch.note_exit(child)
+        elif not self.watch.on_child_death(child):
             super()._on_child_death(child)
 
     async def respawn(self, rank: int) -> None:
@@ -365,10 +398,24 @@ class AsyncMPClient(MPClient):
         self.tasks.cancel()
         self._restore_signals()
         if not self._closed:  # the context's term() waits for every socket, monitors too
+            for sock in (self._notes, self._reports_out):
+                if sock is not None:
+                    sock.close(linger=0)
             for sock, monitor in self._monitors:
                 sock.disable_monitor()
                 monitor.close(linger=0)
         super().shutdown(timeout)
+
+
+def reports_address(notes: str) -> str:
+    """Where API server 0 of a supervisor binds the PUSH of its engines' death reports (the
+    supervisor's PULL connects): beside its notes' SUB."""
+    return f"{notes}-reports"
+
+
+def _send_quietly(sock: zmq.Socket[Any], report: DeathReport) -> None:
+    with contextlib.suppress(zmq.Again):  # (the supervisor reads it, or nobody needs it)
+        sock.send(msgspec.msgpack.encode(report), zmq.NOBLOCK)
 
 
 def stop_this_process(reason: str) -> None:

@@ -126,6 +126,7 @@ class AsyncLLM:
         self.latencies = LatencyWindow(self.client.num_engines)  # for the dashboard
         # When each engine's unanswered health ping was sent (None: none is unanswered).
         self._ping_sent: list[float | None] = [None] * self.client.num_engines
+        self._pings: dict[int, int] = {}  # rank -> the generation of its ping task
         self.progress = progress or StartupProgress(self.client.num_engines)
         self.progress.finish()
 
@@ -134,8 +135,16 @@ class AsyncLLM:
         loop. (The periodic stats line comes from each engine core, which sees all of its
         requests.)"""
         self.client.start()
-        for rank in range(self.client.num_engines):
-            self.client.spawn(self._ping(rank), f"health pings of engine core {rank}")
+        self._start_pings(0)
+
+    def _start_pings(self, first: int) -> None:
+        for rank in range(first, self.client.num_engines):
+            ping = self._ping(rank, self._pings.get(rank, 0) + 1)
+            self.client.spawn(ping, f"health pings of engine core {rank}")
+
+    async def scale(self, n: int, drain_timeout: float) -> int:
+        """Scale to `n` engines (`POST /scale`, `engine_scale.py`); returns the size before."""
+        return await self.client.scaler.scale(n, drain_timeout)
 
     @property
     def dead(self) -> bool:
@@ -301,11 +310,16 @@ class AsyncLLM:
             silences.append((step, 0.0 if sent is None else now - sent))
         return silences
 
-    async def _ping(self, rank: int) -> None:
+    async def _ping(self, rank: int, generation: int) -> None:
         """Health pings to one engine, one at a time. A call that fails (the engine died, or
-        restarts) is no silence: the engine's state says what happened."""
+        restarts) is no silence: the engine's state says what happened. Ends when the rank
+        is removed (`POST /scale`; one added again gets a new task, of a new generation)."""
         interval = min(HEALTH_PING_INTERVAL_S, self.config.restart.engine_stall_timeout / 4)
-        while not self.client.ended:
+        self._pings[rank] = generation
+        while not self.client.ended and self._pings.get(rank) == generation:
+            if rank >= self.client.num_engines:
+                self._pings.pop(rank, None)
+                return
             if self.client.engine_states[rank].serves:
                 self._ping_sent[rank] = time.monotonic()
                 try:
@@ -313,7 +327,8 @@ class AsyncLLM:
                 except EngineDeadError:
                     pass
                 finally:
-                    self._ping_sent[rank] = None
+                    if rank < len(self._ping_sent):
+                        self._ping_sent[rank] = None
             await asyncio.sleep(interval)
 
     # -- what the client tells (`ClientListener`) ------------------------------------------
@@ -365,6 +380,23 @@ class AsyncLLM:
         for collector in self.collectors.values():
             collector.fail(error)
         stop_this_process(reason)
+
+    def on_resize(self, num_engines: int) -> None:
+        """Engines added (their metrics, dashboard windows and health pings start) or the
+        highest removed (their metrics keep their last values; their pings end)."""
+        old, n = len(self.stat_loggers), num_engines
+        del self.stat_loggers[n:]
+        for engine in range(old, n):
+            stat_logger = StatLogger(
+                self.model_name, self.max_model_len, engine, self.client_index == 0
+            )
+            stat_logger.record_cache_config(self.config.cache, self.client.info.num_blocks)
+            self.stat_loggers.append(stat_logger)
+        self.latencies.resize(n)
+        self._ping_sent = self._ping_sent[:n] + [None] * (n - old)
+        self.progress.resize(n)
+        if n > old:
+            self._start_pings(old)
 
     def when_dead(self, callback: Callable[[str], None]) -> None:
         """Run `callback(reason)` after `on_dead` (the API server stops serving)."""

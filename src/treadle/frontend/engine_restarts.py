@@ -6,6 +6,7 @@ detector's report does to it, and the one restart sequence that the client and t
     up --lost (a remote engine does not answer)--> lost (its requests resume on the others)
     lost --rejoined (a remote rank's new engine said hello)--> resuming --> up
     restarting --its restart failed, another engine is not lost--> lost
+    up/lost --scale in (`engine_scale.py`)--> draining --drained, or moved--> removed
 
 While `restarting`, new requests for it wait (bounded: `max_waiting`), utility calls to it
 fail, and its requests are staged. While `resuming`, the staged requests are sent again one
@@ -31,6 +32,8 @@ mode is `RestartMode`, set once per client:
 | stall watch | requests but no finished step | `stall` | past --engine-stall-timeout not ready; past --engine-stall-kill-timeout killed where this host restarts it (OWN; FOLLOW: API server 0 only), once per process: the sentinel or pid watch reports the death |
 | a background task raises | a bug in a reader | client dead | as above |
 | supervisor's monitor (`cli/supervise.py`) | its engine core or coordinator exits non-zero | (its own process) | `restart_child` there; the API servers follow (pid watch, hello) |
+| supervisor's `EnginesLost`, FOLLOW | its restart of an engine failed, others serve | `lost` | its requests resume on the others |
+| `POST /scale` (`engine_scale.py`), OWN | fewer engines asked | (draining) | no new request; drained or moved (`lost`), stopped, removed; a death meanwhile: `lost` |
 
 `RestartBudget` is --max-engine-restarts in a 10-minute window; the supervisor spends the same
 budget when it restarts its engines itself.
@@ -151,6 +154,8 @@ class EngineRestarts:
         a lost engine keeps it 503, the others still serve). An engine that resumes its
         requests is up: it takes new ones, and makes progress (else it is stalled)."""
         for rank, state in enumerate(self.states):
+            if state is EngineState.DRAINING:  # (leaving: the others serve)
+                continue
             if not state.serves:
                 return f"engine core {rank} is {state}"
             if self.stalled[rank]:
@@ -186,6 +191,10 @@ class EngineRestarts:
         Its log line, `/topology` and the requests it fails say why (`Death.describe`)."""
         if self.host.ended or self.states[rank] is EngineState.LOST:
             return  # (a lost engine's failed restart, killed)
+        if self.states[rank] is EngineState.DRAINING:  # (being removed: not started again)
+            lost = Death(f"{death.cause} while it was drained", death.report, death.time)
+            self.host.spawn(self.lost([rank], lost), f"loss of engine core {rank}")
+            return
         killed = self._kill_cause.get(rank)
         if killed is not None:
             death = Death(f"{killed}: killed ({death.cause})", death.report, death.time)
@@ -348,6 +357,23 @@ class EngineRestarts:
         )
         if sequence is not None:
             self.host.spawn(sequence, "restart of the DP coordinator")
+
+    def resize(self, n: int) -> None:
+        """Engines added (up, with nothing in flight) or the highest removed (drained or
+        lost: nothing in flight) by `POST /scale`."""
+        old = len(self.states)
+        grow = range(old, n)
+        self.states = self.states[:n] + [EngineState.UP for _ in grow]
+        self.stalled = self.stalled[:n] + [False for _ in grow]
+        self.last_progress = self.last_progress[:n] + [time.monotonic() for _ in grow]
+        self._up = self._up[:n] + [asyncio.Event() for _ in grow]
+        for event in self._up[old:]:
+            event.set()
+        self._staged = self._staged[:n] + [collections.deque() for _ in grow]
+        self._probation = self._probation[:n] + [None for _ in grow]
+        self.last_death = self.last_death[:n] + [None for _ in grow]
+        for rank in range(n, old):
+            self._kill_cause.pop(rank, None)
 
     # -- reports: stalls ------------------------------------------------------------------
 

@@ -28,6 +28,17 @@ class EngineRouter:
         self.down: set[int] = set()  # restarting: chosen only when every engine is
         self.gone: set[int] = set()  # lost for good (in `down` too): never chosen
 
+    def resize(self, n: int) -> None:
+        """Engines were added (scale out: they start with nothing) or the highest removed
+        (scale in: drained, or their requests moved; `POST /scale`)."""
+        old = self.num_engines
+        self.num_engines = n
+        self.lb_counts = self.lb_counts[:n] + [[0, 0] for _ in range(old, n)]
+        self.in_flight = self.in_flight[:n] + [0] * (n - old)
+        self._tie_break = itertools.cycle(range(n))
+        self.down = {e for e in self.down if e < n}
+        self.gone = {e for e in self.gone if e < n}
+
     def route(self, request: EngineCoreRequest, rank: int | None) -> int:
         """Pick the engine for a new request (stamping the current wave) and remember it.
         `ValueError` for a rank that does not exist."""

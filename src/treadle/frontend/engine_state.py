@@ -17,7 +17,7 @@ from treadle.wire.control import DeathReport
 
 
 class EngineState(StrEnum):
-    """One engine's state. `EngineRestarts` holds one of the first four for each engine;
+    """One engine's state. `EngineRestarts` holds one of the first five for each engine;
     `/topology` and the dashboard show what a client sees of it (`AsyncLLM.shown_states`)."""
 
     UP = "up"
@@ -29,6 +29,9 @@ class EngineState(StrEnum):
     LOST = "lost"
     """Nobody here can start it again (another host, or ours whose restart failed): out of
     the routing for good."""
+    DRAINING = "draining"
+    """Being removed (`POST /scale`, `engine_scale.py`): it gets no new request; those it has
+    finish there, or move to the others after the drain timeout."""
 
     READY = "ready"
     """(Shown.) Up or resuming, and making progress."""

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+import msgspec
 import psutil
 import zmq
 import zmq.asyncio
@@ -29,11 +30,13 @@ from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_state import Death, EngineState, RestartMode
 from treadle.frontend.inflight import InFlight
 from treadle.frontend.launcher import EngineLauncher
+from treadle.ipc.inbound import DropLog
 from treadle.ipc.process import ChildProcess, describe_exit
 from treadle.logger import init_logger
-from treadle.wire.control import ENGINE_CORE_STOPPED, DeathReport
+from treadle.wire.control import ENGINE_CORE_STOPPED, DeathReport, EnginesLost
 
 logger = init_logger(__name__)
+_decode_lost = msgspec.msgpack.Decoder(EnginesLost).decode
 
 # How long an engine may take to answer when a peer left the request socket (a step of a long
 # prefill must fit), or to say hello after a restart: one that does not is dead.
@@ -126,6 +129,9 @@ class EngineWatch:
         self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
         # (when, what) of this host's engine processes that exited: explains a disconnect
         self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
+        self.expected_stops = 0  # engines stopped on purpose by `POST /scale`: not our stop
+        # API server 0 of a supervisor hands each death report on (its restart line quotes it)
+        self.forward: Callable[[DeathReport], None] | None = None
 
     def start(self, tasks: GuardedTasks, sockets: list[tuple[zmq.Socket[Any], str]]) -> None:
         """Run the watches (in the running loop); `sockets`: (monitor socket, what it
@@ -142,9 +148,7 @@ class EngineWatch:
     def on_child_death(self, child: ChildProcess) -> bool:
         """One of our processes ended: a dead engine core or DP coordinator is restarted
         (OWN); returns whether it is (else the client ends: `MPClient._on_child_death`)."""
-        self._exits.append(
-            (time.monotonic(), f"{child.describe()} exited: {describe_exit(child.exitcode)}")
-        )
+        self.note_exit(child)
         launcher, loop = self.client.launcher, self.loop
         if child.exitcode == 0 or self.mode is not RestartMode.OWN:
             return False
@@ -160,6 +164,12 @@ class EngineWatch:
                 loop.call_soon_threadsafe(self.tasks.spawn, death, "engine death report")
                 return True
         return False
+
+    def note_exit(self, child: ChildProcess) -> None:
+        """A process of this host exited: it explains a peer that leaves a socket."""
+        self._exits.append(
+            (time.monotonic(), f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+        )
 
     async def _died(self, rank: int, cause: str, exitcode: int | None) -> None:
         """Report the death with the engine's own report: an engine core that raised sent it
@@ -187,6 +197,9 @@ class EngineWatch:
         answered every request and stopped on purpose, so the client stops (other engines
         may still finish theirs: True)."""
         if frame == ENGINE_CORE_STOPPED:
+            if self.expected_stops > 0:  # one that `POST /scale` removes
+                self.expected_stops -= 1
+                return True
             self.client.stop("an engine core was stopped")
             return True
         what = "an engine core reported a fatal error (see its log)"
@@ -194,6 +207,8 @@ class EngineWatch:
             rank = frame.engine_index
             what = f"EngineCore_DP{rank} failed: {frame.describe()}"
             self.reports[rank] = frame
+            if self.forward is not None:
+                self.forward(frame)
             if self.mode is RestartMode.OFF:
                 self.restarts.last_death[rank] = Death(f"EngineCore_DP{rank} failed", frame)
         if self.mode is RestartMode.OFF:
@@ -244,8 +259,9 @@ class EngineWatch:
             await asyncio.sleep(0.25)
             for rank in self.local_ranks:
                 pid = pids[rank]
-                if not pid or self.restarts.states[rank] is EngineState.RESTARTING:
-                    continue
+                state = self.restarts.states[rank]
+                if not pid or state in (EngineState.RESTARTING, EngineState.LOST):
+                    continue  # (a lost one's process stays gone: the supervisor said so)
                 if pid not in processes:
                     processes[pid] = process_of(pid)
                 if not running(processes[pid]):
@@ -256,6 +272,31 @@ class EngineWatch:
                     death = Death(gone, self.reports.pop(rank, None))
                     message = f"{death.describe()}; its supervisor restarts it"
                     self.restarts.down(rank, message, death)
+
+    # -- the supervisor's word (several API servers) -------------------------------------
+
+    async def watch_supervisor(self, sock: zmq.Socket[Any]) -> None:
+        """`EnginesLost` from the supervisor (`cli/supervise.py`): engines of its whose
+        restart failed while others serve are lost here too (their requests resume on the
+        others); it says so again every half second, and one lost already is left as is."""
+        drops = DropLog(logger)
+        reader = zmq.asyncio.Socket.from_socket(sock)
+        while True:
+            payload = await reader.recv()
+            try:
+                note = _decode_lost(payload)
+                states = self.restarts.states
+                if len(note.ranks) != len(note.causes) or any(
+                    not 0 <= rank < len(states) for rank in note.ranks
+                ):
+                    raise ValueError(f"ranks {note.ranks} of {len(states)} engines")
+            except Exception as e:  # (the supervisor is ours: a bug, or a stranger)
+                drops.drop("Dropped a malformed message of the supervisor: %s", e)
+                continue
+            for rank, cause in zip(note.ranks, note.causes, strict=True):
+                if self.restarts.states[rank] is not EngineState.LOST:
+                    death = Death(cause, self.reports.pop(rank, None))
+                    await self.restarts.lost([rank], death)
 
     # -- the stall watch ------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from treadle.ipc.process import (
     describe_exit,
     shutdown_processes,
     start_process,
+    stop_watched,
     wait_for_ready,
 )
 from treadle.ipc.zmq_utils import (
@@ -145,14 +146,52 @@ class EngineLauncher:
         if old.process.is_alive():
             old.process.kill()
         shutdown_processes([old], timeout=1.0)
-        p = self.config.parallel
+        return self._start_coordinator(addresses)
+
+    def _start_coordinator(self, addresses: CoordinatorAddresses) -> ChildProcess:
         self.coordinator = new = start_process(
             run_dp_coordinator,
             "DPCoordinator",
-            args=(p.data_parallel_size, front_end_host(self.config), addresses),
+            args=(self.num_engines, front_end_host(self.config), addresses),
         )
         wait_for_ready([new], envs.engine_ready_timeout_s())
         return new
+
+    # -- scaling (`POST /scale`, `engine_scale.py`): this host's engines only ----------------
+
+    def add_engines(self, n: int) -> list[ChildProcess]:
+        """Start engine cores for the ranks from `num_engines` up to `n` (each says HELLO to
+        `desk`, kept open); returns the new children."""
+        start = self.num_engines
+        self._launches.extend([0] * (n - start))  # (in place: the desk reads this list)
+        new = [self._start_engine(rank) for rank in range(start, n)]
+        self.engines.extend(new)
+        self._set_size(n)
+        return new
+
+    def remove_engines(self, n: int) -> list[ChildProcess]:
+        """Forget the ranks from `n` up; returns their children, for the caller to stop."""
+        gone = self.engines[n - self.start_rank :]
+        del self.engines[n - self.start_rank :]
+        del self._launches[n:]
+        for rank in range(n, self.num_engines):
+            self._secrets.pop(rank, None)
+        self._set_size(n)
+        return gone
+
+    def _set_size(self, n: int) -> None:
+        self.num_engines = n
+        self.local_ranks = range(self.start_rank, self.start_rank + len(self.engines))
+
+    def resize_coordinator(self) -> ChildProcess:
+        """Replace the DP coordinator by one for `num_engines` engines on the same addresses
+        (engines and front ends reconnect; the wave number comes back with the next
+        `start_wave`); the caller has made the old one's exit expected."""
+        old, addresses = self.coordinator, self._coordinator_addresses
+        assert old is not None and addresses is not None
+        old.process.terminate()
+        stop_watched([old], timeout=5.0)  # (its process monitor reaps it)
+        return self._start_coordinator(addresses)
 
     @property
     def children(self) -> list[ChildProcess]:

@@ -235,6 +235,13 @@ class LatencyWindow:
         self.ttft = [RollingWindow(window_s) for _ in range(num_engines)]
         self.tpot = [RollingWindow(window_s) for _ in range(num_engines)]
 
+    def resize(self, n: int) -> None:
+        """Engines added (empty windows) or the highest removed (`POST /scale`)."""
+        window = self.ttft[0].window_s if self.ttft else WINDOW_S
+        for windows in (self.ttft, self.tpot):
+            del windows[n:]
+            windows.extend(RollingWindow(window) for _ in range(len(windows), n))
+
     def observe(self, engine: int, it: IterationStats) -> None:
         """One batch of the engine's outputs, as `RequestStatsTable.iteration` saw it."""
         for ttft in it.time_to_first_tokens:

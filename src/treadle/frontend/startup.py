@@ -37,6 +37,10 @@ class StartupProgress:
         self.phases = [StartupPhase.READY] * len(self.phases)
         self.done = True
 
+    def resize(self, n: int) -> None:
+        """Engines added or removed while serving (`POST /scale`): those present are ready."""
+        self.phases = [StartupPhase.READY] * n
+
     def describe(self) -> str:
         """The phase, when every engine is in the same one; else each engine's."""
         if len(set(self.phases)) == 1:

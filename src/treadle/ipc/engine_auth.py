@@ -74,6 +74,12 @@ class EngineIdentities:
         self._launches[rank] = launch
         return launch > current
 
+    def resize(self, n: int) -> None:
+        """Ranks added (not connected yet) or the highest removed (`POST /scale`)."""
+        old, self.num_engines = self.num_engines, n
+        self._routes = self._routes[:n] + [b""] * (n - old)
+        self._launches = self._launches[:n] + [0] * (n - old)
+
     def identity(self, rank: int) -> bytes:
         return self._routes[rank]
 

@@ -456,6 +456,26 @@ def shutdown_processes(
         c.close_pipes()
 
 
+def stop_watched(children: Sequence[ChildProcess], timeout: float) -> None:
+    """Wait `timeout` for the children to exit, then SIGKILL them and wait again; close their
+    pipes. Unlike `shutdown_processes` this never reaps them: a `ProcessMonitor` that watches
+    them does (two reapers race, and one of them reads the exit as "still running")."""
+    sentinels = [c.sentinel for c in children]
+    deadline = time.monotonic() + timeout
+    while sentinels and time.monotonic() < deadline:
+        for fired in wait(sentinels, max(0.0, deadline - time.monotonic())):
+            sentinels.remove(fired)  # type: ignore[arg-type]
+    for child in children:
+        if child.sentinel in sentinels:
+            logger.info("Sending kill to %s", child.describe())
+            with contextlib.suppress(OSError, ValueError):
+                child.process.kill()
+    if sentinels:
+        wait(sentinels, 5.0)
+    for c in children:
+        c.close_pipes()
+
+
 def signal_children(children: Sequence[ChildProcess], sig: int) -> None:
     """Send `sig` to each child that still runs."""
     for child in children:

@@ -130,3 +130,13 @@ def decode_death_report(payload: bytes) -> DeathReport:
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class EnginesLost(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The `treadle serve` supervisor -> each of its API servers (a PUB socket over ipc,
+    `cli/supervise.py`): its engine cores whose restart failed (or whose restarts are spent)
+    while other engines serve, each with why. Sent again every half second, so that an API
+    server that starts later (a restarted one) learns them too."""
+
+    ranks: list[int]
+    causes: list[Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS + MAX_LINE_CHARS)]]

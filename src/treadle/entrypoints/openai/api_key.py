@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from treadle.entrypoints.openai.dashboard import KEYED_PATHS
 from treadle.entrypoints.openai.errors import error_body
 from treadle.entrypoints.openai.llamacpp import KEYED_PATHS as LLAMACPP_PATHS
+from treadle.entrypoints.openai.scale_routes import KEYED_PATHS as SCALE_PATHS
 
-KEYED_PREFIXES = ("/v1", "/invocations", *KEYED_PATHS, *LLAMACPP_PATHS)
+KEYED_PREFIXES = ("/v1", "/invocations", *KEYED_PATHS, *LLAMACPP_PATHS, *SCALE_PATHS)
 """What `--api-key` guards."""
 
 

@@ -49,6 +49,7 @@ from treadle.entrypoints.openai.protocol import (
     TokenizeRequest,
     fill_limits,
 )
+from treadle.entrypoints.openai.scale_routes import add_scale_routes
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.serving_embeddings import EmbeddingRequest
 from treadle.entrypoints.openai.starting import EngineStart, StartingServer, say_listening
@@ -184,6 +185,7 @@ def build_app(
     add_dashboard_routes(app, engine)
     add_chat_routes(app)
     add_llamacpp_routes(app, serving)
+    add_scale_routes(app, engine)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -331,6 +333,7 @@ def run_api_server_worker(
     coordinator: str | None,
     server: FrontendArgs,
     reuse: list[str] | None = None,
+    supervisor: str | None = None,
 ) -> None:
     """Process entry of API server `client_index` of several (`--api-server-count`).
 
@@ -343,7 +346,7 @@ def run_api_server_worker(
         raise SystemExit(128 + signum)  # unwinds: sockets close, ipc files go
 
     signal.signal(signal.SIGTERM, leave)
-    attach = AttachTo(report=ready.send_ready, coordinator=coordinator, reuse=reuse)
+    attach = AttachTo(ready.send_ready, coordinator, reuse, supervisor)
     engine = AsyncLLM(config, model_name, server.shutdown_timeout, client_index, attach)
     port = sock.getsockname()[1]
     code = run_server(engine, model_name, model_path, server, port, sock, shared=True)

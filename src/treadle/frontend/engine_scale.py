@@ -1,0 +1,234 @@
+"""Engines that join and leave while serving (issue 25, `POST /scale`): an API server that
+started its engines itself (`RestartMode.OWN`, `--api-server-count 1`, every engine on this
+host) changes its data-parallel size.
+
+Scale out, ranks old..N-1: the launcher starts their engine cores, which do their handshake on
+the handshake socket kept open while serving (`engine_rejoin.py:EngineJoins.handshake`) and
+connect to the request socket (their first message, a new launch, ends the wait as a restarted
+engine's does); only then does every per-rank list grow (the router, the restart state, the
+output checks, the listener's metrics, dashboard windows and health pings) and the DP
+coordinator is replaced by one for N engines on the same addresses. A start that fails
+stops what it started and leaves the size as it was.
+
+Scale in, ranks N..old-1 (the highest): they are `draining` (no new request; a request pinned
+to one gets 503), what they run finishes there; after the drain timeout what is left moves to
+the others through the resume path (`EngineRestarts.lost`: sent again with what its client
+has, so greedy text is the same). Then each process gets SIGTERM and stops cleanly (its
+`ENGINE_CORE_STOPPED` frame and exit 0 are expected, not the server's stop), the lists shrink
+and the coordinator is replaced. A `lost` rank is removed the same way, with nothing to drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
+
+from treadle.frontend.engine_state import Death, EngineState, RestartMode
+from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
+from treadle.ipc.process import ChildProcess, stop_watched
+from treadle.logger import init_logger
+
+if TYPE_CHECKING:
+    from treadle.frontend.async_client import AsyncMPClient
+
+logger = init_logger(__name__)
+
+MAX_DATA_PARALLEL_SIZE = 64
+"""The most engines `POST /scale` starts (each is a process with its model and KV cache)."""
+
+
+class ScaleRefused(ValueError):
+    """The scale cannot be done as asked (HTTP 400; `busy`: 409, try again later)."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
+
+
+class EngineScaler:
+    def __init__(self, client: AsyncMPClient) -> None:
+        self.client = client
+        self.scaling = False
+        self._retired: list[ChildProcess] = []  # stopped on purpose: their exits are expected
+
+    def retired(self, child: ChildProcess) -> bool:
+        return any(child is c for c in self._retired)
+
+    def check(self, n: int) -> None:
+        """Raise `ScaleRefused` saying what to change when this client cannot scale to `n`."""
+        client = self.client
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ScaleRefused(f"data_parallel_size must be an integer of at least 1, not {n!r}")
+        if n > MAX_DATA_PARALLEL_SIZE:
+            raise ScaleRefused(f"data_parallel_size {n} is above {MAX_DATA_PARALLEL_SIZE}")
+        launcher = client.launcher
+        if launcher is None:
+            raise ScaleRefused(
+                "this API server's engines were started by the supervisor "
+                "(--api-server-count > 1): POST /scale needs --api-server-count 1"
+            )
+        if client.mode is not RestartMode.OWN or client.joins is None:
+            raise ScaleRefused(
+                "POST /scale needs engine restarts on (--max-engine-restarts > 0): new engines "
+                "do their handshake on the socket that restarts keep open"
+            )
+        if launcher.config.parallel.multi_node:
+            raise ScaleRefused(
+                "POST /scale scales engines of this host only; some run on other hosts "
+                "(--data-parallel-size-local < --data-parallel-size): start or stop "
+                "--headless engines there instead"
+            )
+        if launcher.coordinator is None:
+            raise ScaleRefused(
+                "the server started with --data-parallel-size 1 (no DP coordinator): start it "
+                "with --data-parallel-size 2 or more to scale"
+            )
+        if self.scaling:
+            raise ScaleRefused("a scale is already under way: try again when it ends", busy=True)
+        for rank, state in enumerate(client.engine_states):
+            if state in (EngineState.RESTARTING, EngineState.RESUMING):
+                raise ScaleRefused(
+                    f"engine core {rank} is {state}: try again once /health/ready is 200",
+                    busy=True,
+                )
+
+    async def scale(self, n: int, drain_timeout: float) -> int:
+        """Scale to `n` engines; returns the size before. Raises `ScaleRefused`, or what a
+        new engine's start raised (the size is then as before)."""
+        self.check(n)
+        old = self.client.num_engines
+        if n == old:
+            return old
+        self.scaling = True
+        try:
+            if n > old:
+                await self._out(old, n)
+            else:
+                await self._in(old, n, drain_timeout)
+        finally:
+            self.scaling = False
+        return old
+
+    # -- scale out ------------------------------------------------------------------------
+
+    async def _out(self, old: int, n: int) -> None:
+        client = self.client
+        launcher, joins, monitor = client.launcher, client.joins, client.monitor
+        assert launcher is not None and joins is not None and monitor is not None
+        logger.info(
+            "Scaling out from %d to %d engines: starting EngineCore_DP%d..%d", old, n, old, n - 1
+        )
+        start = time.monotonic()
+        client.engines.resize(n)  # (their first message on the request socket is admitted)
+        hellos = {rank: client.watch.expect_hello(rank) for rank in range(old, n)}
+        children = await asyncio.to_thread(launcher.add_engines, n)
+        pids = [child.process.pid or 0 for child in children]
+        for child in children:
+            monitor.add(child)
+        try:
+            for rank, child in zip(range(old, n), children, strict=True):
+                await joins.handshake(rank, child)
+                logger.info(
+                    "Scaling out: EngineCore_DP%d (pid %d) is ready", rank, pids[rank - old]
+                )
+            await asyncio.wait_for(asyncio.gather(*hellos.values()), ENGINE_PING_TIMEOUT_S)
+        except BaseException as e:
+            logger.error("Scaling out to %d engines failed: %s; stopping the new ones", n, e)
+            self._retired.extend(children)
+            for child in children:
+                child.process.kill()
+            await asyncio.to_thread(stop_watched, children, 0.0)
+            launcher.remove_engines(old)
+            client.engines.resize(old)
+            raise
+        finally:
+            for rank in hellos:
+                client.watch.forget_hello(rank)
+        self._resize(n)
+        client.engine_pids[old:] = pids
+        await self._new_coordinator()
+        logger.info("Scaled out from %d to %d engines in %.1f s", old, n, time.monotonic() - start)
+
+    # -- scale in -------------------------------------------------------------------------
+
+    async def _in(self, old: int, n: int, drain_timeout: float) -> None:
+        client = self.client
+        restarts, router = client.restarts, client.router
+        leaving = range(n, old)
+        lost = [r for r in leaving if restarts.states[r] is EngineState.LOST]
+        for rank in leaving:
+            if rank not in lost:
+                restarts.states[rank] = EngineState.DRAINING
+            router.gone.add(rank)
+            router.down.add(rank)
+        logger.info(
+            "Scaling in from %d to %d engines: EngineCore_DP%d..%d take no new request; "
+            "draining %d request(s) (at most %.0f s)%s",
+            old,
+            n,
+            n,
+            old - 1,
+            sum(client.inflight.count(r) for r in leaving),
+            drain_timeout,
+            f"; {lost} are lost" if lost else "",
+        )
+        deadline = time.monotonic() + drain_timeout
+        while any(self._draining(r) for r in leaving) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = [r for r in leaving if self._draining(r)]
+        if left:
+            why = f"scale in: the drain timeout of {drain_timeout:.0f} s passed"
+            logger.warning("Scaling in: %s; moving what EngineCore_DP%s run", why, left)
+            await restarts.lost(left, Death(f"{why}; its requests resume on the others"))
+        await self._stop(n)
+        logger.info("Scaled in from %d to %d engines", old, n)
+
+    def _draining(self, rank: int) -> bool:
+        client = self.client
+        return client.restarts.states[rank] is EngineState.DRAINING and (
+            client.inflight.count(rank) > 0
+        )
+
+    async def _stop(self, n: int) -> None:
+        """Stop the processes of the ranks from `n` up: each that still runs gets SIGTERM
+        (what it still has was moved and aborted there), says STOPPED and exits 0."""
+        client = self.client
+        assert client.launcher is not None
+        for rank in range(n, client.num_engines):
+            client.fail_calls(rank, f"engine core {rank} was removed (POST /scale)")
+        children = client.launcher.remove_engines(n)
+        self._retired.extend(children)
+        # (By its sentinel: `is_alive` would reap it, which is the process monitor's job.)
+        running = [child for child in children if not wait([child.sentinel], 0)]
+        client.watch.expected_stops += len(running)
+        for child in running:
+            child.process.terminate()
+        await asyncio.to_thread(stop_watched, children, 30.0)
+        for child in running:
+            logger.info("Scaling in: %s stopped", child.describe())
+        self._resize(n)
+        await self._new_coordinator()
+        # A STOPPED frame comes before its exit: one not read by now never comes (killed).
+        client.watch.expected_stops = 0
+
+    # -- both -----------------------------------------------------------------------------
+
+    def _resize(self, n: int) -> None:
+        client = self.client
+        client.num_engines = n
+        client.engines.resize(n)
+        client.router.resize(n)
+        client.restarts.resize(n)
+        client.reader.num_engines = n
+        client.engine_pids = client.engine_pids[:n] + [0] * (n - len(client.engine_pids))
+        client.listener.on_resize(n)
+
+    async def _new_coordinator(self) -> None:
+        launcher, monitor = self.client.launcher, self.client.monitor
+        assert launcher is not None and launcher.coordinator is not None and monitor is not None
+        self._retired.append(launcher.coordinator)
+        new = await asyncio.to_thread(launcher.resize_coordinator)
+        monitor.add(new)
+        logger.info("The DP coordinator now counts %d engines", launcher.num_engines)
