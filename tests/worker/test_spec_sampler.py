@@ -7,30 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_sampler import CPU, make_row
 
 from treadle.worker import sampler as sampler_module
 from treadle.worker.sampler import Sampler, SamplingRow
-
-CPU = torch.device("cpu")
-
-
-def make_row(**changes: object) -> SamplingRow:
-    fields: dict[str, object] = dict(
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        presence_penalty=0.0,
-        frequency_penalty=0.0,
-        repetition_penalty=1.0,
-        logprobs=None,
-        prompt_token_ids=[0],
-        output_token_ids=[],
-        banned_token_ids=[],
-        generator=None,
-    )
-    fields.update(changes)
-    return SamplingRow(**fields)  # type: ignore[arg-type]
 
 
 def chi_square_p(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
