@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.config import EngineConfig
-from treadle.ipc.process import ReadyPipe, parent_gone
+from treadle.ipc.process import ReadyPipe, at_parent_death, parent_gone
 from treadle.ipc.shm_broadcast import (
     Handle,
     MessageQueue,
@@ -105,6 +105,16 @@ def run_worker(
     worker.link = link
     worker.load_model()
     replies = MessageQueue(1, 1)
+    # With the engine core gone (killed -9) nobody else removes its broadcast segment, and
+    # this worker may be cut short (`os._exit` after the grace period) before its `finally`
+    # removes its own reply queue: remove both as soon as the death pipe closes.
+    orphans = [replies.export_handle()] + ([broadcast_handle] if rank == 0 else [])
+
+    def remove_orphans() -> None:
+        for handle in orphans:
+            remove_orphaned_queue(handle)
+
+    at_parent_death(remove_orphans)
     ready.send_ready(replies.export_handle())
     requests = MessageQueue.create_from_handle(broadcast_handle, rank)
     requests.wait_until_ready()
@@ -116,8 +126,8 @@ def run_worker(
         requests.close()
         replies.close()
         # The engine core created the broadcast segment; if it died (killed -9), nobody else
-        # will remove it.
-        if rank == 0 and os.getppid() != parent:
+        # will remove it. (The death pipe closes before this process is given a new parent.)
+        if rank == 0 and (parent_gone() or os.getppid() != parent):
             remove_orphaned_queue(broadcast_handle)
         if link is not None:
             link.close()
