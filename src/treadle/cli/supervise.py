@@ -38,6 +38,7 @@ import msgspec
 import zmq
 
 from treadle import envs
+from treadle.cli.supervised_desk import SupervisorDesk
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
@@ -56,7 +57,7 @@ from treadle.ipc.process import (
 )
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.wire.control import DeathReport, EnginesLost, decode_death_report
+from treadle.wire.control import DeathReport, EnginesLost
 
 logger = init_logger(__name__)
 
@@ -136,8 +137,7 @@ class _Restarts:
         self.addresses: list[list[str]] = []  # what each reported: router, pull, key
         self.monitor: ProcessMonitor | None = None
         self.lost: dict[int, str] = {}  # engine rank -> why (told to the API servers)
-        self.reports: zmq.Socket[Any] | None = None  # engines' death reports (API server 0)
-        self._reports: dict[int, DeathReport] = {}
+        self.desk: SupervisorDesk | None = None  # API server 0's reports; the handshake
 
     def restartable(self, child: ChildProcess) -> bool:
         launcher = self.launcher
@@ -182,20 +182,9 @@ class _Restarts:
     def _report_of(self, rank: int, exitcode: int | None) -> DeathReport | None:
         """The engine's own death report, which API server 0 hands on (an engine that raised
         sends it just before its exit 1: waited for 0.5 s)."""
-        sock = self.reports
-        if sock is None:
+        if self.desk is None:
             return None
-        deadline = time.monotonic() + (0.5 if exitcode == 1 else 0.0)
-        while rank not in self._reports:
-            if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                break
-            try:
-                report = decode_death_report(sock.recv())
-            except Exception as e:  # (bounded and checked: an API server is ours)
-                logger.warning("Dropped a malformed death report: %s", e)
-                continue
-            self._reports[report.engine_index] = report
-        return self._reports.pop(rank, None)
+        return self.desk.report_of(rank, 0.5 if exitcode == 1 else 0.0)
 
     def _engine_failed(self, rank: int, why: str) -> None:
         """An engine core could not be started again (its restart failed, or the budget is
@@ -245,6 +234,10 @@ class _Restarts:
         launcher = self.launcher
         rank = self._rank(child)
         assert rank is not None
+        if self.desk is not None and self.desk.desk is not None:  # (the handshake kept open)
+            new = launcher.start_again(rank)
+            self.desk.handshake(rank, new, launcher.check_started)
+            return new
         ctx: zmq.Context[Any] = zmq.Context()
         try:
             return launcher.restart_engine(rank, ctx, *_split(self.addresses))
@@ -321,6 +314,7 @@ def run_api_servers(
     api_servers: list[ChildProcess] = []
     addresses: list[list[str]] = []
     notes = _LostNotes(count)
+    desk: SupervisorDesk | None = None
     report_ctx: zmq.Context[Any] = zmq.Context()
     try:
         launcher = EngineLauncher(config, args.shutdown_timeout)
@@ -345,11 +339,9 @@ def run_api_servers(
         api_servers = restarts.api_servers  # the same list: a restart replaces its entry
         api_servers.extend(start_api_server(index, None) for index in range(count))
         addresses = wait_for_ready(api_servers, timeout)
-        ctx: zmq.Context[Any] = zmq.Context()
-        try:
-            launcher.handshake(ctx, *_split(addresses), watch=api_servers)
-        finally:
-            ctx.term()
+        # With engines on other hosts, the handshake socket stays open (`supervised_desk.py`).
+        remote = config.parallel.multi_node
+        launcher.handshake(report_ctx, *_split(addresses), watch=api_servers, keep=remote)
         logger.info(
             "%d API servers listening on http://%s:%d; %d engine core(s) ready",
             count,
@@ -362,7 +354,9 @@ def run_api_servers(
             report_ctx, reports_address(notes.addresses[0]), zmq.PULL, False, linger=0,
             options=inbound_options(),
         )  # fmt: skip
-        restarts.reports = reports
+        desk = SupervisorDesk(reports, launcher.desk, lambda: launcher.local_ranks)
+        desk.start()
+        restarts.desk = desk
         monitor = ProcessMonitor([*api_servers, *launcher.children], stop.on_death)
         restarts.monitor = monitor
         stop.wait(restarts.restart)
@@ -375,6 +369,8 @@ def run_api_servers(
         # The engines abort what still runs after --shutdown-timeout (SIGUSR1: a graceful
         # stop) and answer it, which ends the API servers' streams; the API servers stop
         # meanwhile, then the engines and the coordinator are shut down.
+        if desk is not None:
+            desk.close()
         if launcher is not None:
             signal_children(launcher.engines, signal.SIGUSR1)
         for child in api_servers:

@@ -39,7 +39,7 @@ from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, signal_children
 from treadle.ipc.zmq_utils import make_zmq_socket
 from treadle.logger import init_logger
-from treadle.wire.control import DeathReport
+from treadle.wire.control import LOST_ENGINES
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 
 logger = init_logger(__name__)
@@ -159,7 +159,9 @@ class AsyncMPClient(MPClient):
                     self.ctx, reports_address(self._supervisor_notes), zmq.PUSH, True, linger=0
                 )
                 self._reports_out = out
-                self.watch.forward = lambda report: _send_quietly(out, report)
+                self.watch.forward = lambda report: _send_quietly(out, [report])
+                send_lost = lambda note: _send_quietly(out, [LOST_ENGINES, note])  # noqa: E731
+                self.spawn(self.watch.report_lost(send_lost), "lost-engine reports")
         if self._pending_end is not None:  # an engine ended before the loop ran
             self._end(*self._pending_end)
         self._chain_stop_signals()
@@ -408,14 +410,16 @@ class AsyncMPClient(MPClient):
 
 
 def reports_address(notes: str) -> str:
-    """Where API server 0 of a supervisor binds the PUSH of its engines' death reports (the
-    supervisor's PULL connects): beside its notes' SUB."""
+    """Where API server 0 of a supervisor binds the PUSH of its engines' death reports (one
+    frame: a `DeathReport`) and of the engines lost here (`[LOST_ENGINES, EnginesLost]`);
+    the supervisor's PULL connects. Beside its notes' SUB."""
     return f"{notes}-reports"
 
 
-def _send_quietly(sock: zmq.Socket[Any], report: DeathReport) -> None:
+def _send_quietly(sock: zmq.Socket[Any], parts: list[bytes | msgspec.Struct]) -> None:
+    frames = [p if isinstance(p, bytes) else msgspec.msgpack.encode(p) for p in parts]
     with contextlib.suppress(zmq.Again):  # (the supervisor reads it, or nobody needs it)
-        sock.send(msgspec.msgpack.encode(report), zmq.NOBLOCK)
+        sock.send_multipart(frames, zmq.NOBLOCK)
 
 
 def stop_this_process(reason: str) -> None:

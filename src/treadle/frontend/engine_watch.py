@@ -33,7 +33,13 @@ from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.inbound import DropLog
 from treadle.ipc.process import ChildProcess, describe_exit
 from treadle.logger import init_logger
-from treadle.wire.control import ENGINE_CORE_STOPPED, DeathReport, EnginesLost
+from treadle.wire.control import (
+    ENGINE_CORE_STOPPED,
+    MAX_ERROR_CHARS,
+    MAX_LINE_CHARS,
+    DeathReport,
+    EnginesLost,
+)
 
 logger = init_logger(__name__)
 _decode_lost = msgspec.msgpack.Decoder(EnginesLost).decode
@@ -298,6 +304,19 @@ class EngineWatch:
                     death = Death(cause, self.reports.pop(rank, None))
                     await self.restarts.lost([rank], death)
 
+    async def report_lost(self, send: Callable[[EnginesLost], None]) -> None:
+        """(API server 0 of a supervisor.) Every half second, the engines lost here: the
+        supervisor answers an engine of another host that rejoins a rank only once that rank
+        is lost (`cli/supervised_desk.py`)."""
+        limit = MAX_ERROR_CHARS + MAX_LINE_CHARS
+        while True:
+            await asyncio.sleep(0.5)
+            states, deaths = self.restarts.states, self.restarts.last_death
+            ranks = [r for r, state in enumerate(states) if state is EngineState.LOST]
+            if ranks:
+                causes = [_cause_of(deaths[r])[:limit] for r in ranks]
+                send(EnginesLost(ranks, causes))
+
     # -- the stall watch ------------------------------------------------------------------
 
     async def watch_stalls(self) -> None:
@@ -405,3 +424,7 @@ def running(process: psutil.Process | None) -> bool:
         )
     except psutil.Error:
         return False
+
+
+def _cause_of(death: Death | None) -> str:
+    return death.cause if death is not None else "lost"

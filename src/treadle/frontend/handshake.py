@@ -127,6 +127,10 @@ class HandshakeDesk:
         refusal = Handshake("REFUSED", rank=hello.rank, reason=reason)
         self.outbox.append([hello.peer, msgspec.msgpack.encode(refusal)])
 
+    def joining(self, rank: int) -> bool:
+        """Whether an engine of `rank` was answered and has not said READY yet."""
+        return rank in self._greeted and rank not in self.ready
+
     def take(self) -> list[list[bytes]]:
         """The replies to send now (the caller owns the socket's sends: sync, or asyncio)."""
         out, self.outbox = self.outbox, []
