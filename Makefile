@@ -46,7 +46,7 @@ chromium:
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 pytest: install chromium
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=40 $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

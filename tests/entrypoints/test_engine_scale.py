@@ -147,6 +147,12 @@ def test_scale_out_and_in_under_16_streams_changes_no_text(server: RemoteServer)
     assert httpx.get(srv.url + "/health/ready", timeout=10).status_code == 200
     assert "Scaled in from 3 to 2 engines" in srv.output()
     assert "stopping" not in srv.output().split("Scaled out from 2 to 3")[1]  # it serves on
+    # The removed engine runs nothing: its gauges say 0 (its counters keep their totals).
+    metrics = httpx.get(srv.url + "/metrics", headers=AUTH, timeout=30).text
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        series = [line for line in metrics.splitlines() if line.startswith(f"vllm:{gauge}{{")]
+        removed = [line for line in series if 'engine="2"' in line]
+        assert removed and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in removed), series
 
 
 def test_a_drain_timeout_moves_the_requests_and_the_text_stays(server: RemoteServer) -> None:

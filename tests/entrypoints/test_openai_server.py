@@ -455,25 +455,3 @@ def test_serve_tp4_runs_six_processes_and_a_dead_worker_takes_it_down(
     assert srv.proc.wait(30) != 0
     assert_no_leftovers(srv, pids)
     assert {n for n in os.listdir("/dev/shm") if n.startswith("treadle")} <= shm_before
-
-
-@pytest.mark.slow
-def test_serve_tp3_on_the_default_model_gives_the_tokens_of_tp1(
-    server: RemoteServer, server_factory
-) -> None:  # type: ignore[no-untyped-def]
-    """SmolLM2-135M: 9 heads and 3 KV heads split evenly over 3 ranks."""
-    tp3 = server_factory(["--max-model-len", "512", "-tp", "3"])
-    workers = [f"treadle::Worker_TP{r}" for r in range(3)]
-    assert treadle_titles(tp3) == sorted(
-        ["treadle::APIServer_0", "treadle::EngineCore_DP0", *workers]
-    )
-    for i in range(8):
-        body = {
-            "prompt": [100 + 37 * i + j for j in range(20 + 4 * i)],
-            "max_tokens": 12,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        one = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
-        three = httpx.post(tp3.url + "/v1/completions", json=body, timeout=120).json()
-        assert three["choices"][0]["text"] == one["choices"][0]["text"]

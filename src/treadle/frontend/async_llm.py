@@ -383,8 +383,11 @@ class AsyncLLM:
 
     def on_resize(self, num_engines: int) -> None:
         """Engines added (their metrics, dashboard windows and health pings start) or the
-        highest removed (their metrics keep their last values; their pings end)."""
+        highest removed (their counters keep their totals, their gauges go to 0; their pings
+        end)."""
         old, n = len(self.stat_loggers), num_engines
+        for removed in self.stat_loggers[n:]:
+            removed.retire()
         del self.stat_loggers[n:]
         for engine in range(old, n):
             stat_logger = StatLogger(

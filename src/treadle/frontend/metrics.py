@@ -248,6 +248,12 @@ class StatLogger:
                 self.m[name].inc(delta)
         self._last = stats
 
+    def retire(self) -> None:
+        """The engine was removed (`POST /scale`): it runs nothing and holds no KV cache. Its
+        counters keep their totals (a sum over engines must not drop)."""
+        for gauge in ("running", "waiting", "kv_usage"):
+            self.m[gauge].set(0)
+
     def record_event(self, kind: str, count: int) -> None:
         """An engine restart event: "restarted", "resumed" or "poisoned" (requests)."""
         if kind == "restarted" and not self.count_engine_totals:
