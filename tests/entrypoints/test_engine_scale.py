@@ -150,7 +150,7 @@ def test_scale_out_and_in_under_16_streams_changes_no_text(server: RemoteServer)
     # The removed engine runs nothing: its gauges say 0 (its counters keep their totals).
     metrics = httpx.get(srv.url + "/metrics", headers=AUTH, timeout=30).text
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        series = [line for line in metrics.splitlines() if line.startswith(f"vllm:{gauge}{{")]
+        series = [line for line in metrics.splitlines() if line.startswith(f"treadle:{gauge}{{")]
         removed = [line for line in series if 'engine="2"' in line]
         assert removed and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in removed), series
 
