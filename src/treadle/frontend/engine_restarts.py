@@ -27,7 +27,7 @@ mode is `RestartMode`, set once per client:
 | pid watch (psutil), FOLLOW | the supervisor's engine's pid is gone | `down` | new requests wait, its requests are staged |
 | hello of a new launch, FOLLOW | the supervisor restarted it | `down` (if not seen), `back` | staged requests resume one at a time |
 | hello of a new launch, OWN | our restart's new process | (ends `restart_child`) | `back` |
-| hello of a new launch, OWN | a lost remote rank's new engine (`engine_rejoin.py` took its handshake) | `rejoined` | back in the routing |
+| hello of a new launch, OWN or FOLLOW | a lost remote rank's new engine (`engine_rejoin.py`, or the supervisor's `cli/supervised_desk.py`, took its handshake) | `rejoined` | back in the routing |
 | peer disconnect + ping | a peer left the request socket and an engine that no process watch here covers does not answer in 10 s | `lost` | its requests resume on the others; OFF or none left: client dead |
 | stall watch | requests but no finished step | `stall` | past --engine-stall-timeout not ready; past --engine-stall-kill-timeout killed where this host restarts it (OWN; FOLLOW: API server 0 only), once per process: the sentinel or pid watch reports the death |
 | a background task raises | a bug in a reader | client dead | as above |
