@@ -104,7 +104,7 @@ class RayWorker:
         engine core is on this node, else its tcp XPUB)."""
         parallel = config.parallel
         title = worker_title(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-        set_process_title(title)
+        _set_title(title)
         self.worker = start_worker(config, rank, parallel.world_size, store, stage_addresses)
         self.replies = MessageQueue(1, 1) if local else MessageQueue(1, 0, connect_ip=get_ip())
         self.args = (rank, title, broadcast_handle)
@@ -114,7 +114,7 @@ class RayWorker:
         """Serve the broadcast queue until STOP_WORKER (or its shutdown)."""
         assert self.worker is not None and self.replies is not None and self.args is not None
         rank, title, handle = self.args
-        set_process_title(title)  # Ray titles the process after each call it starts
+        _set_title(title)  # Ray titles the process after each call it starts
         requests = MessageQueue.create_from_handle(handle, rank)
         try:
             requests.wait_until_ready()
@@ -127,6 +127,15 @@ class RayWorker:
                 self.worker.link.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _set_title(title: str) -> None:
+    """`treadle::Worker_TP<r>` in `ps`, as under mp: Ray titles its workers with its own copy of
+    setproctitle, which the setproctitle package's call does not override."""
+    set_process_title(title)
+    ray_title = getattr(ray._raylet, "setproctitle", None)
+    if ray_title is not None:
+        ray_title(f"treadle::{title}")
 
 
 def connect_ray() -> bool:
