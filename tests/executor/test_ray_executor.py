@@ -211,6 +211,11 @@ def test_two_hosts_serve_the_same_text_across_a_lost_node_and_name_it_once_gone(
             for c in rank1.net_connections("tcp")
         )
         assert _worker(cluster, "Worker_TP0").environ()["TREADLE_HOST_IP"] != "127.0.0.2"
+        topology = httpx.get(srv.url + "/topology", timeout=30).json()
+        workers = {p["title"]: p for p in topology["processes"] if p["role"] == "Worker"}
+        assert workers["Worker_TP1"]["host"] == "127.0.0.2"
+        assert workers["Worker_TP1"]["pid"] == rank1.pid
+        assert workers["Worker_TP0"]["ray_node_id"] != workers["Worker_TP1"]["ray_node_id"] != ""
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             seen: list[list[int]] = [[] for _ in prompts]
             futures = [

@@ -29,6 +29,7 @@ import torch
 
 from treadle import envs
 from treadle.config import EngineConfig, pp_layer_partition
+from treadle.ipc.proc_info import dead_process, process_info
 from treadle.ipc.process import (
     ChildProcess,
     ProcessMonitor,
@@ -47,6 +48,7 @@ from treadle.ipc.shm_broadcast import (
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, remove_ipc_files
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
+from treadle.wire.topology import ProcessInfo
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.worker_proc import STOP_WORKER, run_worker, worker_title
 
@@ -183,6 +185,15 @@ class MultiprocExecutor:
         self.failure_callback = failure_callback
         self.reply_queues = []
         self.reply_handles = []
+
+    def worker_processes(self) -> list[ProcessInfo]:
+        """The workers as /topology shows them."""
+        infos = []
+        for rank, worker in enumerate(self.workers):
+            name = worker_title(rank, self.tp_size, self.pp_size)
+            info = process_info(worker.pid, name) if worker.pid else None
+            infos.append(info or dead_process(name, worker.pid))
+        return infos
 
     def _on_worker_death(self, child: ChildProcess) -> None:
         self.stopped = child.exitcode == 0

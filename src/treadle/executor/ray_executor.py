@@ -55,11 +55,13 @@ from treadle import envs
 from treadle.config import EngineConfig
 from treadle.executor.multiproc import MultiprocExecutor
 from treadle.ipc import cluster_auth
+from treadle.ipc.proc_info import process_info
 from treadle.ipc.process import set_process_title
 from treadle.ipc.shm_broadcast import Handle, MessageQueue, remove_orphaned_queue
 from treadle.ipc.zmq_utils import get_ip, get_open_zmq_ipc_path, remove_ipc_files
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
+from treadle.wire.topology import ProcessInfo
 from treadle.worker.worker import Worker
 from treadle.worker.worker_proc import STOP_WORKER, busy_loop, start_worker, worker_title
 
@@ -196,6 +198,7 @@ class RayExecutor(MultiprocExecutor):
         self._pg: PlacementGroup | None = None
         self._store: dist.TCPStore | None = None
         self._closing = False
+        self._here = ""  # this engine core's Ray node
         self._watcher: threading.Thread | None = None
         self._dist_file = ""  # (the base class's; this executor meets at a TCPStore)
         self._connected = connect_ray()
@@ -234,7 +237,7 @@ class RayExecutor(MultiprocExecutor):
         threads = config.parallel.model_threads()
         pg, placed = self._place(threads)
         nodes = alive_nodes()
-        here = ray.get_runtime_context().get_node_id()
+        self._here = here = ray.get_runtime_context().get_node_id()
         driver_ip = nodes.get(here) or get_ip()
         for rank, (_, node) in enumerate(placed):
             title = worker_title(rank, self.tp_size, self.pp_size)
@@ -334,6 +337,22 @@ class RayExecutor(MultiprocExecutor):
                     f"{self.ranks[rank].describe()} failed to {what}: {_cause(e)}"
                 ) from None
         return results
+
+    def worker_processes(self) -> list[ProcessInfo]:
+        """Ranks on this node as psutil sees them, the others as Ray placed them; each with its
+        Ray node and, as parent, this engine core (the actors' owner)."""
+        infos = []
+        for rank in self.ranks:
+            info = process_info(rank.pid, rank.title) if rank.node_id == self._here else None
+            if info is None:
+                dead = self.failure is not None and self.failure.startswith(rank.describe())
+                info = ProcessInfo(
+                    title=rank.title, pid=rank.pid, host=rank.ip, status="dead" if dead else ""
+                )
+            info.ppid = os.getpid()
+            info.ray_node_id = rank.node_id
+            infos.append(info)
+        return infos
 
     # -- liveness -------------------------------------------------------------------------
 
