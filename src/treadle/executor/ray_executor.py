@@ -200,7 +200,6 @@ class RayExecutor(MultiprocExecutor):
         self._closing = False
         self._here = ""  # this engine core's Ray node
         self._watcher: threading.Thread | None = None
-        self._dist_file = ""  # (the base class's; this executor meets at a TCPStore)
         self._connected = connect_ray()
         try:
             self._start(config)
