@@ -375,6 +375,8 @@ def make_executor(
     actor per rank with --distributed-executor-backend ray), whose death is reported to
     `on_failure(reason, stopped)`."""
     if config.parallel.world_size == 1:
+        if config.parallel.distributed_executor_backend == "ray":
+            logger.info("One rank: the model runs in the engine core; Ray has nothing to place")
         return UniProcExecutor(config)
     arch = read_arch(resolve_model(config.model.model))
     parallel = config.parallel
