@@ -139,6 +139,9 @@ class SchedulerConfig:
     """Most tokens in one step (prefill chunks and decodes together)."""
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -161,6 +164,8 @@ class ParallelConfig:
     """A file holding the cluster secret (at least 16 bytes, the same file on every host): every tcp socket between treadle's processes then speaks ZMQ CURVE with keys derived from it, and a peer without it is refused and logged (TREADLE_CLUSTER_SECRET holds the secret itself instead). Required when engines on other hosts reach the front end over a non-loopback address."""
     insecure_cluster: bool = False
     """Accept sockets that face other hosts without a cluster secret: anyone who reaches the ports can talk to the engines."""
+    distributed_executor_backend: str = "mp"
+    """What starts and watches the tensor/pipeline-parallel workers: mp (a process per rank on this host) or ray (a Ray actor per rank, placed by a placement group on the Ray cluster at RAY_ADDRESS, else the one running on this host, else a local one started for this engine core; pip install 'treadle[ray]'). Ray places the workers; the steps still go through the shared-memory queue (TCP to other nodes)."""
 
     @property
     def world_size(self) -> int:
@@ -218,6 +223,20 @@ class ParallelConfig:
             )
         envs.host_ip()  # a bad TREADLE_HOST_IP is a start-up error, not a socket's
         self.check_cluster_secret()
+        self.check_executor_backend()
+
+    def check_executor_backend(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"--distributed-executor-backend {backend!r}: choose one of "
+                f"{', '.join(EXECUTOR_BACKENDS)}"
+            )
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "--distributed-executor-backend ray needs Ray, which is not installed: "
+                "pip install 'treadle[ray]'"
+            )
 
     def check_cluster_secret(self) -> None:
         """Sockets that face another host need the cluster secret (or --insecure-cluster)."""

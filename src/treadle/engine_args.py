@@ -237,6 +237,9 @@ class EngineArgs:
     cpu_threads: int | None = arg(None, group="parallel", area=ParallelConfig)
     cluster_secret_file: str | None = arg(None, group="parallel", area=ParallelConfig)
     insecure_cluster: bool = arg(False, group="parallel", area=ParallelConfig)
+    distributed_executor_backend: str = arg(
+        ParallelConfig.distributed_executor_backend, group="parallel", area=ParallelConfig
+    )
     max_num_seqs: int = arg(SchedulerConfig.max_num_seqs, group="scheduler", area=SchedulerConfig)
     max_num_batched_tokens: int = arg(
         SchedulerConfig.max_num_batched_tokens, group="scheduler", area=SchedulerConfig
@@ -352,6 +355,7 @@ class EngineArgs:
                 self.cpu_threads,
                 cluster_secret_file=self.cluster_secret_file,
                 insecure_cluster=self.insecure_cluster,
+                distributed_executor_backend=self.distributed_executor_backend,
             ),
             frontend=replace(
                 frontend or FrontendConfig(), disable_log_stats=self.disable_log_stats
@@ -410,9 +414,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
     "max_seq_len_to_capture": VllmArg("there are no CUDA graphs to capture"),
     "compilation_config": VllmArg(
         "nothing is compiled by torch.compile", flags=("-O", "--compilation-config")
-    ),
-    "distributed_executor_backend": VllmArg(
-        "tensor- and pipeline-parallel workers are always processes (mp)", fine=("mp",)
     ),
     "tokenizer_mode": VllmArg("the Hugging Face fast tokenizer is used", fine=("auto",)),
     "load_format": VllmArg(

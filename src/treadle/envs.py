@@ -99,6 +99,12 @@ def execute_model_timeout_seconds() -> int:
     return _int("TREADLE_EXECUTE_MODEL_TIMEOUT_SECONDS", 300)
 
 
+def ray_placement_timeout_s() -> float:
+    """--distributed-executor-backend ray: how long the workers' placement group may wait for
+    room on the cluster before start-up fails (naming `ray status`)."""
+    return float(os.environ.get("TREADLE_RAY_PLACEMENT_TIMEOUT_S") or 60)
+
+
 def pp_layer_partition() -> str | None:
     """vLLM's VLLM_PP_LAYER_PARTITION: decoder layers per pipeline stage, e.g. "10,10,10"."""
     return os.environ.get("TREADLE_PP_LAYER_PARTITION") or None

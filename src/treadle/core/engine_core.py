@@ -371,14 +371,21 @@ class EngineCore:
 def make_executor(
     config: EngineConfig, on_failure: Callable[[str, bool], None] | None = None
 ) -> UniProcExecutor | MultiprocExecutor:
-    """World size 1: the worker lives here. Otherwise one worker process per rank, whose
-    death is reported to `on_failure(reason, stopped)`."""
+    """World size 1: the worker lives here. Otherwise one worker process per rank (or one Ray
+    actor per rank with --distributed-executor-backend ray), whose death is reported to
+    `on_failure(reason, stopped)`."""
     if config.parallel.world_size == 1:
+        if config.parallel.distributed_executor_backend == "ray":
+            logger.info("One rank: the model runs in the engine core; Ray has nothing to place")
         return UniProcExecutor(config)
     arch = read_arch(resolve_model(config.model.model))
     parallel = config.parallel
     check_parallel_layout(arch, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
+    if parallel.distributed_executor_backend == "ray":
+        from treadle.executor.ray_executor import RayExecutor  # Ray is an optional dependency
+
+        return RayExecutor(config, arch, max_model_len, on_failure)
     return MultiprocExecutor(config, arch, max_model_len, on_failure)
 
 

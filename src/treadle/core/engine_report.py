@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from treadle.executor.multiproc import MultiprocExecutor, worker_title
-from treadle.ipc.proc_info import host_name, parent_title, process_info
+from treadle.executor.multiproc import MultiprocExecutor
+from treadle.ipc.proc_info import dead_process, parent_title, process_info
 from treadle.ipc.shm_broadcast import Handle
-from treadle.wire.topology import EngineChannels, EngineReport, ProcessInfo, QueueInfo
+from treadle.wire.topology import EngineChannels, EngineReport, QueueInfo
 
 if TYPE_CHECKING:
     from treadle.core.engine_core import EngineCore
@@ -30,22 +30,15 @@ def queue_info(handle: Handle) -> QueueInfo | None:
     )
 
 
-def _dead(title: str, pid: int | None) -> ProcessInfo:
-    return ProcessInfo(title=title, pid=pid or 0, host=host_name(), status="dead")
-
-
 def engine_report(engine: EngineCore, channels: EngineChannels | None) -> EngineReport:
     title = f"EngineCore_DP{engine.engine_index}"
-    processes = [process_info(os.getpid(), title) or _dead(title, os.getpid())]
+    processes = [process_info(os.getpid(), title) or dead_process(title, os.getpid())]
     report = EngineReport(
         dp_rank=engine.engine_index, processes=processes, channels=channels or EngineChannels()
     )
     executor = engine.executor
     if isinstance(executor, MultiprocExecutor):
-        for rank, worker in enumerate(executor.workers):
-            name = worker_title(rank, executor.tp_size, executor.pp_size)
-            info = process_info(worker.pid, name) if worker.pid else None
-            processes.append(info or _dead(name, worker.pid))
+        processes.extend(executor.worker_processes())
         report.broadcast = queue_info(executor.broadcast.export_handle())
         report.worker_replies = [q for h in executor.reply_handles if (q := queue_info(h))]
         report.collective_backend = executor.collective_backend

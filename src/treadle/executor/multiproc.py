@@ -29,6 +29,7 @@ import torch
 
 from treadle import envs
 from treadle.config import EngineConfig, pp_layer_partition
+from treadle.ipc.proc_info import dead_process, process_info
 from treadle.ipc.process import (
     ChildProcess,
     ProcessMonitor,
@@ -47,6 +48,7 @@ from treadle.ipc.shm_broadcast import (
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, remove_ipc_files
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
+from treadle.wire.topology import ProcessInfo
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.worker_proc import STOP_WORKER, run_worker, worker_title
 
@@ -108,6 +110,9 @@ class PendingStep:
 
 
 class MultiprocExecutor:
+    reply_queues: list[MessageQueue]
+    reply_handles: list[Handle]
+
     def __init__(
         self,
         config: EngineConfig,
@@ -115,27 +120,13 @@ class MultiprocExecutor:
         max_model_len: int,
         failure_callback: Callable[[str, bool], None] | None = None,
     ) -> None:
-        self.world_size = config.parallel.world_size
-        self.tp_size = config.parallel.tensor_parallel_size
-        self.pp_size = config.parallel.pipeline_parallel_size
-        self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first rank
-        self._pending: collections.deque[PendingStep] = collections.deque()
+        self._init_state(config, arch, max_model_len, failure_callback)
         # Where each rank of a stage after the first receives the previous stage's output.
         self.stage_addresses: list[str | None] = [
             get_open_zmq_ipc_path() if self.pp_size > 1 and rank >= self.tp_size else None
             for rank in range(self.world_size)
         ]
-        # What the workers' collectives run on (`run_worker` picks the same), for /topology.
-        self.collective_backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.max_model_len = max_model_len
-        self.arch = arch
-        self.failure: str | None = None
-        self.stopped = False  # the failure is a worker that exited 0
-        # Told at once when a worker dies, even while idle: `failure_callback(reason, stopped)`.
-        self.failure_callback = failure_callback
         self.workers: list[ChildProcess] = []
-        self.reply_queues: list[MessageQueue] = []
-        self.reply_handles: list[Handle] = []
         self.monitor: ProcessMonitor | None = None
         fd, self._dist_file = tempfile.mkstemp(prefix="treadle-dist-")
         os.close(fd)
@@ -171,6 +162,39 @@ class MultiprocExecutor:
             raise
         self.monitor = ProcessMonitor(self.workers, self._on_worker_death)
 
+    def _init_state(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        max_model_len: int,
+        failure_callback: Callable[[str, bool], None] | None,
+    ) -> None:
+        """What the calls below rely on, whoever starts the workers (`RayExecutor` too)."""
+        self.world_size = config.parallel.world_size
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first rank
+        self._pending: collections.deque[PendingStep] = collections.deque()
+        # What the workers' collectives run on (`run_worker` picks the same), for /topology.
+        self.collective_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.max_model_len = max_model_len
+        self.arch = arch
+        self.failure: str | None = None
+        self.stopped = False  # the failure is a worker that exited 0
+        # Told at once when a worker dies, even while idle: `failure_callback(reason, stopped)`.
+        self.failure_callback = failure_callback
+        self.reply_queues = []
+        self.reply_handles = []
+
+    def worker_processes(self) -> list[ProcessInfo]:
+        """The workers as /topology shows them."""
+        infos = []
+        for rank, worker in enumerate(self.workers):
+            name = worker_title(rank, self.tp_size, self.pp_size)
+            info = process_info(worker.pid, name) if worker.pid else None
+            infos.append(info or dead_process(name, worker.pid))
+        return infos
+
     def _on_worker_death(self, child: ChildProcess) -> None:
         self.stopped = child.exitcode == 0
         verb = "stopped" if self.stopped else "died"
@@ -192,6 +216,14 @@ class MultiprocExecutor:
                 return False
             time.sleep(0.05)
         return self.stopped
+
+    def _dead_workers(self) -> list[str]:
+        """'<worker> died: <how>' for each worker known to be dead."""
+        return [
+            f"{w.describe()} died: {describe_exit(code)}"
+            for w in self.workers
+            if (code := w.exitcode) not in (None, 0)
+        ]
 
     def _failed(self) -> RuntimeError:
         if self.stopped:
@@ -222,11 +254,7 @@ class MultiprocExecutor:
         if not ok:
             if self._a_worker_stopped():  # a collective cut short by a rank that left
                 raise ExecutorStoppedError(self.failure)
-            dead = [
-                f"{w.describe()} died: {describe_exit(code)}"
-                for w in self.workers
-                if (code := w.exitcode) not in (None, 0)
-            ]
+            dead = self._dead_workers()
             title = worker_title(rank, self.tp_size, self.pp_size)
             if dead:  # what cut its collective short comes first
                 raise RuntimeError(f"the executor failed: {'; '.join(dead)} ({title}: {result})")

@@ -91,6 +91,11 @@ def process_info(pid: int, title: str | None = None) -> ProcessInfo | None:
         return None
 
 
+def dead_process(title: str, pid: int | None) -> ProcessInfo:
+    """A process of ours that is gone, as /topology shows it."""
+    return ProcessInfo(title=title, pid=pid or 0, host=host_name(), status="dead")
+
+
 def treadle_tree(root: int) -> list[ProcessInfo]:
     """`root` and its descendants that carry a treadle title, `root` first."""
     try:

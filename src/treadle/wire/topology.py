@@ -20,6 +20,7 @@ class ProcessInfo(msgspec.Struct, kw_only=True):
     rss_bytes: int = 0
     cpu_percent: float = 0.0  # since the previous look at it by the same process (0 at first)
     status: str = ""  # psutil's: running, sleeping, zombie, ...
+    ray_node_id: str = ""  # a Ray worker actor's node (its ppid is then its owner's pid)
 
 
 class QueueInfo(msgspec.Struct, kw_only=True):

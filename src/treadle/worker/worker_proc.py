@@ -81,29 +81,8 @@ def run_worker(
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(config.parallel.model_threads())
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo",
-        init_method=dist_init,
-        rank=rank,
-        world_size=world_size,
-    )
-    tp = config.parallel.tensor_parallel_size
-    pp = config.parallel.pipeline_parallel_size
-    pp_rank, tp_rank = divmod(rank, tp)
-    init_parallel(tp_rank, tp, pp_rank, pp, make_groups=True)
-    link = None
-    if pp > 1 and stage_addresses is not None:
-        link = StageLink(
-            stage_addresses[rank], stage_addresses[rank + tp] if pp_rank < pp - 1 else None
-        )
-    worker = Worker(config, rank)
-    worker.link = link
-    worker.load_model()
+    worker = start_worker(config, rank, world_size, dist_init, stage_addresses)
+    link = worker.link
     replies = MessageQueue(1, 1)
     # With the engine core gone (killed -9) nobody else removes its broadcast segment, and
     # this worker may be cut short (`os._exit` after the grace period) before its `finally`
@@ -121,7 +100,7 @@ def run_worker(
     replies.wait_until_ready()
     serving = True
     try:
-        _busy_loop(worker, rank, title, requests, replies)
+        busy_loop(worker, rank, title, requests, replies)
     finally:
         requests.close()
         replies.close()
@@ -135,7 +114,44 @@ def run_worker(
             dist.destroy_process_group()
 
 
-def _busy_loop(
+def start_worker(
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    dist_init: str | tuple[str, int],
+    stage_addresses: list[str | None] | None = None,
+) -> Worker:
+    """Join the torch.distributed group, link to the neighbouring stages, load this rank's
+    shard. `dist_init`: an init method (`file://...`), or the (host, port) of a `TCPStore`
+    that the executor hosts (every rank connects to it as a client: no port is probed)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(config.parallel.model_threads())
+    backend = "nccl" if device == "cuda" else "gloo"
+    if isinstance(dist_init, tuple):
+        host, port = dist_init
+        store = dist.TCPStore(host, port, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
+    tp = config.parallel.tensor_parallel_size
+    pp = config.parallel.pipeline_parallel_size
+    pp_rank, tp_rank = divmod(rank, tp)
+    init_parallel(tp_rank, tp, pp_rank, pp, make_groups=True)
+    link = None
+    if pp > 1 and stage_addresses is not None:
+        link = StageLink(
+            stage_addresses[rank], stage_addresses[rank + tp] if pp_rank < pp - 1 else None
+        )
+    worker = Worker(config, rank)
+    worker.link = link
+    worker.load_model()
+    return worker
+
+
+def busy_loop(
     worker: Worker, rank: int, title: str, requests: MessageQueue, replies: MessageQueue
 ) -> None:
     while True:

@@ -1,0 +1,437 @@
+"""`RayExecutor` (`--distributed-executor-backend ray`): Ray places and watches the workers; the
+steps do not go through Ray (issue 22, item 3; as vLLM's Ray executor).
+
+Start-up, in the engine core (the Ray driver):
+
+1. `ray.init(address=$RAY_ADDRESS or "auto")`; with no cluster to join, a local one is started
+   for this engine core (vLLM does the same), which then lives and dies with it: `ray start
+   --head` once makes restarts cheaper.
+2. A placement group of tp x pp bundles `{"CPU": threads}`, PACK (as few nodes as possible);
+   one that cannot be placed within TREADLE_RAY_PLACEMENT_TIMEOUT_S (60) is an error that names
+   `ray status`.
+3. Ranks follow the nodes (by Ray node id): this node's bundles first, then each other node's
+   in turn, so the ranks of a node are contiguous. One named actor per rank
+   (`treadle-<id>-Worker_TP<r>`), with this process's TREADLE_* environment, TREADLE_HOST_IP
+   set to its node's address and TREADLE_CPU_THREADS to its bundle's CPUs.
+4. The same queues as `MultiprocExecutor`: one broadcast `MessageQueue` whose readers on this
+   node read shared memory and whose readers on other nodes read its tcp XPUB (CURVE with the
+   cluster secret), and one reply queue per rank (tcp from another node). torch.distributed
+   meets at a `TCPStore` that this process hosts (its port read back, never probed).
+5. Each actor's `start()` loads its shard and returns its reply queue's handle; its `loop()`
+   runs the worker's busy loop until STOP_WORKER.
+
+A monitor thread `ray.wait`s on the loop calls: one that ends while serving is a dead worker,
+reported as `MultiprocExecutor` reports a dead process (the engine core dies, the front end
+restarts it, requests resume). Shutdown sends STOP_WORKER, then `ray.kill`s every actor and
+removes the placement group. Pipeline stages are linked by ipc sockets: every rank of a `-pp`
+layout must be on one node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from treadle import envs
+from treadle.config import EngineConfig
+from treadle.executor.multiproc import MultiprocExecutor
+from treadle.ipc import cluster_auth
+from treadle.ipc.proc_info import process_info
+from treadle.ipc.process import set_process_title
+from treadle.ipc.shm_broadcast import Handle, MessageQueue, remove_orphaned_queue
+from treadle.ipc.zmq_utils import get_ip, get_open_zmq_ipc_path, remove_ipc_files
+from treadle.logger import init_logger
+from treadle.model.arch import ModelArch
+from treadle.wire.topology import ProcessInfo
+from treadle.worker.worker import Worker
+from treadle.worker.worker_proc import STOP_WORKER, busy_loop, start_worker, worker_title
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class RayRank:
+    """Where one rank runs."""
+
+    title: str
+    actor_name: str
+    node_id: str
+    ip: str
+    pid: int = 0
+
+    def describe(self) -> str:
+        return f"{self.title} (pid {self.pid}, Ray node {self.node_id[:12]} at {self.ip})"
+
+
+class RayWorker:
+    """The actor of one rank (`ray.remote(RayWorker)`): `start` then `loop`, once each."""
+
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+        self.replies: MessageQueue | None = None
+        self.args: tuple[int, str, Handle] | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def start(
+        self,
+        config: EngineConfig,
+        rank: int,
+        broadcast_handle: Handle,
+        store: tuple[str, int],
+        stage_addresses: list[str | None] | None,
+        local: bool,
+    ) -> Handle:
+        """Join the group, load the shard; the reply queue's handle (shared memory when the
+        engine core is on this node, else its tcp XPUB)."""
+        parallel = config.parallel
+        title = worker_title(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        _set_title(title)
+        self.worker = start_worker(config, rank, parallel.world_size, store, stage_addresses)
+        self.replies = MessageQueue(1, 1) if local else MessageQueue(1, 0, connect_ip=get_ip())
+        self.args = (rank, title, broadcast_handle)
+        return self.replies.export_handle()
+
+    def loop(self) -> None:
+        """Serve the broadcast queue until STOP_WORKER (or its shutdown)."""
+        assert self.worker is not None and self.replies is not None and self.args is not None
+        rank, title, handle = self.args
+        _set_title(title)  # Ray titles the process after each call it starts
+        requests = MessageQueue.create_from_handle(handle, rank)
+        try:
+            requests.wait_until_ready()
+            self.replies.wait_until_ready()
+            busy_loop(self.worker, rank, title, requests, self.replies)
+        finally:
+            requests.close()
+            self.replies.close()
+            if self.worker.link is not None:
+                self.worker.link.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _set_title(title: str) -> None:
+    """`treadle::Worker_TP<r>` in `ps`, as under mp: Ray titles its workers with its own copy of
+    setproctitle, which the setproctitle package's call does not override."""
+    set_process_title(title)
+    ray_title = getattr(ray._raylet, "setproctitle", None)
+    if ray_title is not None:
+        ray_title(f"treadle::{title}")
+
+
+def connect_ray() -> bool:
+    """Join the Ray cluster (RAY_ADDRESS, else the one this host runs), else start a local one.
+    Returns whether this call connected (so `shutdown` disconnects)."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS") or "auto"
+    with _signal_handlers_kept():
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except ConnectionError:
+            if os.environ.get("RAY_ADDRESS"):
+                raise
+            logger.warning(
+                "No Ray cluster to join (RAY_ADDRESS is unset and none runs on this host): "
+                "starting a local one for this engine core (`ray start --head` first makes "
+                "restarts cheaper)"
+            )
+            ray.init(logging_level=logging.WARNING)
+    return True
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """`ray.init` makes SIGTERM `sys.exit` (and its core prints a stack on it): the engine
+    core's own handlers (drain, then stop the workers) must stay."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+class RayExecutor(MultiprocExecutor):
+    """`MultiprocExecutor`'s calls and queues over workers that Ray places (module docstring)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        max_model_len: int,
+        failure_callback: Callable[[str, bool], None] | None = None,
+    ) -> None:
+        self._init_state(config, arch, max_model_len, failure_callback)
+        self.workers = []  # no child processes: `ranks` says where each rank runs
+        self.monitor = None
+        self.ranks: list[RayRank] = []
+        self.stage_addresses = [None] * self.world_size
+        self._actors: list[Any] = []
+        self._loops: list[Any] = []
+        self._local: list[bool] = []
+        self._pg: PlacementGroup | None = None
+        self._store: dist.TCPStore | None = None
+        self._closing = False
+        self._here = ""  # this engine core's Ray node
+        self._watcher: threading.Thread | None = None
+        self._connected = connect_ray()
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._watcher = threading.Thread(target=self._watch, name="ray-monitor", daemon=True)
+        self._watcher.start()
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def _place(self, threads: int) -> tuple[PlacementGroup, list[tuple[int, str]]]:
+        """The placement group; (bundle index, node id) per rank, this node's first."""
+        bundles = [{"CPU": float(threads)} for _ in range(self.world_size)]
+        self._pg = pg = placement_group(bundles, strategy="PACK", name=f"treadle-{self._tag}")
+        timeout = envs.ray_placement_timeout_s()
+        try:
+            ray.get(pg.ready(), timeout=timeout)
+        except GetTimeoutError:
+            free = ray.available_resources().get("CPU", 0)
+            raise RuntimeError(
+                f"Ray could not place {self.world_size} workers of {threads} CPUs each (a PACK "
+                f"placement group) in {timeout:g} s; the cluster has {free:g} CPUs free across "
+                f"{len(alive_nodes())} nodes: `ray status` shows what it holds (lower "
+                "--cpu-threads, add a node, or raise TREADLE_RAY_PLACEMENT_TIMEOUT_S)"
+            ) from None
+        where = placement_group_table(pg)["bundles_to_node_id"]
+        here = ray.get_runtime_context().get_node_id()
+        order = sorted(range(self.world_size), key=lambda b: (where[b] != here, where[b], b))
+        return pg, [(b, where[b]) for b in order]
+
+    def _start(self, config: EngineConfig) -> None:
+        self._tag = uuid.uuid4().hex[:8]
+        threads = config.parallel.model_threads()
+        pg, placed = self._place(threads)
+        nodes = alive_nodes()
+        self._here = here = ray.get_runtime_context().get_node_id()
+        driver_ip = nodes.get(here) or get_ip()
+        for rank, (_, node) in enumerate(placed):
+            title = worker_title(rank, self.tp_size, self.pp_size)
+            self.ranks.append(
+                RayRank(title, f"treadle-{self._tag}-{title}", node, nodes.get(node, "?"))
+            )
+        self._local = [r.node_id == here for r in self.ranks]
+        self._check_layout(config, driver_ip)
+        if self.pp_size > 1:
+            self.stage_addresses = [
+                get_open_zmq_ipc_path() if rank >= self.tp_size else None
+                for rank in range(self.world_size)
+            ]
+        local = [rank for rank, on_here in enumerate(self._local) if on_here]
+        self.broadcast = MessageQueue(
+            self.world_size,
+            n_local_reader=len(local),
+            local_reader_ranks=local,
+            max_chunk_bytes=envs.mq_max_chunk_bytes(),
+            connect_ip=driver_ip,
+        )
+        self._store = dist.TCPStore(
+            driver_ip, 0, self.world_size, is_master=True, wait_for_workers=False
+        )
+        store = (driver_ip, self._store.port)
+        remote_worker = ray.remote(RayWorker)
+        for rank, (bundle, _) in enumerate(placed):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+            env = {k: v for k, v in os.environ.items() if k.startswith("TREADLE_")}
+            env["TREADLE_HOST_IP"] = self.ranks[rank].ip
+            if not config.parallel.cpu_threads:
+                env["TREADLE_CPU_THREADS"] = str(threads)
+            self._actors.append(
+                remote_worker.options(  # type: ignore[attr-defined]
+                    name=self.ranks[rank].actor_name,
+                    num_cpus=threads,
+                    max_restarts=0,
+                    scheduling_strategy=strategy,
+                    runtime_env={"env_vars": env},
+                ).remote()
+            )
+        for rank, pid in enumerate(ray.get([a.pid.remote() for a in self._actors])):
+            self.ranks[rank].pid = pid
+        stages = self.stage_addresses if self.pp_size > 1 else None
+        starts = [
+            actor.start.remote(config, rank, self.broadcast.export_handle(), store, stages, on)
+            for rank, (actor, on) in enumerate(zip(self._actors, self._local, strict=True))
+        ]
+        self.reply_handles = self._get_all(starts, envs.engine_ready_timeout_s(), "load")
+        self.reply_queues = [MessageQueue.create_from_handle(h, 0) for h in self.reply_handles]
+        self._loops = [actor.loop.remote() for actor in self._actors]
+        self.broadcast.wait_until_ready(timeout=60)
+        for queue in self.reply_queues:
+            queue.wait_until_ready(timeout=60)
+        logger.info(
+            "Ray workers: %s",
+            ", ".join(f"{r.title} on {r.ip} ({r.node_id[:8]})" for r in self.ranks),
+        )
+
+    def _check_layout(self, config: EngineConfig, driver_ip: str) -> None:
+        remote = [r for r, on_here in zip(self.ranks, self._local, strict=True) if not on_here]
+        if not remote:
+            return
+        if self.pp_size > 1:
+            raise RuntimeError(
+                "Ray placed the pipeline stages on several nodes "
+                f"({', '.join(sorted({r.ip for r in self.ranks}))}): the stage links are ipc "
+                "sockets, so every rank of a -pp layout must fit on one node for now"
+            )
+        parallel = config.parallel
+        if (
+            not cluster_auth.is_loopback(driver_ip)
+            and not (parallel.cluster_secret_file or cluster_auth.configured())
+            and not parallel.insecure_cluster
+        ):
+            raise ValueError(
+                f"Ray placed {', '.join(r.title for r in remote)} on other nodes, which read "
+                f"the steps from {driver_ip} over tcp, and nothing keys those sockets: give "
+                "every host the same --cluster-secret-file (or TREADLE_CLUSTER_SECRET), or "
+                "--insecure-cluster to accept open sockets"
+            )
+
+    def _get_all(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
+        """`ray.get` of one call per rank; a rank that fails names itself and its node."""
+        results = []
+        deadline = time.monotonic() + timeout
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except GetTimeoutError:
+                raise TimeoutError(
+                    f"{self.ranks[rank].describe()} did not {what} in {timeout:g} s "
+                    "(TREADLE_ENGINE_READY_TIMEOUT_S)"
+                ) from None
+            except ray.exceptions.RayError as e:
+                raise RuntimeError(
+                    f"{self.ranks[rank].describe()} failed to {what}: {_cause(e)}"
+                ) from None
+        return results
+
+    def worker_processes(self) -> list[ProcessInfo]:
+        """Ranks on this node as psutil sees them, the others as Ray placed them; each with its
+        Ray node and, as parent, this engine core (the actors' owner)."""
+        infos = []
+        for rank in self.ranks:
+            info = process_info(rank.pid, rank.title) if rank.node_id == self._here else None
+            if info is None:
+                dead = self.failure is not None and self.failure.startswith(rank.describe())
+                info = ProcessInfo(
+                    title=rank.title, pid=rank.pid, host=rank.ip, status="dead" if dead else ""
+                )
+            info.ppid = os.getpid()
+            info.ray_node_id = rank.node_id
+            infos.append(info)
+        return infos
+
+    # -- liveness -------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """A loop call that ends while serving: its rank died (or left)."""
+        pending = list(self._loops)
+        while pending and not self._closing:
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            if not done or self._closing:
+                continue
+            rank = self._loops.index(done[0])
+            try:
+                ray.get(done[0])
+                self.stopped, how = True, "stopped"
+            except ray.exceptions.RayError as e:
+                how = f"died: {_cause(e)}"
+            if self._closing:
+                return
+            self.failure = f"{self.ranks[rank].describe()} {how}"
+            for queue in self.reply_queues:
+                queue.shutdown()  # wakes a collective_rpc that waits for a reply
+            if self.failure_callback is not None:
+                self.failure_callback(self.failure, self.stopped)
+            return
+
+    def _a_worker_stopped(self, wait_s: float = 1.0) -> bool:
+        """After an error reply: give the monitor a moment to see the rank that cut the
+        collective short (a peer's death reaches gloo before it reaches Ray)."""
+        deadline = time.monotonic() + wait_s
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.stopped
+
+    def _dead_workers(self) -> list[str]:
+        return [self.failure] if self.failure is not None and not self.stopped else []
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        self._closing = True
+        broadcast = getattr(self, "broadcast", None)
+        if broadcast is not None:
+            if self._loops and (self.failure is None or self.stopped):
+                with contextlib.suppress(Exception):
+                    broadcast.enqueue(STOP_WORKER, timeout=1.0)
+                with contextlib.suppress(Exception):
+                    ray.wait(self._loops, num_returns=len(self._loops), timeout=5.0)
+            broadcast.shutdown()
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        for queue in self.reply_queues:
+            queue.close()
+        # A killed actor never removed the reply queue it created on this node.
+        for handle, on_here in zip(self.reply_handles, self._local, strict=False):
+            if on_here:
+                remove_orphaned_queue(handle)
+        if broadcast is not None:
+            broadcast.close()
+        remove_ipc_files(a for a in self.stage_addresses if a is not None)
+        if self._pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._pg)
+        self._store = None
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+        if self._connected and ray.is_initialized():
+            ray.shutdown()
+
+
+def alive_nodes() -> dict[str, str]:
+    """Ray node id -> its address, for the nodes alive now."""
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _cause(error: BaseException) -> str:
+    """The line of a Ray error that says why (e.g. "The actor died because its node has
+    died. ..."), else its first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("The actor died because"):
+            return " ".join(lines[i : i + 2])
+    return lines[0] if lines else type(error).__name__
