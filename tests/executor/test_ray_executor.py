@@ -52,6 +52,10 @@ def _cluster_processes(cluster: Any) -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     seen: set[psutil.Process] = set()
+    # A Ray node started here installs its own SIGTERM handler in this process (it kills the
+    # node and exits 1) and leaves it there: put ours back afterwards, or every child forked
+    # later by this test run exits 1 on SIGTERM instead of being killed by it.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TREADLE_CLUSTER_SECRET", "ray-executor-test-secret-0123456789")
         mp.setenv("TREADLE_RAY_PLACEMENT_TIMEOUT_S", "10")
@@ -71,6 +75,8 @@ def cluster() -> Iterator[Any]:
         finally:
             seen.update(_cluster_processes(cluster))
             cluster.shutdown()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     _, alive = psutil.wait_procs(list(seen), timeout=10)
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"Ray processes left: {[p.cmdline()[:2] for p in alive]}"
