@@ -12,7 +12,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import httpx
 import psutil
 import pytest
 
+from serve_helpers import TREADLE, RemoteServer
 from treadle import LLM, SamplingParams
 from treadle.config import ParallelConfig
 from treadle.engine_args import EngineArgs
@@ -29,7 +29,6 @@ from treadle.engine_args import EngineArgs
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 MAX_TOKENS = 48
-TREADLE = str(Path(sys.executable).parent / "treadle")
 # A dead node is seen in about a second, not Ray's default 15 s.
 FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 SECOND_HOST = {"num_cpus": 1, "node_ip_address": "127.0.0.2"}
@@ -127,51 +126,6 @@ def _worker(cluster: Any, title: str) -> psutil.Process:
 # -- a served engine across a node's death ---------------------------------------------------
 
 
-class Server:
-    """`treadle serve` on 127.0.0.1 and a port of the OS's choice, stopped by pid."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log_path = log
-        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [TREADLE, "serve", *args, "--host", "127.0.0.1", "--port", "0"],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.url = ""
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            if not self.url and (m := re.search(r"running on (http://[\d.]+:\d+)", self.output())):
-                self.url = m.group(1)
-            if self.url:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(self.url + "/health/startup", timeout=5).status_code == 200:
-                        return
-            time.sleep(0.2)
-        raise TimeoutError(self.output())
-
-    def stop(self) -> None:
-        try:
-            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
-        except psutil.NoSuchProcess:
-            procs = []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        self.log.close()
-
-
 def _stream(url: str, prompt: str, seen: list[int]) -> str:
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     text = ""
@@ -202,13 +156,14 @@ def test_two_hosts_serve_the_same_text_across_a_lost_node_and_name_it_once_gone(
         reference = [o.outputs[0].text for o in single.generate(prompts, params, use_tqdm=False)]
     finally:
         single.shutdown()
-    srv = Server(
+    srv = RemoteServer(
         [model, "-tp", "2", "--cpu-threads", "1", "--dtype", "float32"]
         + ["--distributed-executor-backend", "ray", "--max-engine-restarts", "2"],
-        tmp_path / "server.log",
+        tmp_path,
+        wait=False,
     )
     try:
-        srv.wait_healthy()
+        srv.wait_healthy(120.0)
         # Rank 1 runs on the second "host" and reads the broadcast over tcp from there.
         rank1 = _worker(cluster, "Worker_TP1")
         assert rank1.environ()["TREADLE_HOST_IP"] == "127.0.0.2"
