@@ -30,8 +30,8 @@ $(STAMP): pyproject.toml Makefile
 	@echo "== installed: $(BIN)/treadle, $(BIN)/python"
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check --no-cache src tests benchmarks
+	$(BIN)/ruff format --no-cache --check src tests benchmarks
 
 typecheck: install
 	$(BIN)/mypy

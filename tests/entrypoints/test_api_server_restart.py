@@ -19,6 +19,7 @@ import httpx
 import psutil
 import pytest
 from openai import OpenAI
+
 from serve_helpers import RemoteServer, assert_no_leftovers
 
 STREAMS = 16

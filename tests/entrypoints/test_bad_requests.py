@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from serve_helpers import RemoteServer
 
 CHAT = [{"role": "user", "content": "Name three colors."}]

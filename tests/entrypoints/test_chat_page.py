@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from chromium import INSTALL_HINT, Chromium, check_screenshot, chromium_path
+
 from serve_helpers import RemoteServer
 
 KEY = "chat-s3cret"

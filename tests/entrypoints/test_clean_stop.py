@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
 from serve_helpers import TREADLE
 
 

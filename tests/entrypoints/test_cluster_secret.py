@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from serve_helpers import TREADLE
 
+from serve_helpers import TREADLE
 from treadle.ipc import cluster_auth
 
 SECRET = "a-cluster-secret-for-this-test-0123456789"

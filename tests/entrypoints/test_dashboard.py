@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from chromium import INSTALL_HINT, Chromium, check_screenshot, chromium_path
+
 from serve_helpers import RemoteServer, channel_counts, check_topology
 
 KEY = "dash-s3cret"

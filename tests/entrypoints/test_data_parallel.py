@@ -20,6 +20,7 @@ import httpx
 import openai
 import psutil
 import pytest
+
 from serve_helpers import (
     TREADLE,
     RemoteServer,
@@ -28,7 +29,6 @@ from serve_helpers import (
     check_topology,
     treadle_titles,
 )
-
 from treadle import LLM, SamplingParams
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4", "Hello, my name is"]

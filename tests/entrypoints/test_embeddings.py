@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
+
 from serve_helpers import RemoteServer
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Embeddings for retrieval " * 12]

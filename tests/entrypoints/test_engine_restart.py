@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 from openai import OpenAI
+
 from serve_helpers import TREADLE, RemoteServer, assert_no_leftovers
 
 POISON_TOKEN = 49000  # the fault hook crashes the engine on a prompt holding it

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+
 from serve_helpers import RemoteServer
 
 KEY = "scale-key"

@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import pytest
 import zmq
+
 from serve_helpers import RemoteServer
 
 

@@ -18,6 +18,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import content_type_conformance, status_code_conformance
 from schemathesis.core.result import Ok
+
 from serve_helpers import RemoteServer
 
 EXAMPLES = int(os.environ.get("TREADLE_FUZZ_EXAMPLES", "25"))

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
 from serve_helpers import RemoteServer
 
 STALL_S = 1.0

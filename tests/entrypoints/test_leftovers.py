@@ -19,6 +19,7 @@ import httpx
 import psutil
 import pytest
 import zmq
+
 from serve_helpers import RemoteServer
 
 ARGS = ["--kv-cache-memory", "8MiB", "--max-model-len", "256"]

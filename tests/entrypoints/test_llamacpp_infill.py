@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from serve_helpers import RemoteServer
 
 FIM_TOKENS = [

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from serve_helpers import RemoteServer
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -15,8 +15,8 @@ import httpx
 import openai
 import psutil
 import pytest
-from serve_helpers import RemoteServer, assert_no_leftovers, treadle_titles
 
+from serve_helpers import RemoteServer, assert_no_leftovers, treadle_titles
 from treadle import LLM, SamplingParams
 
 PROMPT = "The capital of France is"

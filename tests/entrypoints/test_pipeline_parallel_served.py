@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from serve_helpers import RemoteServer
 
 LAYERS = 5

@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from serve_helpers import RemoteServer
 
 HIDDEN = 64

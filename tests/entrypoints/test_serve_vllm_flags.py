@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
 from serve_helpers import RemoteServer
 
 TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_helpers import RemoteServer
 
+from serve_helpers import RemoteServer
 from treadle.cli.main import build_parser
 from treadle.cli.serve import prepare
 from treadle.config import DEFAULT_MODEL_NAME, served_names

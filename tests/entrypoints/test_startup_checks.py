@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from serve_helpers import TREADLE
 
+from serve_helpers import TREADLE
 from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from treadle.worker.worker import check_config, resolve_dtype
 

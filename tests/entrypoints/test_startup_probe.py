@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from serve_helpers import RemoteServer, assert_no_leftovers
 
 SLOW_S = 6.0

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serve_helpers import RemoteServer
 from test_engine_restart import stream_completion
+
+from serve_helpers import RemoteServer
 
 
 @pytest.fixture(scope="module")

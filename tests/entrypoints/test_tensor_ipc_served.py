@@ -12,9 +12,10 @@ import httpx
 import openai
 import pytest
 from safetensors.torch import load_file
-from serve_helpers import RemoteServer
 from test_leftovers import left_in_dev_shm, shm_inodes, wait_gone
 from test_prompt_embeds_served import GREEDY, TEXT, saved
+
+from serve_helpers import RemoteServer
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+
 from serve_helpers import RemoteServer
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -22,9 +22,9 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from serve_helpers import RemoteServer
 from zmq.utils.monitor import parse_monitor_message
 
+from serve_helpers import RemoteServer
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
