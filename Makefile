@@ -45,8 +45,19 @@ chromium:
 		$(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+# Two parts: most tests in PYTEST_WORKERS processes (pytest-xdist; one test file per process
+# at a time, so a module's server starts once), then the `serial` ones alone (they compare
+# /dev/shm before and after, which another process's segments would upset). Both always run;
+# either failing fails the target ("no tests" in a part, as with a PYTEST_ARGS path, is fine).
+# PYTEST_WORKERS=0 runs the first part in one process.
+PYTEST_WORKERS ?= 2
 pytest: install chromium
-	$(BIN)/python -m pytest -q --durations=40 $(PYTEST_ARGS)
+	@status=0; \
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" \
+		--durations=40 $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] || status=$$s; }; \
+	$(BIN)/python -m pytest -q -m serial --durations=10 $(PYTEST_ARGS) \
+		|| { s=$$?; [ $$s = 5 ] || status=$$s; }; \
+	exit $$status
 
 test: lint typecheck pytest
 

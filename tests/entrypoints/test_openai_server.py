@@ -366,6 +366,7 @@ def test_api_key_is_required_when_set(server_factory, tiny_model_factory) -> Non
     assert keyed.status_code == 200 and keyed.json()["total_slots"] == 256
 
 
+@pytest.mark.serial
 def test_sigterm_exits_cleanly(server_factory, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
     srv = server_factory([str(tiny_model_factory("llama"))])
     pids = [p.pid for p in srv.family()]
@@ -424,6 +425,7 @@ def test_a_model_that_fails_to_load_exits_with_its_error(server_factory, tmp_pat
     assert "GPT2LMHeadModel" in srv.output()
 
 
+@pytest.mark.serial
 def test_serve_tp4_runs_six_processes_and_a_dead_worker_takes_it_down(
     server_factory, tiny_model_factory
 ) -> None:  # type: ignore[no-untyped-def]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,7 +139,8 @@ class FrontEnd:
 def front_end(
     tiny_model_factory: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> Iterator[FrontEnd]:
-    monkeypatch.setenv("TREADLE_RPC_BASE_PATH", str(tmp_path))
+    rpc_dir = tempfile.mkdtemp(prefix="trd-")  # (short: ipc addresses have 107 bytes)
+    monkeypatch.setenv("TREADLE_RPC_BASE_PATH", rpc_dir)
     monkeypatch.setenv("TREADLE_ZMQ_MAX_MSG_BYTES", str(CAP))
     monkeypatch.setenv("TREADLE_LOGGING_LEVEL", "INFO")
     monkeypatch.setenv("TREADLE_WORKER_MULTIPROC_METHOD", "spawn")  # the child reads the env
@@ -160,6 +163,7 @@ def front_end(
         yield fe
     finally:
         fe.close()
+        shutil.rmtree(rpc_dir, ignore_errors=True)
 
 
 def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:

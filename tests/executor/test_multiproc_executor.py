@@ -105,6 +105,7 @@ def _segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("treadle")}
 
 
+@pytest.mark.serial
 def test_a_killed_worker_takes_the_engine_down_and_leaves_nothing(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
     shm_before = _segments()
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", tensor_parallel_size=2)
@@ -121,6 +122,7 @@ def test_a_killed_worker_takes_the_engine_down_and_leaves_nothing(tiny_model_fac
     assert _segments() <= shm_before
 
 
+@pytest.mark.serial
 def test_killing_the_engine_core_makes_every_worker_exit(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
     shm_before = _segments()
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", tensor_parallel_size=2)

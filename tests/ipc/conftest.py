@@ -19,6 +19,14 @@ if IPC_TEST_DIR not in sys.path:
 SHM_DIR = Path("/dev/shm")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every ipc test compares /dev/shm before and after (`rpc_dir`): it runs alone (`serial`),
+    never beside tests that make segments of their own."""
+    for item in items:
+        if item.path.is_relative_to(IPC_TEST_DIR):
+            item.add_marker(pytest.mark.serial)
+
+
 def _treadle_segments() -> set[str]:
     if not SHM_DIR.is_dir():
         return set()

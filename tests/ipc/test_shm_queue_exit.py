@@ -79,10 +79,11 @@ def _run(mode: str, rpc_dir: Path) -> tuple[dict[str, float], str]:
     return values, proc.stderr
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("mode", ["exit", "gc"])
-def test_a_script_with_queues_exits_at_once_and_leaves_nothing(mode: str, tmp_path: Path) -> None:
+def test_a_script_with_queues_exits_at_once_and_leaves_nothing(mode: str, rpc_dir: Path) -> None:
     shm_before = set(os.listdir("/dev/shm"))
-    values, stderr = _run(mode, tmp_path)
+    values, stderr = _run(mode, rpc_dir)  # (a short path: ipc addresses have 107 bytes)
     assert values["exiting"] - values["returning"] < 1.0
     assert "Exception ignored" not in stderr and "BufferError" not in stderr, stderr
     assert "ResourceWarning" not in stderr, stderr
@@ -90,6 +91,6 @@ def test_a_script_with_queues_exits_at_once_and_leaves_nothing(mode: str, tmp_pa
     assert values["threads at exit"] <= values["threads before"]
     if mode == "gc":
         assert values["threads after gc"] <= values["threads before"]
-    assert list(tmp_path.iterdir()) == []  # no ipc socket file left
+    assert list(rpc_dir.iterdir()) == []  # no ipc socket file left
     new = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("treadle_")}
     assert not new
