@@ -1,7 +1,9 @@
 """`--distributed-executor-backend ray` on two "hosts": one Ray cluster for the module, a head
-node (this machine's address) and a node at 127.0.0.2, one CPU each, so that a `-tp 2` placement
-group of one-CPU bundles puts rank 0 on the head and rank 1 on 127.0.0.2, which reads the
-broadcast over tcp (CURVE: the module sets a cluster secret)."""
+node (this machine's address) and a node at 127.0.0.2, two CPUs each (logical: the machine may
+have fewer), so that PACK spreads `-tp 2` with `--cpu-threads 2` (a bundle fills a node) as rank 0
+on the head and rank 1 on 127.0.0.2, which reads the broadcast over tcp, and `-tp 2 -pp 2` with
+`--cpu-threads 1` as stage 0 on the head and stage 1 on 127.0.0.2, linked by tcp. Every tcp
+socket speaks CURVE: the module sets a cluster secret."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import concurrent.futures
 import contextlib
 import importlib.util
 import json
+import logging
 import re
 import signal
 import subprocess
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,9 @@ ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 MAX_TOKENS = 48
 # A dead node is seen in about a second, not Ray's default 15 s.
 FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
-SECOND_HOST = {"num_cpus": 1, "node_ip_address": "127.0.0.2"}
+SECOND_HOST = {"num_cpus": 2, "node_ip_address": "127.0.0.2"}
+PROMPTS = [f"stream {i} says" for i in range(8)]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _cluster_processes(cluster: Any) -> list[psutil.Process]:
@@ -61,7 +67,7 @@ def cluster() -> Iterator[Any]:
         cluster = ray_cluster_utils.Cluster(
             initialize_head=True,
             head_node_args={
-                "num_cpus": 1,
+                "num_cpus": 2,
                 "include_dashboard": False,
                 "_system_config": FAST_HEALTH,
             },
@@ -79,6 +85,16 @@ def cluster() -> Iterator[Any]:
     _, alive = psutil.wait_procs(list(seen), timeout=10)
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"Ray processes left: {[p.cmdline()[:2] for p in alive]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_factory) -> list[Any]:  # type: ignore[no-untyped-def]
+    """One process's greedy outputs for PROMPTS."""
+    single = LLM(str(tiny_model_factory("llama")), dtype="float32")
+    try:
+        return single.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        single.shutdown()
 
 
 def _second_host(cluster: Any) -> Any:
@@ -123,6 +139,97 @@ def _worker(cluster: Any, title: str) -> psutil.Process:
     raise LookupError(title)
 
 
+# -- pipeline stages on two hosts ----------------------------------------------------------
+
+
+def test_stage_links_between_nodes_are_tcp_and_need_the_secret_off_loopback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The layout check alone (no cluster): a stage whose sender is on its node links by
+    ipc, one on another node by tcp at its node's address; non-loopback tcp stage links
+    without the secret are refused unless --insecure-cluster; a stage split across nodes is
+    logged."""
+    from treadle.executor.ray_executor import RayExecutor, RayRank
+    from treadle.worker.worker_proc import worker_title
+
+    def layout(*where: tuple[str, str]) -> RayExecutor:
+        ex = RayExecutor.__new__(RayExecutor)
+        ex.tp_size, ex.pp_size, ex.world_size = 2, len(where) // 2, len(where)
+        ex.ranks = [
+            RayRank(worker_title(r, 2, ex.pp_size), "", node, ip)
+            for r, (node, ip) in enumerate(where)
+        ]
+        ex._local = [r.node_id == "a" for r in ex.ranks]
+        ex.stage_addresses = ex._stage_plan()
+        return ex
+
+    a, b, b2 = ("a", "10.0.0.1"), ("b", "10.0.0.2"), ("b2", "10.0.0.2")
+    monkeypatch.delenv("TREADLE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("TREADLE_CLUSTER_SECRET_FILE", raising=False)
+    # Stage 0 here, stages 1 and 2 on host b (the link between them stays on b, by ipc).
+    ex = layout(a, a, b, b, b, b)
+    assert ex.stage_addresses[:4] == [None, None, "tcp://10.0.0.2:0", "tcp://10.0.0.2:0"]
+    assert all(str(addr).startswith("ipc://") for addr in ex.stage_addresses[4:])
+    config: Any = types.SimpleNamespace(parallel=ParallelConfig(pipeline_parallel_size=3))
+    with pytest.raises(ValueError, match=r"Worker_PP1_TP0's stage link on 10\.0\.0\.2") as e:
+        ex._check_layout(config, "10.0.0.1")
+    assert "the steps that Worker_PP1_TP0" in str(e.value) and "--insecure-cluster" in str(e.value)
+    config.parallel = ParallelConfig(pipeline_parallel_size=3, insecure_cluster=True)
+    ex._check_layout(config, "10.0.0.1")
+    # Two Ray nodes on host b, the driver on loopback: only the tcp stage links face another
+    # host.
+    monkeypatch.setattr("treadle.ipc.cluster_auth.is_loopback", lambda h: h != "10.0.0.2")
+    ex = layout(b, b, b2, b2)
+    config.parallel = ParallelConfig(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="Worker_PP1_TP1's stage link on 10.0.0.2"):
+        ex._check_layout(config, "127.0.0.1")
+    monkeypatch.setenv("TREADLE_CLUSTER_SECRET", "ray-executor-test-secret-0123456789")
+    ex._check_layout(config, "127.0.0.1")
+    # A stage split over two nodes works, and says that its all-reduce crosses hosts.
+    log = logging.getLogger("treadle.executor.ray_executor")  # (treadle's logs do not propagate)
+    log.addHandler(caplog.handler)
+    try:
+        layout(a, b, b, b)._check_layout(config, "127.0.0.1")
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "Pipeline stage 0's TP ranks run on several nodes" in caplog.text
+
+
+def test_tp2_pp2_over_two_hosts_gives_one_process_tokens(
+    cluster, tiny_model_factory, reference
+) -> None:  # type: ignore[no-untyped-def]
+    """-tp 2 -pp 2 of 1-CPU bundles on two 2-CPU nodes: PACK puts two on each, ranks follow the
+    nodes, so stage 0 runs here and stage 1 on 127.0.0.2; each stage-1 rank's stage link
+    listens on 127.0.0.2 and stage 0's rank of its TP rank is connected to it. The greedy
+    tokens are one process's."""
+    llm = LLM(
+        str(tiny_model_factory("llama")),
+        dtype="float32",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        cpu_threads=1,
+        distributed_executor_backend="ray",
+    )
+    try:
+        ranks = {(p, t): _worker(cluster, f"Worker_PP{p}_TP{t}") for p in (0, 1) for t in (0, 1)}
+        for (stage, _), proc in ranks.items():
+            assert (proc.environ()["TREADLE_HOST_IP"] == "127.0.0.2") == (stage == 1)
+        for tp in (0, 1):
+            listening = {
+                c.laddr.port
+                for c in ranks[1, tp].net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.2"
+            }
+            assert any(
+                c.raddr and c.raddr.ip == "127.0.0.2" and c.raddr.port in listening
+                for c in ranks[0, tp].net_connections("tcp")
+            )
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
+
+
 # -- a served engine across a node's death ---------------------------------------------------
 
 
@@ -143,21 +250,17 @@ def _stream(url: str, prompt: str, seen: list[int]) -> str:
 
 
 def test_two_hosts_serve_the_same_text_across_a_lost_node_and_name_it_once_gone(
-    cluster, tiny_model_factory, tmp_path: Path
+    cluster, tiny_model_factory, reference, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
     """-tp 2 over two "hosts": greedy text as one process gives; the second host removed while
     8 streams run -> engine death -> restart once the node is back -> the same text; removed
-    for good -> the restart fails naming `ray status`, and the death names the rank and node."""
+    for good -> the restart fails naming `ray status`, and the death names the rank and node.
+    (Last in the module: it leaves no second host.)"""
     model = str(tiny_model_factory("llama"))
-    prompts = [f"stream {i} says" for i in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    single = LLM(model, dtype="float32")
-    try:
-        reference = [o.outputs[0].text for o in single.generate(prompts, params, use_tqdm=False)]
-    finally:
-        single.shutdown()
+    prompts = PROMPTS
+    texts_of_one = [o.outputs[0].text for o in reference]
     srv = RemoteServer(
-        [model, "-tp", "2", "--cpu-threads", "1", "--dtype", "float32"]
+        [model, "-tp", "2", "--cpu-threads", "2", "--dtype", "float32"]
         + ["--distributed-executor-backend", "ray", "--max-engine-restarts", "2"],
         tmp_path,
         wait=False,
@@ -189,7 +292,7 @@ def test_two_hosts_serve_the_same_text_across_a_lost_node_and_name_it_once_gone(
             time.sleep(0.5)
             cluster.add_node(**SECOND_HOST)
             texts = [f.result(120) for f in futures]
-        assert texts == reference
+        assert texts == texts_of_one
         out = srv.output()
         assert re.search(r"Worker_TP1 \(pid \d+, Ray node \w+ at 127\.0\.0\.2\) died: ", out), out
         assert "resuming 8 request(s)" in out, out

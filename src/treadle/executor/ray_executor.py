@@ -10,21 +10,28 @@ Start-up, in the engine core (the Ray driver):
    one that cannot be placed within TREADLE_RAY_PLACEMENT_TIMEOUT_S (60) is an error that names
    `ray status`.
 3. Ranks follow the nodes (by Ray node id): this node's bundles first, then each other node's
-   in turn, so the ranks of a node are contiguous. One named actor per rank
+   in turn, so the ranks of a node are contiguous and a pipeline stage's TP ranks share a node
+   whenever the node's bundle count is a multiple of -tp (PACK on 2 nodes x 2 CPUs gives
+   `-tp 2 -pp 2` two bundles on each: stage 0 on this node, stage 1 on the other; a stage
+   split across nodes works, its all-reduce over tcp, and is logged). One named actor per rank
    (`treadle-<id>-Worker_TP<r>`), with this process's TREADLE_* environment, TREADLE_HOST_IP
    set to its node's address and TREADLE_CPU_THREADS to its bundle's CPUs.
 4. The same queues as `MultiprocExecutor`: one broadcast `MessageQueue` whose readers on this
    node read shared memory and whose readers on other nodes read its tcp XPUB (CURVE with the
    cluster secret), and one reply queue per rank (tcp from another node). torch.distributed
    meets at a `TCPStore` that this process hosts (its port read back, never probed).
-5. Each actor's `start()` loads its shard and returns its reply queue's handle; its `loop()`
-   runs the worker's busy loop until STOP_WORKER.
+5. Pipeline stage links (`pp_transfer.py`): ipc between ranks on one node, else tcp on the
+   receiving rank's node address, port 0; the receiver publishes the real address in the same
+   `TCPStore` and the sender reads it there. Sockets that face another node (the queues' tcp
+   ends, tcp stage links) need the cluster secret unless they are loopback or
+   `--insecure-cluster` says so (`_check_layout`).
+6. Each actor's `start()` links its stages, loads its shard and returns its reply queue's
+   handle; its `loop()` runs the worker's busy loop until STOP_WORKER.
 
 A monitor thread `ray.wait`s on the loop calls: one that ends while serving is a dead worker,
 reported as `MultiprocExecutor` reports a dead process (the engine core dies, the front end
 restarts it, requests resume). Shutdown sends STOP_WORKER, then `ray.kill`s every actor and
-removes the placement group. Pipeline stages are linked by ipc sockets: every rank of a `-pp`
-layout must be on one node.
+removes the placement group.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from treadle.ipc import cluster_auth
 from treadle.ipc.proc_info import process_info
 from treadle.ipc.process import set_process_title
 from treadle.ipc.shm_broadcast import Handle, MessageQueue, remove_orphaned_queue
-from treadle.ipc.zmq_utils import get_ip, get_open_zmq_ipc_path, remove_ipc_files
+from treadle.ipc.zmq_utils import get_ip, get_open_zmq_ipc_path, get_tcp_uri, remove_ipc_files
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.topology import ProcessInfo
@@ -244,12 +251,9 @@ class RayExecutor(MultiprocExecutor):
                 RayRank(title, f"treadle-{self._tag}-{title}", node, nodes.get(node, "?"))
             )
         self._local = [r.node_id == here for r in self.ranks]
-        self._check_layout(config, driver_ip)
         if self.pp_size > 1:
-            self.stage_addresses = [
-                get_open_zmq_ipc_path() if rank >= self.tp_size else None
-                for rank in range(self.world_size)
-            ]
+            self.stage_addresses = self._stage_plan()
+        self._check_layout(config, driver_ip)
         local = [rank for rank, on_here in enumerate(self._local) if on_here]
         self.broadcast = MessageQueue(
             self.world_size,
@@ -296,27 +300,46 @@ class RayExecutor(MultiprocExecutor):
             ", ".join(f"{r.title} on {r.ip} ({r.node_id[:8]})" for r in self.ranks),
         )
 
+    def _stage_plan(self) -> list[str | None]:
+        """Where each rank after the first stage binds to receive: ipc when its sender (the
+        same TP rank, one stage before) is on its node, else tcp on its node's address."""
+        plan: list[str | None] = [None] * self.world_size
+        for rank in range(self.tp_size, self.world_size):
+            me, sender = self.ranks[rank], self.ranks[rank - self.tp_size]
+            same = me.node_id == sender.node_id
+            plan[rank] = get_open_zmq_ipc_path() if same else get_tcp_uri(me.ip, 0)
+        return plan
+
     def _check_layout(self, config: EngineConfig, driver_ip: str) -> None:
-        remote = [r for r, on_here in zip(self.ranks, self._local, strict=True) if not on_here]
-        if not remote:
-            return
-        if self.pp_size > 1:
-            raise RuntimeError(
-                "Ray placed the pipeline stages on several nodes "
-                f"({', '.join(sorted({r.ip for r in self.ranks}))}): the stage links are ipc "
-                "sockets, so every rank of a -pp layout must fit on one node for now"
-            )
+        """Refuse open sockets between hosts: the queues of ranks on other nodes (read from
+        this node over tcp) and tcp stage links need the cluster secret, unless loopback or
+        --insecure-cluster. A stage whose TP ranks span nodes is logged (it is slow)."""
+        for stage in range(self.pp_size):
+            ranks = self.ranks[stage * self.tp_size : (stage + 1) * self.tp_size]
+            if len({r.node_id for r in ranks}) > 1:
+                logger.warning(
+                    "Pipeline stage %d's TP ranks run on several nodes (%s): its all-reduce "
+                    "crosses hosts (give each node a multiple of -tp bundles to avoid it)",
+                    stage,
+                    ", ".join(f"{r.title} on {r.ip}" for r in ranks),
+                )
+        facing = []  # (host, what binds there for other nodes)
+        remote = [r.title for r, on in zip(self.ranks, self._local, strict=True) if not on]
+        if remote:
+            facing.append((driver_ip, f"the steps that {', '.join(remote)} read from {driver_ip}"))
+        for rank, address in enumerate(self.stage_addresses):
+            if address is not None and address.startswith("tcp://"):
+                r = self.ranks[rank]
+                facing.append((r.ip, f"{r.title}'s stage link on {r.ip}"))
+        exposed = [what for host, what in facing if not cluster_auth.is_loopback(host)]
         parallel = config.parallel
-        if (
-            not cluster_auth.is_loopback(driver_ip)
-            and not (parallel.cluster_secret_file or cluster_auth.configured())
-            and not parallel.insecure_cluster
-        ):
+        keyed = parallel.cluster_secret_file or cluster_auth.configured()
+        if exposed and not keyed and not parallel.insecure_cluster:
             raise ValueError(
-                f"Ray placed {', '.join(r.title for r in remote)} on other nodes, which read "
-                f"the steps from {driver_ip} over tcp, and nothing keys those sockets: give "
-                "every host the same --cluster-secret-file (or TREADLE_CLUSTER_SECRET), or "
-                "--insecure-cluster to accept open sockets"
+                f"Ray placed the ranks on several nodes, and nothing keys the tcp sockets "
+                f"between them ({'; '.join(exposed)}): give every host the same "
+                "--cluster-secret-file (or TREADLE_CLUSTER_SECRET), or --insecure-cluster to "
+                "accept open sockets"
             )
 
     def _get_all(self, refs: list[Any], timeout: float, what: str) -> list[Any]:

@@ -31,7 +31,7 @@ from treadle.ipc.shm_broadcast import (
 )
 from treadle.logger import init_logger
 from treadle.model.parallel import init_parallel
-from treadle.worker.pp_transfer import StageLink
+from treadle.worker.pp_transfer import open_stage_link
 from treadle.worker.worker import Worker
 
 logger = init_logger(__name__)
@@ -60,8 +60,8 @@ def run_worker(
     stage_addresses: list[str | None] | None = None,
 ) -> None:
     """Process entry (`treadle.ipc.process.start_process` target). `stage_addresses[r]`:
-    where rank r receives the previous stage's output (None on the first stage; no list
-    without pipeline parallelism)."""
+    where rank r binds to receive the previous stage's output (None on the first stage; no
+    list without pipeline parallelism; `pp_transfer.open_stage_link`)."""
     parent = os.getppid()
     serving = False
     parallel = config.parallel
@@ -122,29 +122,31 @@ def start_worker(
     stage_addresses: list[str | None] | None = None,
 ) -> Worker:
     """Join the torch.distributed group, link to the neighbouring stages, load this rank's
-    shard. `dist_init`: an init method (`file://...`), or the (host, port) of a `TCPStore`
-    that the executor hosts (every rank connects to it as a client: no port is probed)."""
+    shard. `dist_init`: a `file://` path (a `FileStore`), or the (host, port) of a `TCPStore`
+    that the executor hosts (every rank connects to it as a client: no port is probed). The
+    stage links meet in the same store (`open_stage_link`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(config.parallel.model_threads())
     backend = "nccl" if device == "cuda" else "gloo"
+    store: dist.Store
     if isinstance(dist_init, tuple):
         host, port = dist_init
         store = dist.TCPStore(host, port, world_size, is_master=False)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    elif dist_init.startswith("file://"):
+        store = dist.FileStore(dist_init.removeprefix("file://"), world_size)
     else:
-        dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
+        raise ValueError(f"dist_init {dist_init!r}: a file:// path or a TCPStore's (host, port)")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     tp = config.parallel.tensor_parallel_size
     pp = config.parallel.pipeline_parallel_size
     pp_rank, tp_rank = divmod(rank, tp)
     init_parallel(tp_rank, tp, pp_rank, pp, make_groups=True)
     link = None
     if pp > 1 and stage_addresses is not None:
-        link = StageLink(
-            stage_addresses[rank], stage_addresses[rank + tp] if pp_rank < pp - 1 else None
-        )
+        link = open_stage_link(store, rank, tp, pp, stage_addresses)
     worker = Worker(config, rank)
     worker.link = link
     worker.load_model()
