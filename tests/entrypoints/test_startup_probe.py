@@ -1,10 +1,12 @@
-"""The start-up is visible (issue 25 item 3): one API server serves HTTP as soon as its port
+"""The start-up is visible (issue 25 item 3): an API server serves HTTP as soon as its port
 is bound, while its engine loads. `/health` is 200 (alive), `/health/startup` and
 `/health/ready` 503 with the engine's phase, `/topology` shows the phase, and a generation
 request gets 503 at once instead of hanging; once loaded, `/health/startup` is 200.
 
-One server start for the module, slowed by the test hook TREADLE_TEST_SLOW_START_S (the
-engine sleeps in its "loading weights" phase), watched from the moment the port is known."""
+With one API server, and with two (`--api-server-count 2`: the supervisor runs the
+handshake and tells each API server the phases it sees). One server start per count,
+slowed by the test hook TREADLE_TEST_SLOW_START_S (the engine sleeps in its "loading
+weights" phase), watched from the moment the port is known."""
 
 from __future__ import annotations
 
@@ -55,10 +57,17 @@ def wait_for_url(srv: RemoteServer, deadline: float) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def watch(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iterator[Watch]:  # type: ignore[no-untyped-def]
+API_SERVERS = [1, 2]
+
+
+def serve_args(model: str, api_servers: int) -> list[str]:
+    return [model, "--max-model-len", "128", "--api-server-count", str(api_servers)]
+
+
+@pytest.fixture(scope="module", params=API_SERVERS, ids=lambda n: f"{n}-api-servers")
+def watch(request, tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iterator[Watch]:  # type: ignore[no-untyped-def]
     srv = RemoteServer(
-        [str(tiny_model_factory("llama")), "--max-model-len", "128"],
+        serve_args(str(tiny_model_factory("llama")), request.param),
         tmp_path_factory.mktemp("startup"),
         env={"TREADLE_TEST_SLOW_START_S": str(SLOW_S)},
         wait=False,
@@ -130,17 +139,26 @@ def test_a_request_during_the_start_up_gets_503_at_once(watch: Watch) -> None:
 
 def test_once_started_it_serves_and_topology_says_ready(watch: Watch) -> None:
     url = watch.server.url
-    assert httpx.get(url + "/health/ready", timeout=10).status_code == 200
+    # Every API server, whichever takes the connection (two finish within moments).
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health/startup", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, watch.server.output()
+        time.sleep(0.1)
+    for _ in range(4):
+        assert httpx.get(url + "/health/ready", timeout=10).status_code == 200
     engines = httpx.get(url + "/topology", timeout=30).json()["engines"]
     assert [(e["state"], e["phase"]) for e in engines] == [("ready", "ready")]
     resp = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert resp.status_code == 200, resp.text
 
 
-def test_sigterm_while_loading_stops_everything_and_exits_0(tmp_path, tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
-    """(A second server start: this one never finishes loading.)"""
+@pytest.mark.parametrize("api_servers", API_SERVERS)
+def test_sigterm_while_loading_stops_everything_and_exits_0(  # type: ignore[no-untyped-def]
+    api_servers: int, tmp_path, tiny_model_factory
+) -> None:
+    """(Another server start: this one never finishes loading.)"""
     srv = RemoteServer(
-        [str(tiny_model_factory("llama")), "--max-model-len", "128"],
+        serve_args(str(tiny_model_factory("llama")), api_servers),
         tmp_path,
         env={"TREADLE_TEST_SLOW_START_S": "60"},
         wait=False,
@@ -155,8 +173,10 @@ def test_sigterm_while_loading_stops_everything_and_exits_0(tmp_path, tiny_model
             time.sleep(0.1)
         pids = [p.pid for p in srv.family()]
         assert srv.pid_of("treadle::EngineCore_DP0") in pids
+        started = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0, srv.output()
+        assert time.monotonic() - started < 10, "the stop waited for the start-up"
         assert_no_leftovers(srv, pids)
     finally:
         srv.stop()

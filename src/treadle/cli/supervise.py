@@ -4,7 +4,10 @@ this host's engine cores (`--headless`). ARCHITECTURE §1, §8.
 With N API servers the CLI process serves no HTTP. It binds the HTTP socket, starts the DP
 coordinator and the engine cores, spawns the API servers (each gets the socket, a client
 index and binds its own ROUTER/PULL pair, whose addresses come back on its ready pipe), runs
-the engines' handshake with all those addresses, then watches every child. Within one
+the engines' handshake with all those addresses, then watches every child. Each API server
+serves HTTP from the start: until its engine client is built it answers as one API server
+does while its engine starts (`starting.py`), with the phases the handshake here sees
+(`_Notes`). Within one
 --max-engine-restarts budget, a child that exits non-zero is restarted:
 
 - an engine core: the API servers resume its requests when it says hello;
@@ -45,6 +48,7 @@ from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.frontend.async_client import reports_address
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.restart_sequence import RestartBudget, restart_child
+from treadle.frontend.startup import StartupProgress, startup_address
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import (
     ChildProcess,
@@ -57,7 +61,7 @@ from treadle.ipc.process import (
 )
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.wire.control import DeathReport, EnginesLost
+from treadle.wire.control import DeathReport, EnginesLost, StartupPhases
 
 logger = init_logger(__name__)
 
@@ -88,10 +92,15 @@ class _Stop:
         self.failure: str | None = None
         self.restartable = restartable
         self.restarts: queue.SimpleQueue[ChildProcess] = queue.SimpleQueue()
+        # The engines' start-up, while it runs: a stop then ends their processes, so that the
+        # handshake fails at once instead of waiting for the model to load.
+        self.progress: StartupProgress | None = None
 
     def on_signal(self, signum: int, frame: Any) -> None:
         logger.info("Received %s; shutting down", signal.Signals(signum).name)
         self.event.set()
+        if self.progress is not None and not self.progress.done:
+            self.progress.stop()
 
     def on_death(self, child: ChildProcess) -> None:
         """A child that exited 0 was stopped on purpose (e.g. a signal sent to it alone):
@@ -181,10 +190,11 @@ class _Restarts:
 
     def _report_of(self, rank: int, exitcode: int | None) -> DeathReport | None:
         """The engine's own death report, which API server 0 hands on (an engine that raised
-        sends it just before its exit 1: waited for 0.5 s)."""
+        sends it just before its exit 1: waited for up to 2 s, which a loaded host needs;
+        it usually comes within milliseconds)."""
         if self.desk is None:
             return None
-        return self.desk.report_of(rank, 0.5 if exitcode == 1 else 0.0)
+        return self.desk.report_of(rank, 2.0 if exitcode == 1 else 0.0)
 
     def _engine_failed(self, rank: int, why: str) -> None:
         """An engine core could not be started again (its restart failed, or the budget is
@@ -245,37 +255,47 @@ class _Restarts:
             ctx.term()
 
 
-class _LostNotes:
-    """The supervisor's word to its API servers (issue 25): a PUB socket, on which a thread
-    says every half second which engines are lost (`EnginesLost`). Each API server binds its
-    SUB on an ipc address of its own (`addresses`, by client index; a restarted one binds
-    the same) and the PUB connects to every one: an API server removes its file as it exits,
-    also when this process was killed (its death pipe), and this process removes those of
-    killed API servers."""
+class _Notes:
+    """The supervisor's word to its API servers (issue 25), on PUB sockets from one thread,
+    every half second: while the engines start, their phases (`StartupPhases`, to each API
+    server's `startup_address`, bound while its engine client is built); then which engines
+    are lost (`EnginesLost`). Each API server binds its SUB on an ipc address of its own
+    (`addresses`, by client index; a restarted one binds the same) and the PUB connects to
+    every one: an API server removes its file as it exits, also when this process was killed
+    (its death pipe), and this process removes those of killed API servers."""
 
     def __init__(self, count: int) -> None:
         self.addresses = [get_open_zmq_ipc_path() for _ in range(count)]
         self._thread: threading.Thread | None = None
 
-    def start(self, lost: dict[int, str], stop: threading.Event) -> None:
+    def start(self, progress: StartupProgress, lost: dict[int, str], stop: threading.Event) -> None:
         self._thread = threading.Thread(
-            target=self._run, args=(lost, stop), name="lost-engine-notes", daemon=True
+            target=self._run, args=(progress, lost, stop), name="supervisor-notes", daemon=True
         )
         self._thread.start()
 
-    def _run(self, lost: dict[int, str], stop: threading.Event) -> None:
+    def _run(self, progress: StartupProgress, lost: dict[int, str], stop: threading.Event) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
         sock = make_zmq_socket(ctx, self.addresses[0], zmq.PUB, bind=False, linger=0)
+        starting = make_zmq_socket(
+            ctx, startup_address(self.addresses[0]), zmq.PUB, bind=False, linger=0
+        )
         for address in self.addresses[1:]:
             sock.connect(address)
+            starting.connect(startup_address(address))
         try:
             while not stop.wait(0.5):
+                if not starting.closed:  # (the last one says every engine is ready)
+                    starting.send(msgspec.msgpack.encode(StartupPhases(list(progress.phases))))
+                    if progress.done:
+                        starting.close(linger=0)
                 now = dict(lost)  # (one copy: the main thread adds to it)
                 if now:
                     ranks = sorted(now)
                     note = EnginesLost(ranks, [now[r] for r in ranks])
                     sock.send(msgspec.msgpack.encode(note))
         finally:
+            starting.close(linger=0)
             sock.close(linger=0)
             ctx.term()
 
@@ -313,11 +333,12 @@ def run_api_servers(
     launcher: EngineLauncher | None = None
     api_servers: list[ChildProcess] = []
     addresses: list[list[str]] = []
-    notes = _LostNotes(count)
+    notes = _Notes(count)
+    progress = stop.progress = StartupProgress(config.parallel.data_parallel_size)
     desk: SupervisorDesk | None = None
     report_ctx: zmq.Context[Any] = zmq.Context()
     try:
-        launcher = EngineLauncher(config, args.shutdown_timeout)
+        launcher = EngineLauncher(config, args.shutdown_timeout, progress=progress)
         timeout = envs.engine_ready_timeout_s()
         coordinator = launcher.coordinator_addresses(timeout)
         spawn = multiprocessing.get_context("spawn")  # always, for extra API servers (§7)
@@ -334,7 +355,7 @@ def run_api_servers(
             )
 
         restarts = _Restarts(config, launcher, stop, start_api_server)
-        notes.start(restarts.lost, stop.event)
+        notes.start(progress, restarts.lost, stop.event)
         stop.restartable = restarts.restartable
         api_servers = restarts.api_servers  # the same list: a restart replaces its entry
         api_servers.extend(start_api_server(index, None) for index in range(count))
@@ -342,6 +363,7 @@ def run_api_servers(
         # With engines on other hosts, the handshake socket stays open (`supervised_desk.py`).
         remote = config.parallel.multi_node
         launcher.handshake(report_ctx, *_split(addresses), watch=api_servers, keep=remote)
+        progress.finish()
         logger.info(
             "%d API servers listening on http://%s:%d; %d engine core(s) ready",
             count,
@@ -364,7 +386,8 @@ def run_api_servers(
     except KeyboardInterrupt:
         pass
     except Exception as e:
-        stop.failure = str(e)
+        if not stop.event.is_set():  # (else a stop during the start-up ended it)
+            stop.failure = str(e)
     finally:
         # The engines abort what still runs after --shutdown-timeout (SIGUSR1: a graceful
         # stop) and answer it, which ends the API servers' streams; the API servers stop
@@ -382,6 +405,7 @@ def run_api_servers(
             [
                 *(a for entry in addresses for a in entry[:2]),
                 *notes.addresses,
+                *(startup_address(a) for a in notes.addresses),
                 reports_address(notes.addresses[0]),
             ]
         )

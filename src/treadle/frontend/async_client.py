@@ -10,6 +10,7 @@ the DP coordinator reader, and the watches of `EngineWatch`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import signal
@@ -159,9 +160,11 @@ class AsyncMPClient(MPClient):
                     self.ctx, reports_address(self._supervisor_notes), zmq.PUSH, True, linger=0
                 )
                 self._reports_out = out
-                self.watch.forward = lambda report: _send_quietly(out, [report])
-                send_lost = lambda note: _send_quietly(out, [LOST_ENGINES, note])  # noqa: E731
+                reports = _Reports(out)
+                self.watch.forward = lambda report: reports.send([report])
+                send_lost = lambda note: reports.send([LOST_ENGINES, note])  # noqa: E731
                 self.spawn(self.watch.report_lost(send_lost), "lost-engine reports")
+                self.spawn(reports.retry(), "supervisor report retries")
         if self._pending_end is not None:  # an engine ended before the loop ran
             self._end(*self._pending_end)
         self._chain_stop_signals()
@@ -416,10 +419,33 @@ def reports_address(notes: str) -> str:
     return f"{notes}-reports"
 
 
-def _send_quietly(sock: zmq.Socket[Any], parts: list[bytes | msgspec.Struct]) -> None:
-    frames = [p if isinstance(p, bytes) else msgspec.msgpack.encode(p) for p in parts]
-    with contextlib.suppress(zmq.Again):  # (the supervisor reads it, or nobody needs it)
-        sock.send_multipart(frames, zmq.NOBLOCK)
+class _Reports:
+    """API server 0's PUSH to its supervisor. The supervisor's PULL connects moments after
+    this binds (ipc reconnects every 0.1 s), and an engine may die at once: what cannot go yet
+    (`zmq.Again`, no peer) waits, in order, and is tried again every 0.1 s (the supervisor
+    waits 2 s for a death report before its restart line)."""
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self.sock = sock
+        self.unsent: collections.deque[list[bytes]] = collections.deque(maxlen=16)
+
+    def send(self, parts: list[bytes | msgspec.Struct]) -> None:
+        frames = [p if isinstance(p, bytes) else msgspec.msgpack.encode(p) for p in parts]
+        self.unsent.append(frames)
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.unsent:
+            try:
+                self.sock.send_multipart(self.unsent[0], zmq.NOBLOCK)
+            except zmq.Again:  # (no supervisor yet; or gone, and nobody needs it)
+                return
+            self.unsent.popleft()
+
+    async def retry(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            self._flush()
 
 
 def stop_this_process(reason: str) -> None:

@@ -224,6 +224,8 @@ class MPClient:
             self.launcher.watch(poller)
         infos: dict[int, Handshake] = {}
         while len(infos) < self.num_engines:
+            if self.progress is not None and self.progress.stopping:
+                raise RuntimeError("stopped while waiting for the engine cores")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(

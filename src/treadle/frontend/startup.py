@@ -5,15 +5,26 @@ Written by the thread that builds the engine client (the launcher's handshake: e
 PHASE messages, then its READY), read by the event loop: each write replaces one list item
 or a flag, which a reader sees whole. Only the start-up is followed: once `finish`ed, later
 reports (a restarted engine's) are ignored; `/topology` shows such an engine `restarting`.
+
+With several API servers the supervisor runs the handshake: its own `StartupProgress` is
+published every half second (`StartupPhases`, `cli/supervise.py`) and each API server's
+`follow_phases` thread copies it into the API server's own.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import Any
 
+import msgspec
+import zmq
+
+from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ChildProcess
+from treadle.ipc.zmq_utils import make_zmq_socket
 from treadle.logger import init_logger
-from treadle.wire.control import StartupPhase
+from treadle.wire.control import StartupPhase, StartupPhases
 
 logger = init_logger(__name__)
 
@@ -22,6 +33,7 @@ class StartupProgress:
     def __init__(self, num_engines: int) -> None:
         self.phases = [StartupPhase.STARTING] * num_engines  # per DP rank
         self.done = False
+        self.stopping = False  # a stop signal came during the start-up (`stop`)
         # The local children of the start-up (the launcher's engines and DP coordinator), so
         # that a stop during the start-up can end them (`stop`).
         self.children: Callable[[], list[ChildProcess]] = list
@@ -41,6 +53,11 @@ class StartupProgress:
         """Engines added or removed while serving (`POST /scale`): those present are ready."""
         self.phases = [StartupPhase.READY] * n
 
+    def connecting(self) -> bool:
+        """Every engine is loaded and connecting to the front end(s): the client is built
+        within moments."""
+        return not self.done and all(p is StartupPhase.HANDSHAKE for p in self.phases)
+
     def describe(self) -> str:
         """The phase, when every engine is in the same one; else each engine's."""
         if len(set(self.phases)) == 1:
@@ -52,7 +69,50 @@ class StartupProgress:
 
     def stop(self) -> None:
         """End the start-up (a stop signal): terminate its local children, so that the
-        thread that waits for them fails at once instead of waiting for the model to load."""
+        thread that waits for them fails at once instead of waiting for the model to load
+        (an API server that waits for a supervisor's engines reads `stopping`)."""
+        self.stopping = True
         for child in self.children():
             if child.process.is_alive():
                 child.process.terminate()
+
+
+def startup_address(notes: str) -> str:
+    """Where an API server of a supervisor binds the SUB of the supervisor's `StartupPhases`
+    while its engine client is built (beside the SUB of its notes, `AttachTo.supervisor`);
+    the supervisor's PUB connects."""
+    return f"{notes}-startup"
+
+
+_decode_phases = msgspec.msgpack.Decoder(StartupPhases).decode
+
+
+def follow_phases(progress: StartupProgress, address: str) -> threading.Thread:
+    """Copy the supervisor's `StartupPhases` on `address` into `progress` until it is done or
+    stopped (a thread; the SUB is bound there and closed at the end, which removes its file).
+    A message that does not decode, or has another number of engines, is ignored."""
+
+    def run() -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = make_zmq_socket(ctx, address, zmq.SUB, True, linger=0, options=inbound_options())
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            while not (progress.done or progress.stopping):
+                if not sock.poll(200):
+                    continue
+                try:
+                    phases = _decode_phases(sock.recv()).phases
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                if len(phases) == len(progress.phases):
+                    for rank, phase in enumerate(phases):
+                        # Ready at the supervisor: connecting to this API server.
+                        ready = phase is StartupPhase.READY
+                        progress.report(rank, StartupPhase.HANDSHAKE if ready else phase)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    thread = threading.Thread(target=run, name="startup-phases", daemon=True)
+    thread.start()
+    return thread

@@ -146,3 +146,15 @@ class EnginesLost(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
     ranks: list[int]
     causes: list[Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS + MAX_LINE_CHARS)]]
+
+
+MAX_STARTUP_RANKS: Final = 4096  # (bounds `StartupPhases.phases`: far above any DP size)
+
+
+class StartupPhases(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The `treadle serve` supervisor -> each of its API servers while the engines start
+    (a PUB socket over ipc, `cli/supervise.py`): every engine's start-up phase, by DP rank,
+    as the supervisor's handshake sees them. Sent every half second until the handshake is
+    done, so that each API server's `/health/startup` and `/topology` say how far it got."""
+
+    phases: Annotated[list[StartupPhase], msgspec.Meta(max_length=MAX_STARTUP_RANKS)]

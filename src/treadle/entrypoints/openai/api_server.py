@@ -56,6 +56,7 @@ from treadle.entrypoints.openai.starting import EngineStart, StartingServer, say
 from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import AttachTo
 from treadle.frontend.metrics import render_metrics
+from treadle.frontend.startup import StartupProgress, follow_phases, startup_address
 from treadle.ipc.process import ReadyPipe
 from treadle.logger import init_logger
 
@@ -254,15 +255,16 @@ def run_server(
     port: int,
     sock: socket.socket | None = None,
     shared: bool = False,
+    client_index: int = 0,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit 0) or engine death (exit 1); returns the exit code.
     `engine`: the engine client, built; or how to build it, while HTTP already serves
     (`starting.py`: a start-up that fails exits 1, saying why). `sock`: the HTTP socket,
     already bound (by the CLI, or by the supervisor for several API servers, which `shared`
-    says); `port`: the one it is bound to."""
+    says); `port`: the one it is bound to. API server 0 says where it listens."""
     announce = None
     built = engine if isinstance(engine, AsyncLLM) else None
-    if sock is not None and (built is None or built.client_index == 0):
+    if sock is not None and client_index == 0:
         note = " (shared by every API server)" if shared else ""
         announce = f"Uvicorn running on {server.scheme}://{server.host}:{port}{note}"
     engine_died = False
@@ -347,7 +349,23 @@ def run_api_server_worker(
 
     signal.signal(signal.SIGTERM, leave)
     attach = AttachTo(ready.send_ready, coordinator, reuse, supervisor)
-    engine = AsyncLLM(config, model_name, server.shutdown_timeout, client_index, attach)
+    engine: AsyncLLM | EngineStart
+    if reuse is None:
+        # The first start: serve HTTP while the supervisor's engines start, with their phases
+        # (`/health/startup`, `/topology`), as a single API server does.
+        progress = StartupProgress(config.parallel.data_parallel_size)
+        if supervisor is not None:
+            follow_phases(progress, startup_address(supervisor))
+        engine = EngineStart(
+            lambda: AsyncLLM(
+                config, model_name, server.shutdown_timeout, client_index, attach, progress
+            ),
+            progress,
+        )
+    else:
+        # A replacement attaches to running engines (quick) and takes no connection before:
+        # meanwhile the other API servers answer them all.
+        engine = AsyncLLM(config, model_name, server.shutdown_timeout, client_index, attach)
     port = sock.getsockname()[1]
-    code = run_server(engine, model_name, model_path, server, port, sock, shared=True)
+    code = run_server(engine, model_name, model_path, server, port, sock, True, client_index)
     raise SystemExit(code)

@@ -12,6 +12,10 @@ small app:
     /version                  200
     anything else             503 in OpenAI's error shape: "the engine is starting: ..."
 
+except that once every engine is loaded and connecting (`StartupProgress.connecting`), a
+request other than those probes waits (up to `HOLD_S`) for the full app instead: with several
+API servers, one may be built moments after another, and a request it takes then is served.
+
 Then the full app (`build_app`) is built and its lifespan entered in the event loop, and every
 request goes to it (its /health/startup answers 200). A start-up that fails stops the server
 (`failure` says why: the CLI exits 1 with it); a stop during the start-up terminates the
@@ -49,6 +53,11 @@ RETRY = {"Retry-After": "5"}
 STOP_WAIT_S = 30.0
 """How long a stop waits for the start-up thread to end (its engines were terminated)."""
 
+HOLD_S = 10.0
+"""How long a request that comes while the engines connect waits for the full app."""
+
+_PROBES = frozenset({"/health", "/ping", "/health/startup", "/version", "/topology"})
+
 
 @dataclass(frozen=True)
 class EngineStart:
@@ -82,11 +91,15 @@ class StartingServer:
         self._thread: threading.Thread | None = None
         self._serving: asyncio.Future[None] | None = None
         self._stack = contextlib.AsyncExitStack()
+        self._settled = asyncio.Event()  # the full app is built, or will not be
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
+        if self.app is None and self.start.progress.connecting() and not _probe(scope):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), HOLD_S)
         await (self.app or self.waiting)(scope, receive, send)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -118,6 +131,8 @@ class StartingServer:
                 self.failure = e
                 with contextlib.suppress(RuntimeError):  # the loop is closed
                     loop.call_soon_threadsafe(self.stop_serving)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._settled.set)
             return
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._start_serving)
@@ -128,18 +143,21 @@ class StartingServer:
     async def _serve(self) -> None:
         """The engine is built: serve the full app."""
         engine = self.engine
-        if self.stopping or engine is None:
-            return  # `join` shuts it down
         try:
-            self.on_engine(engine)
-            app = self.build_app(engine)
-            await self._stack.enter_async_context(app.router.lifespan_context(app))
-        except Exception as e:
-            logger.exception("The API server failed to start serving")
-            self.failure = e
-            self.stop_serving()
-            return
-        self.app = app
+            if self.stopping or engine is None:
+                return  # `join` shuts it down
+            try:
+                self.on_engine(engine)
+                app = self.build_app(engine)
+                await self._stack.enter_async_context(app.router.lifespan_context(app))
+            except Exception as e:
+                logger.exception("The API server failed to start serving")
+                self.failure = e
+                self.stop_serving()
+                return
+            self.app = app
+        finally:
+            self._settled.set()
 
     def join(self) -> AsyncLLM | None:
         """After serving: end the start-up if it still runs; the engine, if it was built."""
@@ -149,6 +167,14 @@ class StartingServer:
             self.start.progress.stop()  # (its children may not have existed at the first stop)
             thread.join(0.5)
         return self.engine
+
+
+def _probe(scope: Any) -> bool:
+    path = scope.get("path", "")
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path in _PROBES
 
 
 def say_listening(line: str) -> None:

@@ -1,0 +1,79 @@
+"""`StartingServer` as ASGI, without processes: while the engines load a request gets 503 at
+once; once every engine connects (`handshake`) a request waits for the full app and is served
+by it, while the probes still answer at once (several API servers finish moments apart)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from treadle.entrypoints.openai.cli_args import FrontendArgs
+from treadle.entrypoints.openai.starting import EngineStart, StartingServer
+from treadle.frontend.startup import StartupProgress
+from treadle.wire.control import StartupPhase
+
+
+def _full_app(engine: Any) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, str]:
+        return {"served_by": "the full app"}
+
+    return app
+
+
+async def _scenario() -> dict[str, Any]:
+    progress = StartupProgress(2)
+    gate = threading.Event()
+
+    def build() -> Any:
+        gate.wait(30)
+        return object()  # (the engine client: only handed to `_full_app`)
+
+    server = StartingServer(
+        EngineStart(build, progress),  # type: ignore[arg-type]
+        _full_app,
+        FrontendArgs(),
+        None,
+        stop_serving=lambda: None,
+        on_engine=lambda engine: None,
+    )
+    inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    lifespan = asyncio.create_task(server({"type": "lifespan"}, inbox.get, send))
+    seen: dict[str, Any] = {}
+    transport = httpx.ASGITransport(app=server)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        progress.report(0, StartupPhase.LOADING_WEIGHTS)
+        seen["loading"] = (await client.get("/v1/models")).status_code
+        for rank in (0, 1):
+            progress.report(rank, StartupPhase.HANDSHAKE)
+        held = asyncio.create_task(client.get("/v1/models"))
+        await asyncio.sleep(0.3)
+        seen["held_done_early"] = held.done()
+        seen["probe"] = (await client.get("/health/startup")).status_code  # at once
+        gate.set()
+        seen["held"] = (await asyncio.wait_for(held, 10)).json()
+    await inbox.put({"type": "lifespan.shutdown"})
+    await asyncio.wait_for(lifespan, 10)
+    seen["lifespan"] = [m["type"] for m in sent]
+    return seen
+
+
+def test_a_request_while_the_engines_connect_waits_for_the_full_app() -> None:
+    seen = asyncio.run(_scenario())
+    assert seen["loading"] == 503
+    assert seen["held_done_early"] is False
+    assert seen["probe"] == 503
+    assert seen["held"] == {"served_by": "the full app"}
+    assert seen["lifespan"] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
