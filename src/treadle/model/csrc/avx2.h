@@ -1,13 +1,12 @@
 /* treadle's CPU kernels at the AVX2 level (x86-64-v3: AVX2, FMA, F16C): 8-wide registers, 16
    of them. Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64,
-   tile_rows_n, expand_tile and tile_gemm, with the register tiles sized for 16 registers
+   expand_tile, tile_gemm and few_rows_n, with the register tiles sized for 16 registers
    instead of AVX-512's 32. */
 #include <immintrin.h>
 
 #define TREADLE_ISA "avx2"
 #define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
-#define HAVE_TILE_ROWS_N 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
 #define D64_MAX_GROUP 4
 
@@ -157,19 +156,13 @@ static void attend_d64(const float* qh, int64_t group, const char* kh, const cha
     }
 }
 
-/* A block's 32 quants as float32 in 4 registers, in order (d and m not applied). Q4: the 16
-   bytes go to both 128-bit lanes, a byte shuffle widens 8 of them to 32-bit lanes, and the low
-   and high nibbles are an AND and a shift of the same register (weights i and i + 16). */
+/* A block's 32 quants as float32 in 4 registers, in order (d and m not applied). Q4: bytes
+   0-7 and 8-15 widened to 32-bit lanes as they are loaded; the low nibbles are weights 0-15,
+   the high ones 16-31. */
 static inline void quants_q4(const block_q4* b, __m256 w[4]) {
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)b->qs));
-    const __m256i bytes0_7 = _mm256_setr_epi8(
-        0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-    const __m256i bytes8_15 = _mm256_setr_epi8(
-        8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
-        12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const __m256i t0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)b->qs));
+    const __m256i t1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b->qs + 8)));
     const __m256i low = _mm256_set1_epi32(15);
-    const __m256i t0 = _mm256_shuffle_epi8(raw, bytes0_7), t1 = _mm256_shuffle_epi8(raw, bytes8_15);
     w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(t0, low));
     w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(t1, low));
     w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(t0, 4));
@@ -186,54 +179,20 @@ static inline void block_quants(const char* blocks, int kind, int j, __m256 w[4]
     else quants_q8((const block_q8*)blocks + j, w);
 }
 
-/* Two outputs (j0, j0 + 1) of a tile against ROWS rows of x: per block, d * (q . x) into a
-   register accumulator per output and row, and [d, m] * [0, sum(x)] beside it (xs2 holds the
-   pairs [0, block sum] per row and block), so that nothing goes through memory. `kind` and
-   `rows` are constants where this is inlined. */
-static inline __attribute__((always_inline)) void two_outputs(
-    const char* tile, const int kind, int64_t nb, int j0, const float* x, int64_t K,
-    const float* xs2, const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    const int64_t bsize = block_bytes(kind);
-    __m256 acc[2][ROWS_AT_ONCE];
-    __m128 macc[2][ROWS_AT_ONCE];
-    for (int jj = 0; jj < 2; jj++)
-        for (int r = 0; r < rows; r++) {
-            acc[jj][r] = _mm256_setzero_ps();
-            macc[jj][r] = _mm_setzero_ps();
-        }
-    for (int64_t b = 0; b < nb; b++) {
-        const char* blocks = tile + b * TILE_N * bsize;
-        if (j0 == 0)  /* the first pass over the tile brings it into L1 for the second */
-            for (int64_t off = 0; off < TILE_N * bsize; off += 64)
-                _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
-        for (int jj = 0; jj < 2; jj++) {
-            __m256 w[4];
-            block_quants(blocks, kind, j0 + jj, w);
-            const __m128 dm = block_dm(blocks, kind, j0 + jj);
-            const __m256 d = _mm256_broadcastss_ps(dm);
-            for (int r = 0; r < rows; r++) {
-                const float* xr = x + r * K + b * 32;
-                __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-                s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), s);
-                s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), s);
-                s = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), s);
-                acc[jj][r] = _mm256_fmadd_ps(d, s, acc[jj][r]);
-                if (kind == KIND_Q4) {
-                    const __m128 xs = _mm_castpd_ps(_mm_load_sd((const double*)(xs2 + 2 * (r * nb + b))));
-                    macc[jj][r] = _mm_fmadd_ps(dm, xs, macc[jj][r]);
-                }
-            }
-        }
+/* A block of a tile's output j as 32 float32 weights in 4 registers, w = d q + m: one FMA per
+   register (Q8: a multiply, w = d q), the weights of every path on the blocks. */
+static inline __attribute__((always_inline)) void block_weights(const char* blocks, int kind,
+                                                                int j, __m256 w[4]) {
+    __m256 q[4];
+    block_quants(blocks, kind, j, q);
+    const __m128 dm = block_dm(blocks, kind, j);
+    const __m256 dv = _mm256_broadcastss_ps(dm);
+    if (kind == KIND_Q8) {  /* d q, as d q + 0 */
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(q[i], dv);
+        return;
     }
-    for (int jj = 0; jj < 2; jj++)
-        for (int r = 0; r < rows; r++)
-            out[j0 + jj][r] = hsum8(acc[jj][r]) + _mm_cvtss_f32(_mm_shuffle_ps(macc[jj][r], macc[jj][r], 1));
-}
-
-static inline __attribute__((always_inline)) void tile_rows_n(
-    const char* tile, const int kind, int64_t nb, const float* x, int64_t K, const float* xs2,
-    const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    for (int j0 = 0; j0 < TILE_N; j0 += 2) two_outputs(tile, kind, nb, j0, x, K, xs2, rows, out);
+    const __m256 mv = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 1));
+    for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(q[i], dv, mv);
 }
 
 /* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */
@@ -242,41 +201,109 @@ static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float
     for (int64_t b = 0; b < nb; b++) {
         const char* blocks = tile + b * TILE_N * bsize;
         for (int j = 0; j < TILE_N; j++) {
-            __m256 q[4];
-            block_quants(blocks, kind, j, q);
-            const __m128 dm = block_dm(blocks, kind, j);
-            const __m256 dv = _mm256_broadcastss_ps(dm);
-            const __m256 mv = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 1));
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(w + j * K + b * 32 + 8 * i, _mm256_fmadd_ps(q[i], dv, mv));
+            __m256 v[4];
+            block_weights(blocks, kind, j, v);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + j * K + b * 32 + 8 * i, v[i]);
         }
     }
 }
 
+/* x . w for each (row, output) is two float32 chains of FMAs over k, 8 inputs each: chain a
+   takes the inputs 16 i .. 16 i + 7, chain b 16 i + 8 .. 16 i + 15 (two chains in flight where
+   one would wait on each FMA's latency), then sum8 of a + b. tile_gemm and few_rows_n both
+   make exactly this sum. */
+
 /* y[r, n0 + j] for the M rows of x against one expanded tile (rows are read in whole groups
-   of GEMM_ROWS: past M the caller pads), 3 rows x 4 outputs at a time: 12 accumulators, the
-   3 rows of x and one weight vector fill the 16 registers. */
+   of GEMM_ROWS: past M the caller pads), 3 rows x 2 outputs at a time: 12 accumulators (two
+   chains each), two weight vectors and one of x: 5 loads per 6 FMAs. */
 #define GEMM_ROWS 3
 static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
                       float* y, int64_t y_stride, int64_t n0, int64_t valid) {
     for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS) {
-        __m256 acc[16];
-        for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
         const float* xr = x + r0 * x_stride;
-        for (int64_t k = 0; k < K; k += 8) {
-            __m256 xv[GEMM_ROWS];
-            for (int r = 0; r < GEMM_ROWS; r++) xv[r] = _mm256_loadu_ps(xr + r * x_stride + k);
-            for (int j = 0; j < TILE_N; j++) {
-                const __m256 wv = _mm256_loadu_ps(w + j * K + k);
-                for (int r = 0; r < GEMM_ROWS; r++)
-                    acc[r * TILE_N + j] = _mm256_fmadd_ps(xv[r], wv, acc[r * TILE_N + j]);
-            }
-        }
         float sums[16];
-        _mm256_storeu_ps(sums, sum8(acc));
-        _mm256_storeu_ps(sums + 8, sum8(acc + 8));
+        for (int j0 = 0; j0 < TILE_N; j0 += 2) {
+            __m256 a[GEMM_ROWS * 2], b[GEMM_ROWS * 2];
+            for (int i = 0; i < GEMM_ROWS * 2; i++) a[i] = b[i] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                /* chain a, then chain b: 2 weight vectors and one x vector at a time live */
+                const __m256 wa0 = _mm256_loadu_ps(w + j0 * K + k);
+                const __m256 wa1 = _mm256_loadu_ps(w + (j0 + 1) * K + k);
+                for (int r = 0; r < GEMM_ROWS; r++) {
+                    __m256 xv = _mm256_loadu_ps(xr + r * x_stride + k);
+                    __asm__("" : "+x"(xv));  /* one load for both FMAs, not one each */
+                    a[r * 2] = _mm256_fmadd_ps(xv, wa0, a[r * 2]);
+                    a[r * 2 + 1] = _mm256_fmadd_ps(xv, wa1, a[r * 2 + 1]);
+                }
+                const __m256 wb0 = _mm256_loadu_ps(w + j0 * K + k + 8);
+                const __m256 wb1 = _mm256_loadu_ps(w + (j0 + 1) * K + k + 8);
+                for (int r = 0; r < GEMM_ROWS; r++) {
+                    __m256 xv = _mm256_loadu_ps(xr + r * x_stride + k + 8);
+                    __asm__("" : "+x"(xv));  /* one load for both FMAs, not one each */
+                    b[r * 2] = _mm256_fmadd_ps(xv, wb0, b[r * 2]);
+                    b[r * 2 + 1] = _mm256_fmadd_ps(xv, wb1, b[r * 2 + 1]);
+                }
+            }
+            __m256 v[8];
+            for (int i = 0; i < 8; i++)
+                v[i] = i < GEMM_ROWS * 2 ? _mm256_add_ps(a[i], b[i]) : _mm256_setzero_ps();
+            float part[8];
+            _mm256_storeu_ps(part, sum8(v));
+            for (int r = 0; r < GEMM_ROWS; r++)
+                for (int jj = 0; jj < 2; jj++) sums[r * TILE_N + j0 + jj] = part[r * 2 + jj];
+        }
         const int64_t rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < valid; j++) y[(r0 + r) * y_stride + n0 + j] = sums[r * TILE_N + j];
+    }
+}
+
+/* ---- Few rows: each block expanded once in registers for up to FEW_ROWS rows --------------
+
+   Each (row, output) is tile_gemm's sum (above): the same two chains over k and sum8 of their
+   sum, so a row's result is the same bits on either path and whatever rows share the call.
+
+   Register budget (16): 2 x OUTS x ROWS accumulators (<= 8) and one block's weights (4), the
+   blocks of a pass expanded one output at a time: 1 row takes the whole tile per pass, 2 rows
+   2 outputs a pass, 3 and 4 rows one output a pass; more rows go 4 at a time. */
+#ifndef FEW_ROWS          /* (-D: benchmarks/linear_crossover.py --variant) */
+#define FEW_ROWS 4         /* rows per pass over a tile, at most 4 */
+#endif
+#ifndef FEW_MAX_ROWS
+#define FEW_MAX_ROWS 8     /* up to this many rows of a call; beyond, tile_gemm */
+#endif
+
+static inline __attribute__((always_inline)) void few_rows_n(
+    const char* tile, const int kind, int64_t nb, const float* x, int64_t x_stride,
+    const int rows, float out[FEW_ROWS][TILE_N]) {
+    const int64_t bsize = block_bytes(kind);
+    const int outs = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    for (int j0 = 0; j0 < TILE_N; j0 += outs) {
+        __m256 a[4], b[4];
+        for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const char* blocks = tile + blk * TILE_N * bsize;
+            if (j0 == 0)  /* the first pass over the tile brings it into L1 for the others */
+                for (int64_t off = 0; off < TILE_N * bsize; off += 64)
+                    _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
+            for (int jj = 0; jj < outs; jj++) {
+                __m256 w[4];
+                block_weights(blocks, kind, j0 + jj, w);
+                for (int r = 0; r < rows; r++) {
+                    const float* xr = x + r * x_stride + blk * 32;
+                    const int i = r * outs + jj;
+                    a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], a[i]);
+                    b[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], b[i]);
+                    a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], a[i]);
+                    b[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], b[i]);
+                }
+            }
+        }
+        __m256 v[8];
+        for (int i = 0; i < 8; i++) v[i] = i < 4 ? _mm256_add_ps(a[i], b[i]) : _mm256_setzero_ps();
+        float sums[8];
+        _mm256_storeu_ps(sums, sum8(v));
+        for (int r = 0; r < rows; r++)
+            for (int jj = 0; jj < outs; jj++) out[r][j0 + jj] = sums[r * outs + jj];
     }
 }

@@ -27,7 +27,9 @@
    time, the default model's 30 layers + LM head per step: avx512vnni 8 rows 15.5 ms int8
    against 19.1, 16 rows 30.9 against 31.1, 64 rows 120 against 101; avx2 16 rows 53.9 against
    53.8). */
+#ifndef I8_MAX_ROWS  /* (-D: benchmarks/linear_crossover.py --variant) */
 #define I8_MAX_ROWS 8
+#endif
 
 /* x's rows (`x_stride` apart) as int8 blocks: xq[r * K + k], xds[2 * (r * nb + b)] = d and
    [... + 1] = s. The rounding is rint's (half to even), as torch.round. */
