@@ -178,6 +178,58 @@ def measure_variants(
     return results
 
 
+def measure_decode_steps(
+    isa: str, threads: int, rounds: int, rows_list: list[int], variants: list[str], new: int
+) -> dict[str, dict[int, float]]:
+    """In this process: {variant: {rows: median ms per decode step}}, the engines alternating."""
+    import tempfile
+
+    os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
+    from treadle import LLM, SamplingParams
+    from treadle.model import cpu_kernels
+    from treadle.model.cpu_kernels import Kernels
+
+    engines = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in variants:
+            label, _, rest = spec.partition("=")
+            ref, _, defines = rest.partition(":")
+            kernels = Kernels(isa, Path(build_variant(isa, ref, defines.split(), tmp)))
+            cpu_kernels._selected[:] = [kernels]  # the library this engine's model loads
+            engines[label] = LLM(dtype="float32", cpu_threads=threads, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": list(range(1000 + 40 * i, 1032 + 40 * i))} for i in range(64)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0.0, max_tokens=1 + new, ignore_eos=True)
+    for llm in engines.values():  # warm up
+        llm.generate(prompts[: max(rows_list)], many, use_tqdm=False)
+    steps: dict[str, dict[int, list[float]]] = {v: {m: [] for m in rows_list} for v in engines}
+    for _ in range(rounds):
+        for m in rows_list:
+            for v, llm in engines.items():
+                spent = []
+                for params in (one, many):
+                    start = time.perf_counter()
+                    llm.generate(prompts[:m], params, use_tqdm=False)
+                    spent.append(time.perf_counter() - start)
+                steps[v][m].append((spent[1] - spent[0]) / new * 1e3)
+    for llm in engines.values():
+        llm.shutdown()
+    return {v: {m: statistics.median(t) for m, t in per.items()} for v, per in steps.items()}
+
+
+def print_decode_steps(isa: str, threads: int, results: dict, rows_list: list[int]) -> None:
+    labels = list(results)
+    print(f"\n{isa} ({threads} threads): median ms per decode step of M rows (x: vs the same "
+          f"variant's 1-row step; /{labels[0]}: vs {labels[0]} at the same M)")  # fmt: skip
+    print(f"{'M':>3s}" + "".join(f" {v:>9s} {'x':>5s} {'/' + labels[0]:>6s}" for v in labels))
+    for m in rows_list:
+        line = f"{m:3d}"
+        for v in labels:
+            ms, one = results[v][str(m)], results[v][str(rows_list[0])]
+            line += f" {ms:9.2f} {ms / one:5.2f} {ms / results[labels[0]][str(m)]:6.2f}"
+        print(line)
+
+
 def print_variants(isa: str, threads: int, results: dict, rows_list: list[int]) -> None:
     labels = list(results["layer"])
     print(f"\n{isa} ({threads} threads, median wall time): ms per call set, ratio to {labels[0]}")
@@ -206,8 +258,17 @@ def main() -> int:
     )
     parser.add_argument("--variant", action="append", default=[], help="LABEL=REF[:DEFINES]")
     parser.add_argument("--int8", action="store_true", help="variants: int8 activations")
+    parser.add_argument("--decode-steps", action="store_true", help="variants: model steps")
+    parser.add_argument("--new-tokens", type=int, default=32, help="--decode-steps: NEW")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child and args.decode_steps:
+        rows_list = [int(r) for r in args.rows.split(",")]
+        found_steps = measure_decode_steps(
+            args.isa, args.threads, args.repeats, rows_list, args.variant, args.new_tokens
+        )
+        print(json.dumps(found_steps))
+        return 0
     if args.child and args.variant:
         rows_list = [int(r) for r in args.rows.split(",")]
         found = measure_variants(
@@ -230,13 +291,18 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", "--isa", isa, "--threads", str(args.threads)]
         cmd += ["--rows", args.rows, "--stat", args.stat, "--clock", args.clock]
         cmd += [f"--variant={v}" for v in args.variant] + (["--int8"] if args.int8 else [])
+        if args.decode_steps:
+            cmd += ["--decode-steps", "--new-tokens", str(args.new_tokens)]
         out = subprocess.run(
             cmd + ["--repeats", str(args.repeats)], env=env, capture_output=True, text=True
         )
         if out.returncode:
             print(out.stderr, file=sys.stderr)
             return out.returncode
-        results = json.loads(out.stdout)
+        results = json.loads(out.stdout.strip().splitlines()[-1])
+        if args.decode_steps:
+            print_decode_steps(isa, args.threads, results, [int(r) for r in args.rows.split(",")])
+            continue
         if args.variant:
             print_variants(isa, args.threads, results, [int(r) for r in args.rows.split(",")])
             continue

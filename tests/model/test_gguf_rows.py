@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tests.model.test_cpu_kernels_int8 import random_blocks, weight_quants
+
 from treadle.model import cpu_kernels
 from treadle.model.cpu_kernels import Kernels
 from treadle.model.quantized import QuantizedWeight
