@@ -20,6 +20,17 @@ before/after, and the few-rows/tile-GEMM crossover (`FEW_MAX_ROWS`, `I8_MAX_ROWS
 
     .venv/bin/python benchmarks/linear_crossover.py --isa avx2 --rows 1,2,3,5,9 \
         --variant old=main --variant new=.
+
+With `--decode-steps`, the variants run whole decode steps of the default model instead: per
+round, one process per variant in turn (an offline engine, in-process engine core, on the
+variant's library; two engines in one process disturb each other), generating for M requests
+(M = each of --rows) to 1 and to 1 + NEW tokens, greedy; the difference over NEW is the time
+of a fused decode step of M rows (as a speculative step of one request verifies k + 1 rows).
+Printed: the median step CPU ms per variant (`measure_decode_steps`), its cost relative to the same variant's 1-row step,
+and the ratio to the first variant at the same M.
+
+    .venv/bin/python benchmarks/linear_crossover.py --decode-steps --threads 1 --repeats 3 \
+        --rows 1,2,3,5,9 --variant old=main --variant new=.
 """
 
 from __future__ import annotations
@@ -179,47 +190,65 @@ def measure_variants(
 
 
 def measure_decode_steps(
-    isa: str, threads: int, rounds: int, rows_list: list[int], variants: list[str], new: int
-) -> dict[str, dict[int, float]]:
-    """In this process: {variant: {rows: median ms per decode step}}, the engines alternating."""
-    import tempfile
-
+    isa: str, threads: int, rows_list: list[int], library: str, new: int
+) -> dict[int, float]:
+    """In this process, on the kernels' library `library`: {rows: CPU ms per decode step}
+    (the process's CPU time: blind to the time the OS gives its threads to other work on a
+    busy machine; it also counts threads that spin, so use it with --threads 1)."""
     os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
     from treadle import LLM, SamplingParams
     from treadle.model import cpu_kernels
     from treadle.model.cpu_kernels import Kernels
 
-    engines = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for spec in variants:
-            label, _, rest = spec.partition("=")
-            ref, _, defines = rest.partition(":")
-            kernels = Kernels(isa, Path(build_variant(isa, ref, defines.split(), tmp)))
-            cpu_kernels._selected[:] = [kernels]  # the library this engine's model loads
-            engines[label] = LLM(dtype="float32", cpu_threads=threads, enable_prefix_caching=False)
+    cpu_kernels._selected[:] = [Kernels(isa, Path(library))]  # what the model loads
+    llm = LLM(dtype="float32", cpu_threads=threads, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": list(range(1000 + 40 * i, 1032 + 40 * i))} for i in range(64)]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=1 + new, ignore_eos=True)
-    for llm in engines.values():  # warm up
-        llm.generate(prompts[: max(rows_list)], many, use_tqdm=False)
-    steps: dict[str, dict[int, list[float]]] = {v: {m: [] for m in rows_list} for v in engines}
-    for _ in range(rounds):
+    for m in rows_list:  # warm up: the first steps of each row count are slow
+        llm.generate(prompts[:m], many, use_tqdm=False)
+    steps: dict[int, list[float]] = {m: [] for m in rows_list}
+    for _ in range(3):
         for m in rows_list:
-            for v, llm in engines.items():
-                spent = []
-                for params in (one, many):
-                    start = time.perf_counter()
-                    llm.generate(prompts[:m], params, use_tqdm=False)
-                    spent.append(time.perf_counter() - start)
-                steps[v][m].append((spent[1] - spent[0]) / new * 1e3)
-    for llm in engines.values():
-        llm.shutdown()
-    return {v: {m: statistics.median(t) for m, t in per.items()} for v, per in steps.items()}
+            spent = []
+            for params in (one, many):
+                start = time.process_time()
+                llm.generate(prompts[:m], params, use_tqdm=False)
+                spent.append(time.process_time() - start)
+            steps[m].append((spent[1] - spent[0]) / new * 1e3)
+    llm.shutdown()
+    return {m: statistics.median(t) for m, t in steps.items()}
+
+
+def decode_steps_side_by_side(
+    isa: str, threads: int, rounds: int, rows: str, variants: list[str], new: int
+) -> dict[str, dict[str, float]]:
+    """{variant: {rows: median ms}}: one engine process per variant and round, in turns."""
+    import tempfile
+
+    env = dict(os.environ, TREADLE_CPU_ISA=isa, TREADLE_LOGGING_LEVEL="WARNING")
+    found: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {}
+        for spec in variants:
+            label, _, rest = spec.partition("=")
+            ref, _, defines = rest.partition(":")
+            libs[label] = build_variant(isa, ref, defines.split(), tmp)
+            found[label] = {}
+        for _ in range(rounds):
+            for label, lib in libs.items():
+                cmd = [sys.executable, __file__, "--child", "--decode-steps", "--isa", isa]
+                cmd += ["--threads", str(threads), "--rows", rows, "--library", lib]
+                cmd += ["--new-tokens", str(new)]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+                for m, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                    found[label].setdefault(m, []).append(ms)
+    return {v: {m: statistics.median(t) for m, t in per.items()} for v, per in found.items()}
 
 
 def print_decode_steps(isa: str, threads: int, results: dict, rows_list: list[int]) -> None:
     labels = list(results)
-    print(f"\n{isa} ({threads} threads): median ms per decode step of M rows (x: vs the same "
+    print(f"\n{isa} ({threads} threads): median CPU ms per decode step of M rows (x: vs the same "
           f"variant's 1-row step; /{labels[0]}: vs {labels[0]} at the same M)")  # fmt: skip
     print(f"{'M':>3s}" + "".join(f" {v:>9s} {'x':>5s} {'/' + labels[0]:>6s}" for v in labels))
     for m in rows_list:
@@ -260,12 +289,13 @@ def main() -> int:
     parser.add_argument("--int8", action="store_true", help="variants: int8 activations")
     parser.add_argument("--decode-steps", action="store_true", help="variants: model steps")
     parser.add_argument("--new-tokens", type=int, default=32, help="--decode-steps: NEW")
+    parser.add_argument("--library", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child and args.decode_steps:
         rows_list = [int(r) for r in args.rows.split(",")]
         found_steps = measure_decode_steps(
-            args.isa, args.threads, args.repeats, rows_list, args.variant, args.new_tokens
+            args.isa, args.threads, rows_list, args.library, args.new_tokens
         )
         print(json.dumps(found_steps))
         return 0
@@ -287,22 +317,23 @@ def main() -> int:
     from treadle.model.cpu_kernels import available_isas
 
     for isa in [args.isa] if args.isa else available_isas():
+        if args.decode_steps:
+            steps = decode_steps_side_by_side(
+                isa, args.threads, args.repeats, args.rows, args.variant, args.new_tokens
+            )
+            print_decode_steps(isa, args.threads, steps, [int(r) for r in args.rows.split(",")])
+            continue
         env = dict(os.environ, TREADLE_CPU_ISA=isa, TREADLE_LOGGING_LEVEL="WARNING")
         cmd = [sys.executable, __file__, "--child", "--isa", isa, "--threads", str(args.threads)]
         cmd += ["--rows", args.rows, "--stat", args.stat, "--clock", args.clock]
         cmd += [f"--variant={v}" for v in args.variant] + (["--int8"] if args.int8 else [])
-        if args.decode_steps:
-            cmd += ["--decode-steps", "--new-tokens", str(args.new_tokens)]
         out = subprocess.run(
             cmd + ["--repeats", str(args.repeats)], env=env, capture_output=True, text=True
         )
         if out.returncode:
             print(out.stderr, file=sys.stderr)
             return out.returncode
-        results = json.loads(out.stdout.strip().splitlines()[-1])
-        if args.decode_steps:
-            print_decode_steps(isa, args.threads, results, [int(r) for r in args.rows.split(",")])
-            continue
+        results = json.loads(out.stdout)
         if args.variant:
             print_variants(isa, args.threads, results, [int(r) for r in args.rows.split(",")])
             continue
