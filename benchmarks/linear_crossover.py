@@ -193,15 +193,19 @@ def measure_decode_steps(
     isa: str, threads: int, rows_list: list[int], library: str, new: int
 ) -> dict[int, float]:
     """In this process, on the kernels' library `library`: {rows: CPU ms per decode step}
-    (the process's CPU time: blind to the time the OS gives its threads to other work on a
-    busy machine; it also counts threads that spin, so use it with --threads 1)."""
+    (CPU time is blind to the time the OS gives the threads to other work on a busy machine;
+    with --threads 1, the model thread's alone, else the process's)."""
     os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
     from treadle import LLM, SamplingParams
     from treadle.model import cpu_kernels
     from treadle.model.cpu_kernels import Kernels
 
     cpu_kernels._selected[:] = [Kernels(isa, Path(library))]  # what the model loads
-    llm = LLM(dtype="float32", cpu_threads=threads, enable_prefix_caching=False)
+    llm = LLM(
+        dtype="float32", cpu_threads=threads, enable_prefix_caching=False, kv_cache_memory="256MiB"
+    )
+    # one thread: the model thread's own CPU time (an in-process engine has other threads)
+    clock = time.thread_time if threads == 1 else time.process_time
     prompts = [{"prompt_token_ids": list(range(1000 + 40 * i, 1032 + 40 * i))} for i in range(64)]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=1 + new, ignore_eos=True)
@@ -212,9 +216,9 @@ def measure_decode_steps(
         for m in rows_list:
             spent = []
             for params in (one, many):
-                start = time.process_time()
+                start = clock()
                 llm.generate(prompts[:m], params, use_tqdm=False)
-                spent.append(time.process_time() - start)
+                spent.append(clock() - start)
             steps[m].append((spent[1] - spent[0]) / new * 1e3)
     llm.shutdown()
     return {m: statistics.median(t) for m, t in steps.items()}
