@@ -21,13 +21,11 @@ before/after, and the few-rows/tile-GEMM crossover (`FEW_MAX_ROWS`, `I8_MAX_ROWS
     .venv/bin/python benchmarks/linear_crossover.py --isa avx2 --rows 1,2,3,5,9 \
         --variant old=main --variant new=.
 
-With `--decode-steps`, the variants run whole decode steps of the default model instead: per
-round, one process per variant in turn (an offline engine, in-process engine core, on the
-variant's library; two engines in one process disturb each other), generating for M requests
-(M = each of --rows) to 1 and to 1 + NEW tokens, greedy; the difference over NEW is the time
-of a fused decode step of M rows (as a speculative step of one request verifies k + 1 rows).
-Printed: the median step CPU ms per variant (`measure_decode_steps`), its cost relative to the same variant's 1-row step,
-and the ratio to the first variant at the same M.
+With `--decode-steps`, the variants run whole decode steps of the default model instead: the
+fused decode call of M rows (M requests of 64 tokens of context, as a speculative step of one
+request verifies k + 1 rows) and the LM head, each variant's model in turn, the fastest round
+(a round: the median of 5 steps) per variant and M; printed with the cost relative to the same
+variant's 1-row step and the ratio to the first variant at the same M.
 
     .venv/bin/python benchmarks/linear_crossover.py --decode-steps --threads 1 --repeats 3 \
         --rows 1,2,3,5,9 --variant old=main --variant new=.
@@ -190,69 +188,64 @@ def measure_variants(
 
 
 def measure_decode_steps(
-    isa: str, threads: int, rows_list: list[int], library: str, new: int
-) -> dict[int, float]:
-    """In this process, on the kernels' library `library`: {rows: CPU ms per decode step}
-    (CPU time is blind to the time the OS gives the threads to other work on a busy machine;
-    with --threads 1, the model thread's alone, else the process's)."""
-    os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
-    from treadle import LLM, SamplingParams
-    from treadle.model import cpu_kernels
-    from treadle.model.cpu_kernels import Kernels
-
-    cpu_kernels._selected[:] = [Kernels(isa, Path(library))]  # what the model loads
-    llm = LLM(
-        dtype="float32", cpu_threads=threads, enable_prefix_caching=False, kv_cache_memory="256MiB"
-    )
-    # one thread: the model thread's own CPU time (an in-process engine has other threads)
-    clock = time.thread_time if threads == 1 else time.process_time
-    prompts = [{"prompt_token_ids": list(range(1000 + 40 * i, 1032 + 40 * i))} for i in range(64)]
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0.0, max_tokens=1 + new, ignore_eos=True)
-    for m in rows_list:  # warm up: the first steps of each row count are slow
-        llm.generate(prompts[:m], many, use_tqdm=False)
-    steps: dict[int, list[float]] = {m: [] for m in rows_list}
-    for _ in range(3):
-        for m in rows_list:
-            spent = []
-            for params in (one, many):
-                start = clock()
-                llm.generate(prompts[:m], params, use_tqdm=False)
-                spent.append(clock() - start)
-            steps[m].append((spent[1] - spent[0]) / new * 1e3)
-    llm.shutdown()
-    return {m: statistics.median(t) for m, t in steps.items()}
-
-
-def decode_steps_side_by_side(
-    isa: str, threads: int, rounds: int, rows: str, variants: list[str], new: int
-) -> dict[str, dict[str, float]]:
-    """{variant: {rows: median ms}}: one engine process per variant and round, in turns."""
+    isa: str, threads: int, repeats: int, rows_list: list[int], variants: list[str]
+) -> dict[str, dict[int, float]]:
+    """In this process: {variant: {rows: ms}}, the fastest of `repeats` rounds (each round's
+    median of 5 steps), the variants' models taking turns per step size."""
     import tempfile
 
-    env = dict(os.environ, TREADLE_CPU_ISA=isa, TREADLE_LOGGING_LEVEL="WARNING")
-    found: dict[str, dict[str, list[float]]] = {}
+    import torch
+
+    from treadle.config import resolve_model
+    from treadle.model import cpu_kernels
+    from treadle.model.attention import AttentionMetadata
+    from treadle.model.cpu_kernels import Kernels
+    from treadle.model.loader import load_model, read_arch
+
+    torch.set_num_threads(threads)
+    source = resolve_model(None)
+    arch = read_arch(source)
+    models = {}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {}
         for spec in variants:
             label, _, rest = spec.partition("=")
             ref, _, defines = rest.partition(":")
-            libs[label] = build_variant(isa, ref, defines.split(), tmp)
-            found[label] = {}
-        for _ in range(rounds):
-            for label, lib in libs.items():
-                cmd = [sys.executable, __file__, "--child", "--decode-steps", "--isa", isa]
-                cmd += ["--threads", str(threads), "--rows", rows, "--library", lib]
-                cmd += ["--new-tokens", str(new)]
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-                for m, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
-                    found[label].setdefault(m, []).append(ms)
-    return {v: {m: statistics.median(t) for m, t in per.items()} for v, per in found.items()}
+            lib = build_variant(isa, ref, defines.split(), tmp)
+            cpu_kernels._selected[:] = [Kernels(isa, Path(lib))]  # what the model loads
+            models[label] = load_model(source, arch, torch.float32, torch.device("cpu"), 2048)
+    first = next(iter(models.values()))
+    block, ctx = 16, 64  # each request: 64 tokens of context on its own 4 blocks
+    shape = (first.num_kv_heads, 4 * max(rows_list), block, first.head_dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(first.num_layers)]
+
+    def step(model, m: int) -> float:  # type: ignore[no-untyped-def]
+        table = torch.arange(4 * m).view(m, 4)
+        meta = AttentionMetadata(
+            slot_mapping=table[:, 3] * block + (ctx - 1) % block,
+            num_decodes=m,
+            decode_block_table=table,
+            decode_lens=torch.full((m,), ctx, dtype=torch.int32),
+            decode_max_len=ctx,
+        )
+        ids, positions = torch.arange(1000, 1000 + m), torch.full((m,), ctx - 1)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.compute_logits(model(ids, positions, caches, meta))
+        return time.perf_counter() - start
+
+    best: dict[str, dict[int, float]] = {v: {m: float("inf") for m in rows_list} for v in models}
+    for _ in range(repeats):
+        for m in rows_list:
+            for v, model in models.items():
+                step(model, m)  # warm
+                ms = statistics.median(step(model, m) for _ in range(5)) * 1e3
+                best[v][m] = min(best[v][m], ms)
+    return best
 
 
 def print_decode_steps(isa: str, threads: int, results: dict, rows_list: list[int]) -> None:
     labels = list(results)
-    print(f"\n{isa} ({threads} threads): median CPU ms per decode step of M rows (x: vs the same "
+    print(f"\n{isa} ({threads} threads): ms per decode step of M rows (x: vs the same "
           f"variant's 1-row step; /{labels[0]}: vs {labels[0]} at the same M)")  # fmt: skip
     print(f"{'M':>3s}" + "".join(f" {v:>9s} {'x':>5s} {'/' + labels[0]:>6s}" for v in labels))
     for m in rows_list:
@@ -292,16 +285,12 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], help="LABEL=REF[:DEFINES]")
     parser.add_argument("--int8", action="store_true", help="variants: int8 activations")
     parser.add_argument("--decode-steps", action="store_true", help="variants: model steps")
-    parser.add_argument("--new-tokens", type=int, default=32, help="--decode-steps: NEW")
-    parser.add_argument("--library", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child and args.decode_steps:
         rows_list = [int(r) for r in args.rows.split(",")]
-        found_steps = measure_decode_steps(
-            args.isa, args.threads, rows_list, args.library, args.new_tokens
-        )
-        print(json.dumps(found_steps))
+        steps = measure_decode_steps(args.isa, args.threads, args.repeats, rows_list, args.variant)
+        print(json.dumps(steps))
         return 0
     if args.child and args.variant:
         rows_list = [int(r) for r in args.rows.split(",")]
@@ -321,16 +310,11 @@ def main() -> int:
     from treadle.model.cpu_kernels import available_isas
 
     for isa in [args.isa] if args.isa else available_isas():
-        if args.decode_steps:
-            steps = decode_steps_side_by_side(
-                isa, args.threads, args.repeats, args.rows, args.variant, args.new_tokens
-            )
-            print_decode_steps(isa, args.threads, steps, [int(r) for r in args.rows.split(",")])
-            continue
         env = dict(os.environ, TREADLE_CPU_ISA=isa, TREADLE_LOGGING_LEVEL="WARNING")
         cmd = [sys.executable, __file__, "--child", "--isa", isa, "--threads", str(args.threads)]
         cmd += ["--rows", args.rows, "--stat", args.stat, "--clock", args.clock]
         cmd += [f"--variant={v}" for v in args.variant] + (["--int8"] if args.int8 else [])
+        cmd += ["--decode-steps"] if args.decode_steps else []
         out = subprocess.run(
             cmd + ["--repeats", str(args.repeats)], env=env, capture_output=True, text=True
         )
@@ -338,6 +322,9 @@ def main() -> int:
             print(out.stderr, file=sys.stderr)
             return out.returncode
         results = json.loads(out.stdout)
+        if args.decode_steps:
+            print_decode_steps(isa, args.threads, results, [int(r) for r in args.rows.split(",")])
+            continue
         if args.variant:
             print_variants(isa, args.threads, results, [int(r) for r in args.rows.split(",")])
             continue

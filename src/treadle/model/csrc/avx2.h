@@ -208,50 +208,32 @@ static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float
     }
 }
 
-/* x . w for each (row, output) is two float32 chains of FMAs over k, 8 inputs each: chain a
-   takes the inputs 16 i .. 16 i + 7, chain b 16 i + 8 .. 16 i + 15 (two chains in flight where
-   one would wait on each FMA's latency), then sum8 of a + b. tile_gemm and few_rows_n both
-   make exactly this sum. */
+/* x . w for each (row, output) is one float32 chain of FMAs over k, 8 inputs each, then sum8's
+   tree (the same order for every vector): tile_gemm and few_rows_n both make exactly this
+   sum. */
 
 /* y[r, n0 + j] for the M rows of x against one expanded tile (rows are read in whole groups
-   of GEMM_ROWS: past M the caller pads), 3 rows x 2 outputs at a time: 12 accumulators (two
-   chains each), two weight vectors and one of x: 5 loads per 6 FMAs. */
+   of GEMM_ROWS: past M the caller pads), 3 rows x 4 outputs at a time: 12 accumulators, the
+   3 rows of x and one weight vector fill the 16 registers. */
 #define GEMM_ROWS 3
 static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
                       float* y, int64_t y_stride, int64_t n0, int64_t valid) {
     for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS) {
+        __m256 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
         const float* xr = x + r0 * x_stride;
-        float sums[16];
-        for (int j0 = 0; j0 < TILE_N; j0 += 2) {
-            __m256 a[GEMM_ROWS * 2], b[GEMM_ROWS * 2];
-            for (int i = 0; i < GEMM_ROWS * 2; i++) a[i] = b[i] = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K; k += 16) {
-                /* chain a, then chain b: 2 weight vectors and one x vector at a time live */
-                const __m256 wa0 = _mm256_loadu_ps(w + j0 * K + k);
-                const __m256 wa1 = _mm256_loadu_ps(w + (j0 + 1) * K + k);
-                for (int r = 0; r < GEMM_ROWS; r++) {
-                    __m256 xv = _mm256_loadu_ps(xr + r * x_stride + k);
-                    __asm__("" : "+x"(xv));  /* one load for both FMAs, not one each */
-                    a[r * 2] = _mm256_fmadd_ps(xv, wa0, a[r * 2]);
-                    a[r * 2 + 1] = _mm256_fmadd_ps(xv, wa1, a[r * 2 + 1]);
-                }
-                const __m256 wb0 = _mm256_loadu_ps(w + j0 * K + k + 8);
-                const __m256 wb1 = _mm256_loadu_ps(w + (j0 + 1) * K + k + 8);
-                for (int r = 0; r < GEMM_ROWS; r++) {
-                    __m256 xv = _mm256_loadu_ps(xr + r * x_stride + k + 8);
-                    __asm__("" : "+x"(xv));  /* one load for both FMAs, not one each */
-                    b[r * 2] = _mm256_fmadd_ps(xv, wb0, b[r * 2]);
-                    b[r * 2 + 1] = _mm256_fmadd_ps(xv, wb1, b[r * 2 + 1]);
-                }
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 xv[GEMM_ROWS];
+            for (int r = 0; r < GEMM_ROWS; r++) xv[r] = _mm256_loadu_ps(xr + r * x_stride + k);
+            for (int j = 0; j < TILE_N; j++) {
+                const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+                for (int r = 0; r < GEMM_ROWS; r++)
+                    acc[r * TILE_N + j] = _mm256_fmadd_ps(xv[r], wv, acc[r * TILE_N + j]);
             }
-            __m256 v[8];
-            for (int i = 0; i < 8; i++)
-                v[i] = i < GEMM_ROWS * 2 ? _mm256_add_ps(a[i], b[i]) : _mm256_setzero_ps();
-            float part[8];
-            _mm256_storeu_ps(part, sum8(v));
-            for (int r = 0; r < GEMM_ROWS; r++)
-                for (int jj = 0; jj < 2; jj++) sums[r * TILE_N + j0 + jj] = part[r * 2 + jj];
         }
+        float sums[16];
+        _mm256_storeu_ps(sums, sum8(acc));
+        _mm256_storeu_ps(sums + 8, sum8(acc + 8));
         const int64_t rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < valid; j++) y[(r0 + r) * y_stride + n0 + j] = sums[r * TILE_N + j];
@@ -260,14 +242,18 @@ static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t 
 
 /* ---- Few rows: each block expanded once in registers for up to FEW_ROWS rows --------------
 
-   Each (row, output) is tile_gemm's sum (above): the same two chains over k and sum8 of their
-   sum, so a row's result is the same bits on either path and whatever rows share the call.
+   Each (row, output) is tile_gemm's sum (above), so a row's result is the same bits on either
+   path and whatever rows share the call. 16 registers hold OUTS x ROWS accumulators (<= 8)
+   and one block's weights (4), a pass's blocks expanded one output at a time: 1 and 2 rows
+   take the whole tile per pass, 3 and 4 rows 2 outputs a pass, 5 to 8 rows one.
 
-   Register budget (16): 2 x OUTS x ROWS accumulators (<= 8) and one block's weights (4), the
-   blocks of a pass expanded one output at a time: 1 row takes the whole tile per pass, 2 rows
-   2 outputs a pass, 3 and 4 rows one output a pass; more rows go 4 at a time. */
+   The cost at one row: a Q4 block takes 4 FMAs to expand (w = d q + m) and 4 to multiply,
+   where the old one-row path (d (q . x) + m sum(x), other bits than tile_gemm's) took 6 in
+   all; two chains per sum (fewer stalls at one row) would cost tile_gemm half its register
+   blocking. Measured (one thread, the default model's decode step, TREADLE_CPU_ISA=avx2 on
+   a Zen 4): 1 row 1.15x the old path's time, 2-5 rows 0.82-0.87x, 9 rows 0.98x. */
 #ifndef FEW_ROWS          /* (-D: benchmarks/linear_crossover.py --variant) */
-#define FEW_ROWS 4         /* rows per pass over a tile, at most 4 */
+#define FEW_ROWS 8         /* rows per pass over a tile, at most 8 */
 #endif
 #ifndef FEW_MAX_ROWS
 #define FEW_MAX_ROWS 8     /* up to this many rows of a call; beyond, tile_gemm */
@@ -277,10 +263,10 @@ static inline __attribute__((always_inline)) void few_rows_n(
     const char* tile, const int kind, int64_t nb, const float* x, int64_t x_stride,
     const int rows, float out[FEW_ROWS][TILE_N]) {
     const int64_t bsize = block_bytes(kind);
-    const int outs = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    const int outs = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
     for (int j0 = 0; j0 < TILE_N; j0 += outs) {
-        __m256 a[4], b[4];
-        for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t blk = 0; blk < nb; blk++) {
             const char* blocks = tile + blk * TILE_N * bsize;
             if (j0 == 0)  /* the first pass over the tile brings it into L1 for the others */
@@ -292,17 +278,13 @@ static inline __attribute__((always_inline)) void few_rows_n(
                 for (int r = 0; r < rows; r++) {
                     const float* xr = x + r * x_stride + blk * 32;
                     const int i = r * outs + jj;
-                    a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], a[i]);
-                    b[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], b[i]);
-                    a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], a[i]);
-                    b[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], b[i]);
+                    for (int q = 0; q < 4; q++)
+                        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * q), w[q], acc[i]);
                 }
             }
         }
-        __m256 v[8];
-        for (int i = 0; i < 8; i++) v[i] = i < 4 ? _mm256_add_ps(a[i], b[i]) : _mm256_setzero_ps();
         float sums[8];
-        _mm256_storeu_ps(sums, sum8(v));
+        _mm256_storeu_ps(sums, sum8(acc));
         for (int r = 0; r < rows; r++)
             for (int jj = 0; jj < outs; jj++) out[r][j0 + jj] = sums[r * outs + jj];
     }
