@@ -2,8 +2,9 @@
 level this CPU runs): for Q4_0, Q4_1 and Q8_0 blocks, each row of an M-row call (1 to 9 rows, the
 register path's row groups and the expanded-tile path, and a few larger M) is torch.equal to
 that row computed alone, with float32 and with int8 activations (up to `int8_max_rows`; past
-it the float32 kernel's bits); and the float32 product is close to a float64 reference of the
-same weights. Speculative verification (k + 1 rows of one
+it the float32 kernel's bits) -- except that at avx2 one or two rows take the faster sum way,
+whose bits a row of 3 or more does not share; and the float32 product is close to a float64
+reference of the same weights. Speculative verification (k + 1 rows of one
 request) and batched decode then give each position the logits of a one-row step."""
 
 from __future__ import annotations
@@ -42,9 +43,23 @@ def weight(kind: str, n: int, k: int) -> tuple[QuantizedWeight, torch.Tensor]:
     return quant, dense.reshape(n, k)
 
 
+# Levels where 1 and 2 rows take the sum way (`csrc/avx2.h`, SUM_MAX_ROWS): there a row of a 1-
+# or 2-row call has other bits (float rounding) than the same row in a call of 3 or more.
+SUM_MAX_ROWS = {"avx2": 2}
+
+
 def each_row_alone(kernels: Kernels, x: torch.Tensor, quant: QuantizedWeight) -> torch.Tensor:
     return torch.cat(
         [kernels.gguf_linear(x[r : r + 1], quant.tiles, quant.kind, quant.out_features)
+         for r in range(x.shape[0])]
+    )  # fmt: skip
+
+
+def each_row_among_three(kernels: Kernels, x: torch.Tensor, quant: QuantizedWeight) -> torch.Tensor:
+    """Each row computed in a 3-row call (with rows 0 and 1 beside it): past the sum way."""
+    return torch.cat(
+        [kernels.gguf_linear(torch.cat([x[r : r + 1], x[:2]]), quant.tiles, quant.kind,
+                             quant.out_features)[:1]
          for r in range(x.shape[0])]
     )  # fmt: skip
 
@@ -61,11 +76,17 @@ def test_each_row_is_the_bits_of_that_row_alone(
     torch.manual_seed(n)
     x = torch.randn(max(ROWS), k + 40)[:, 20 : 20 + k]  # strided rows
     alone = each_row_alone(kernels, x, quant)
-    # Past int8_max_rows, int8 activations take the float32 kernel (faster there): each row is
-    # then the bits of its float32 product alone.
-    alone_f32 = each_row_alone(kernels.with_activations("float32"), x, quant)
+    # A row's float32 bits: alone up to the level's sum way, else among 3 or more rows. Past
+    # int8_max_rows, int8 activations take the float32 kernel (faster there).
+    sum_rows = SUM_MAX_ROWS.get(kernels.isa, 0)
+    float32 = kernels.with_activations("float32")
+    f32_alone = each_row_alone(float32, x, quant)
+    f32_among = each_row_among_three(float32, x, quant) if sum_rows else f32_alone
     for rows in ROWS:
-        expected = alone if rows <= kernels.int8_max_rows or activations == "float32" else alone_f32
+        if activations == "int8" and rows <= kernels.int8_max_rows:
+            expected = alone
+        else:
+            expected = f32_alone if rows <= sum_rows else f32_among
         got = kernels.gguf_linear(x[:rows], quant.tiles, quant.kind, n)
         assert torch.equal(got, expected[:rows]), f"{rows} rows"
         # the same rows at another offset in the call (the row groups fall elsewhere)

@@ -61,6 +61,21 @@ static void few_rows(const char* tile, int kind, int64_t nb, const float* x, int
 #undef FEW_CASE
 #endif
 
+#if defined(SUM_MAX_ROWS)
+/* One tile for 1 or 2 rows of x the sum way (the level's sum_rows_n), specialized per block
+   kind and row count. */
+static void sum_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                     const float* xs2, int64_t rows, float out[TILE_N][SUM_MAX_ROWS]) {
+    if (kind == KIND_Q4) {
+        if (rows == 1) sum_rows_n(tile, KIND_Q4, nb, x, K, xs2, 1, out);
+        else sum_rows_n(tile, KIND_Q4, nb, x, K, xs2, 2, out);
+    } else {
+        if (rows == 1) sum_rows_n(tile, KIND_Q8, nb, x, K, xs2, 1, out);
+        else sum_rows_n(tile, KIND_Q8, nb, x, K, xs2, 2, out);
+    }
+}
+#endif
+
 const char* treadle_kernel_isa(void) { return TREADLE_ISA; }
 int gguf_linear_i8_max_rows(void) { return I8_MAX_ROWS; }
 
@@ -183,6 +198,32 @@ void gguf_linear_f32(
         free(tail);
         return;
     }
+#if defined(SUM_MAX_ROWS)
+    if (M <= SUM_MAX_ROWS) {
+        /* x's rows made contiguous, and each block's sum as a pair [0, sum] */
+        float* xs2 = (float*)malloc(sizeof(float) * 2 * M * nb);
+        float* xc = (float*)malloc(sizeof(float) * M * K);
+        for (int64_t r = 0; r < M; r++) {
+            memcpy(xc + r * K, x + r * x_row_stride, sizeof(float) * K);
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.f;
+                for (int i = 0; i < 32; i++) s += xc[r * K + b * 32 + i];
+                xs2[2 * (r * nb + b)] = 0.f;
+                xs2[2 * (r * nb + b) + 1] = s;
+            }
+        }
+        #pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            float out[TILE_N][SUM_MAX_ROWS];
+            sum_rows((const char*)tiles + t * tile_bytes, kind, nb, xc, K, xs2, M, out);
+            for (int j = 0; j < TILE_N && t * TILE_N + j < N; j++)
+                for (int64_t r = 0; r < M; r++) y[r * y_row_stride + t * TILE_N + j] = out[j][r];
+        }
+        free(xs2);
+        free(xc);
+        return;
+    }
+#endif
 #if FEW_MAX_ROWS > 0
     /* Few rows: each block expanded in registers for FEW_ROWS rows at a time, x in place. */
     #pragma omp parallel for num_threads(num_threads) schedule(static)
