@@ -168,6 +168,8 @@ static inline void prefetch_bytes(const char* block, int64_t bytes) {
    and every row multiplied by it (`tile_gemm`). Both make the same bits for a row, so a row's
    result never depends on how many rows share the call (speculative verification's k + 1
    rows give the logits of k + 1 single-row steps; a batch, those of its requests alone).
+   One exception: at avx2, 1 and 2 rows take the faster sum way, d (q . x) + m sum(x)
+   (`sum_rows_n`, SUM_MAX_ROWS), whose bits differ from a row's among 3 or more.
    N is padded to a whole tile (zero rows, never written out). */
 
 #define TILE_N 4
