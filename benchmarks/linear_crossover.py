@@ -11,6 +11,24 @@ process with TREADLE_CPU_ISA set, so that oneDNN and PyTorch are capped at the s
 and in the engine.
 
     .venv/bin/python benchmarks/linear_crossover.py [--isa avx2] [--threads 2]
+
+`--variant LABEL=REF[:DEFINES]` (repeatable) instead times the blocks' kernel alone (float32 or,
+with `--int8`, int8 activations) as built from the `csrc/` of git ref REF (`.`: the working
+tree), with extra -D flags (e.g. `new=.:-DFEW_MAX_ROWS=16`, `old=main`), all variants
+alternating in one process, and prints each one's ms per call set and its ratio to the first:
+before/after, and the few-rows/tile-GEMM crossover (`FEW_MAX_ROWS`, `I8_MAX_ROWS`).
+
+    .venv/bin/python benchmarks/linear_crossover.py --isa avx2 --rows 1,2,3,5,9 \
+        --variant old=main --variant new=.
+
+With `--decode-steps`, the variants run whole decode steps of the default model instead: the
+fused decode call of M rows (M requests of 64 tokens of context, as a speculative step of one
+request verifies k + 1 rows) and the LM head, each variant's model in turn, the fastest round
+(a round: the median of 5 steps) per variant and M; printed with the cost relative to the same
+variant's 1-row step and the ratio to the first variant at the same M.
+
+    .venv/bin/python benchmarks/linear_crossover.py --decode-steps --threads 1 --repeats 3 \
+        --rows 1,2,3,5,9 --variant old=main --variant new=.
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 ROWS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
 # (in, out, GGUF type) of the default model (SmolLM2-135M): qkv, o, gate_up, down; LM head.
@@ -92,6 +111,167 @@ def measure(
     return results
 
 
+def build_variant(isa: str, ref: str, defines: list[str], into: str) -> str:
+    """The kernels' library for `isa` from the csrc/ of git ref `ref` ('.': the working tree),
+    compiled with the level's flags and `defines` into the directory `into`."""
+    from treadle.model import cpu_kernels as ck
+
+    src = Path(into) / f"src-{len(os.listdir(into))}"
+    src.mkdir()
+    for name in ck._SOURCES:
+        if ref == ".":
+            text = (ck._CSRC / name).read_text()
+        else:
+            text = subprocess.run(
+                ["git", "show", f"{ref}:src/treadle/model/csrc/{name}"],
+                capture_output=True, text=True, check=True, cwd=ck._CSRC,
+            ).stdout  # fmt: skip
+        (src / name).write_text(text)
+    out = src / "kernel.so"
+    cc, _ = ck._compiler()
+    flags = ck._LEVEL_CC_FLAGS[isa][0]
+    cmd = [cc, *ck._COMMON_CC_FLAGS, *flags, *defines, str(src / "cpu_kernels.c"), "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    return str(out)
+
+
+def measure_variants(
+    isa: str, threads: int, repeats: int, rows_list: list[int], variants: list[str], int8: bool
+) -> dict[str, dict[str, dict[int, float]]]:
+    """In this process: {shape set: {label: {rows: median ms}}}, the variants alternating."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from treadle.model import linear_method
+    from treadle.model.cpu_kernels import Kernels
+    from treadle.model.quantized import GGUFBlocks, QuantizedWeight
+
+    torch.set_num_threads(threads)
+    libs: dict[str, Kernels] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in variants:
+            label, _, rest = spec.partition("=")
+            ref, _, defines = rest.partition(":")
+            kernels = Kernels(isa, Path(build_variant(isa, ref, defines.split(), tmp)))
+            libs[label] = kernels.with_activations("int8") if int8 else kernels
+    rng = np.random.default_rng(0)
+
+    def quant(k: int, n: int, kind: str) -> QuantizedWeight:
+        nbytes = 20 if kind == "Q4_1" else 34
+        raw = rng.integers(0, 256, (n, k // 32, nbytes), dtype=np.uint8)
+        raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        if kind == "Q4_1":
+            raw[..., 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
+        q = QuantizedWeight.build([GGUFBlocks(kind, raw.reshape(n, -1))], n, torch.device("cpu"))
+        assert q is not None
+        return q
+
+    results: dict[str, dict[str, dict[int, float]]] = {}
+    for label, shapes in (("layer", LAYER), ("lm_head", HEAD)):
+        quants = [quant(*s) for s in shapes]
+        results[label] = {v: {} for v in libs}
+        for rows in rows_list:
+            xs = [torch.randn(rows, s[0]) for s in shapes]
+            times: dict[str, list[float]] = {v: [] for v in libs}
+            for _ in range(repeats):
+                for v, kernels in libs.items():  # alternate: all see the same machine
+                    start = time.perf_counter()
+                    for _ in range(5):
+                        for q, x in zip(quants, xs, strict=True):
+                            linear_method.on_blocks(kernels, q, x, None)
+                    times[v].append((time.perf_counter() - start) / 5 * 1e3)
+            for v in libs:
+                results[label][v][rows] = statistics.median(times[v])
+    return results
+
+
+def measure_decode_steps(
+    isa: str, threads: int, repeats: int, rows_list: list[int], variants: list[str]
+) -> dict[str, dict[int, float]]:
+    """In this process: {variant: {rows: ms}}, the fastest of `repeats` rounds (each round's
+    median of 5 steps), the variants' models taking turns per step size."""
+    import tempfile
+
+    import torch
+
+    from treadle.config import resolve_model
+    from treadle.model import cpu_kernels
+    from treadle.model.attention import AttentionMetadata
+    from treadle.model.cpu_kernels import Kernels
+    from treadle.model.loader import load_model, read_arch
+
+    torch.set_num_threads(threads)
+    source = resolve_model(None)
+    arch = read_arch(source)
+    models = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in variants:
+            label, _, rest = spec.partition("=")
+            ref, _, defines = rest.partition(":")
+            lib = build_variant(isa, ref, defines.split(), tmp)
+            cpu_kernels._selected[:] = [Kernels(isa, Path(lib))]  # what the model loads
+            models[label] = load_model(source, arch, torch.float32, torch.device("cpu"), 2048)
+    first = next(iter(models.values()))
+    block, ctx = 16, 64  # each request: 64 tokens of context on its own 4 blocks
+    shape = (first.num_kv_heads, 4 * max(rows_list), block, first.head_dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(first.num_layers)]
+
+    def step(model, m: int) -> float:  # type: ignore[no-untyped-def]
+        table = torch.arange(4 * m).view(m, 4)
+        meta = AttentionMetadata(
+            slot_mapping=table[:, 3] * block + (ctx - 1) % block,
+            num_decodes=m,
+            decode_block_table=table,
+            decode_lens=torch.full((m,), ctx, dtype=torch.int32),
+            decode_max_len=ctx,
+        )
+        ids, positions = torch.arange(1000, 1000 + m), torch.full((m,), ctx - 1)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.compute_logits(model(ids, positions, caches, meta))
+        return time.perf_counter() - start
+
+    best: dict[str, dict[int, float]] = {v: {m: float("inf") for m in rows_list} for v in models}
+    for _ in range(repeats):
+        for m in rows_list:
+            for v, model in models.items():
+                step(model, m)  # warm
+                ms = statistics.median(step(model, m) for _ in range(5)) * 1e3
+                best[v][m] = min(best[v][m], ms)
+    return best
+
+
+def print_decode_steps(isa: str, threads: int, results: dict, rows_list: list[int]) -> None:
+    labels = list(results)
+    print(f"\n{isa} ({threads} threads): ms per decode step of M rows (x: vs the same "
+          f"variant's 1-row step; /{labels[0]}: vs {labels[0]} at the same M)")  # fmt: skip
+    print(f"{'M':>3s}" + "".join(f" {v:>9s} {'x':>5s} {'/' + labels[0]:>6s}" for v in labels))
+    for m in rows_list:
+        line = f"{m:3d}"
+        for v in labels:
+            ms, one = results[v][str(m)], results[v][str(rows_list[0])]
+            line += f" {ms:9.2f} {ms / one:5.2f} {ms / results[labels[0]][str(m)]:6.2f}"
+        print(line)
+
+
+def print_variants(isa: str, threads: int, results: dict, rows_list: list[int]) -> None:
+    labels = list(results["layer"])
+    print(f"\n{isa} ({threads} threads, median wall time): ms per call set, ratio to {labels[0]}")
+    head = "".join(f" {'layer ' + v:>14s} {'x':>5s}" for v in labels)
+    head += "".join(f" {'head ' + v:>14s} {'x':>5s}" for v in labels)
+    print(f"{'rows':>5s}{head}")
+    for rows in rows_list:
+        line = f"{rows:5d}"
+        for label in ("layer", "lm_head"):
+            base = results[label][labels[0]][str(rows)]
+            for v in labels:
+                ms = results[label][v][str(rows)]
+                line += f" {ms:14.3f} {ms / base:5.2f}"
+        print(line)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--isa", default=None, help="one level; default: every level this CPU runs")
@@ -102,8 +282,23 @@ def main() -> int:
     parser.add_argument(
         "--stat", choices=["median", "min"], default="median", help="min: on a busy machine"
     )
+    parser.add_argument("--variant", action="append", default=[], help="LABEL=REF[:DEFINES]")
+    parser.add_argument("--int8", action="store_true", help="variants: int8 activations")
+    parser.add_argument("--decode-steps", action="store_true", help="variants: model steps")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child and args.decode_steps:
+        rows_list = [int(r) for r in args.rows.split(",")]
+        steps = measure_decode_steps(args.isa, args.threads, args.repeats, rows_list, args.variant)
+        print(json.dumps(steps))
+        return 0
+    if args.child and args.variant:
+        rows_list = [int(r) for r in args.rows.split(",")]
+        found = measure_variants(
+            args.isa, args.threads, args.repeats, rows_list, args.variant, args.int8
+        )
+        print(json.dumps(found))
+        return 0
     if args.child:
         rows_list = [int(r) for r in args.rows.split(",")]
         print(
@@ -118,6 +313,8 @@ def main() -> int:
         env = dict(os.environ, TREADLE_CPU_ISA=isa, TREADLE_LOGGING_LEVEL="WARNING")
         cmd = [sys.executable, __file__, "--child", "--isa", isa, "--threads", str(args.threads)]
         cmd += ["--rows", args.rows, "--stat", args.stat, "--clock", args.clock]
+        cmd += [f"--variant={v}" for v in args.variant] + (["--int8"] if args.int8 else [])
+        cmd += ["--decode-steps"] if args.decode_steps else []
         out = subprocess.run(
             cmd + ["--repeats", str(args.repeats)], env=env, capture_output=True, text=True
         )
@@ -125,6 +322,12 @@ def main() -> int:
             print(out.stderr, file=sys.stderr)
             return out.returncode
         results = json.loads(out.stdout)
+        if args.decode_steps:
+            print_decode_steps(isa, args.threads, results, [int(r) for r in args.rows.split(",")])
+            continue
+        if args.variant:
+            print_variants(isa, args.threads, results, [int(r) for r in args.rows.split(",")])
+            continue
         print(
             f"\n{isa} ({args.threads} threads, {args.stat} {args.clock} time): ms per call set; GGUF blocks (float32 "
             "activations), blocks with int8 activations, oneDNN packed; ratios: blk/int8, "

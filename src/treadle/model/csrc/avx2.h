@@ -1,13 +1,12 @@
 /* treadle's CPU kernels at the AVX2 level (x86-64-v3: AVX2, FMA, F16C): 8-wide registers, 16
    of them. Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64,
-   tile_rows_n, expand_tile and tile_gemm, with the register tiles sized for 16 registers
+   expand_tile, tile_gemm and few_rows_n, with the register tiles sized for 16 registers
    instead of AVX-512's 32. */
 #include <immintrin.h>
 
 #define TREADLE_ISA "avx2"
 #define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
-#define HAVE_TILE_ROWS_N 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
 #define D64_MAX_GROUP 4
 
@@ -157,19 +156,13 @@ static void attend_d64(const float* qh, int64_t group, const char* kh, const cha
     }
 }
 
-/* A block's 32 quants as float32 in 4 registers, in order (d and m not applied). Q4: the 16
-   bytes go to both 128-bit lanes, a byte shuffle widens 8 of them to 32-bit lanes, and the low
-   and high nibbles are an AND and a shift of the same register (weights i and i + 16). */
+/* A block's 32 quants as float32 in 4 registers, in order (d and m not applied). Q4: bytes
+   0-7 and 8-15 widened to 32-bit lanes as they are loaded; the low nibbles are weights 0-15,
+   the high ones 16-31. */
 static inline void quants_q4(const block_q4* b, __m256 w[4]) {
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)b->qs));
-    const __m256i bytes0_7 = _mm256_setr_epi8(
-        0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-    const __m256i bytes8_15 = _mm256_setr_epi8(
-        8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
-        12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const __m256i t0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)b->qs));
+    const __m256i t1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b->qs + 8)));
     const __m256i low = _mm256_set1_epi32(15);
-    const __m256i t0 = _mm256_shuffle_epi8(raw, bytes0_7), t1 = _mm256_shuffle_epi8(raw, bytes8_15);
     w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(t0, low));
     w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(t1, low));
     w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(t0, 4));
@@ -186,16 +179,134 @@ static inline void block_quants(const char* blocks, int kind, int j, __m256 w[4]
     else quants_q8((const block_q8*)blocks + j, w);
 }
 
-/* Two outputs (j0, j0 + 1) of a tile against ROWS rows of x: per block, d * (q . x) into a
-   register accumulator per output and row, and [d, m] * [0, sum(x)] beside it (xs2 holds the
-   pairs [0, block sum] per row and block), so that nothing goes through memory. `kind` and
-   `rows` are constants where this is inlined. */
-static inline __attribute__((always_inline)) void two_outputs(
-    const char* tile, const int kind, int64_t nb, int j0, const float* x, int64_t K,
-    const float* xs2, const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
+/* A block of a tile's output j as 32 float32 weights in 4 registers, w = d q + m: one FMA per
+   register (Q8: a multiply, w = d q), the weights of every path on the blocks. */
+static inline __attribute__((always_inline)) void block_weights(const char* blocks, int kind,
+                                                                int j, __m256 w[4]) {
+    __m256 q[4];
+    block_quants(blocks, kind, j, q);
+    const __m128 dm = block_dm(blocks, kind, j);
+    const __m256 dv = _mm256_broadcastss_ps(dm);
+    if (kind == KIND_Q8) {  /* d q, as d q + 0 */
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(q[i], dv);
+        return;
+    }
+    const __m256 mv = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 1));
+    for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(q[i], dv, mv);
+}
+
+/* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */
+static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float* w) {
     const int64_t bsize = block_bytes(kind);
-    __m256 acc[2][ROWS_AT_ONCE];
-    __m128 macc[2][ROWS_AT_ONCE];
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blocks = tile + b * TILE_N * bsize;
+        for (int j = 0; j < TILE_N; j++) {
+            __m256 v[4];
+            block_weights(blocks, kind, j, v);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + j * K + b * 32 + 8 * i, v[i]);
+        }
+    }
+}
+
+/* x . w for each (row, output) is one float32 chain of FMAs over k, 8 inputs each, then sum8's
+   tree (the same order for every vector): tile_gemm and few_rows_n both make exactly this
+   sum. */
+
+/* y[r, n0 + j] for the M rows of x against one expanded tile (rows are read in whole groups
+   of GEMM_ROWS: past M the caller pads), 3 rows x 4 outputs at a time: 12 accumulators, the
+   3 rows of x and one weight vector fill the 16 registers. */
+#define GEMM_ROWS 3
+static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
+                      float* y, int64_t y_stride, int64_t n0, int64_t valid) {
+    for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS) {
+        __m256 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+        const float* xr = x + r0 * x_stride;
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 xv[GEMM_ROWS];
+            for (int r = 0; r < GEMM_ROWS; r++) xv[r] = _mm256_loadu_ps(xr + r * x_stride + k);
+            for (int j = 0; j < TILE_N; j++) {
+                const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+                for (int r = 0; r < GEMM_ROWS; r++)
+                    acc[r * TILE_N + j] = _mm256_fmadd_ps(xv[r], wv, acc[r * TILE_N + j]);
+            }
+        }
+        float sums[16];
+        _mm256_storeu_ps(sums, sum8(acc));
+        _mm256_storeu_ps(sums + 8, sum8(acc + 8));
+        const int64_t rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < valid; j++) y[(r0 + r) * y_stride + n0 + j] = sums[r * TILE_N + j];
+    }
+}
+
+/* ---- Few rows: each block expanded once in registers for up to FEW_ROWS rows --------------
+
+   Each (row, output) is tile_gemm's sum (above), so a row's result is the same bits on either
+   path and whatever rows share the call. 16 registers hold OUTS x ROWS accumulators (<= 8)
+   and one block's weights (4), a pass's blocks expanded one output at a time: 1 and 2 rows
+   take the whole tile per pass, 3 and 4 rows 2 outputs a pass, 5 to 8 rows one.
+
+   The cost at one row: a Q4 block takes 4 FMAs to expand (w = d q + m) and 4 to multiply,
+   where the old one-row path (d (q . x) + m sum(x), other bits than tile_gemm's) took 6 in
+   all; two chains per sum (fewer stalls at one row) would cost tile_gemm half its register
+   blocking. Measured (one thread, the default model's decode step, TREADLE_CPU_ISA=avx2 on
+   a Zen 4): 1 row 1.15x the old path's time, 2-5 rows 0.82-0.87x, 9 rows 0.98x. */
+#ifndef FEW_ROWS          /* (-D: benchmarks/linear_crossover.py --variant) */
+#define FEW_ROWS 8         /* rows per pass over a tile, at most 8 */
+#endif
+#ifndef FEW_MAX_ROWS
+#define FEW_MAX_ROWS 8     /* up to this many rows of a call; beyond, tile_gemm */
+#endif
+
+static inline __attribute__((always_inline)) void few_rows_n(
+    const char* tile, const int kind, int64_t nb, const float* x, int64_t x_stride,
+    const int rows, float out[FEW_ROWS][TILE_N]) {
+    const int64_t bsize = block_bytes(kind);
+    const int outs = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+    for (int j0 = 0; j0 < TILE_N; j0 += outs) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const char* blocks = tile + blk * TILE_N * bsize;
+            if (j0 == 0)  /* the first pass over the tile brings it into L1 for the others */
+                for (int64_t off = 0; off < TILE_N * bsize; off += 64)
+                    _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
+            for (int jj = 0; jj < outs; jj++) {
+                __m256 w[4];
+                block_weights(blocks, kind, j0 + jj, w);
+                for (int r = 0; r < rows; r++) {
+                    const float* xr = x + r * x_stride + blk * 32;
+                    const int i = r * outs + jj;
+                    for (int q = 0; q < 4; q++)
+                        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * q), w[q], acc[i]);
+                }
+            }
+        }
+        float sums[8];
+        _mm256_storeu_ps(sums, sum8(acc));
+        for (int r = 0; r < rows; r++)
+            for (int jj = 0; jj < outs; jj++) out[r][j0 + jj] = sums[r * outs + jj];
+    }
+}
+
+/* ---- One or two rows the sum way: d (q . x) + m sum(x) -------------------------------------
+
+   A single stream's decode step is this level's most common call, and its sum way takes 6
+   operations per Q4 block (4 to multiply q by x, one FMA by d, one by m with the block sum of
+   x) against few_rows_n's 8 (4 to expand w = d q + m, 4 to multiply): few_rows_n's one-row step
+   took 1.15x this one's time (TREADLE_CPU_ISA=avx2 on a Zen 4). So at this level 1 and 2 rows
+   take it (`SUM_MAX_ROWS`), and a row's bits are the same in a 1- or 2-row call but differ
+   (float rounding) from the same row in a call of 3 or more. `xs2` holds the pairs
+   [0, block sum] per row and block (gguf_linear_f32 makes them once per call). */
+#define SUM_MAX_ROWS 2
+
+static inline __attribute__((always_inline)) void sum_two_outputs(
+    const char* tile, const int kind, int64_t nb, int j0, const float* x, int64_t K,
+    const float* xs2, const int rows, float out[TILE_N][SUM_MAX_ROWS]) {
+    const int64_t bsize = block_bytes(kind);
+    __m256 acc[2][SUM_MAX_ROWS];
+    __m128 macc[2][SUM_MAX_ROWS];
     for (int jj = 0; jj < 2; jj++)
         for (int r = 0; r < rows; r++) {
             acc[jj][r] = _mm256_setzero_ps();
@@ -230,53 +341,9 @@ static inline __attribute__((always_inline)) void two_outputs(
             out[j0 + jj][r] = hsum8(acc[jj][r]) + _mm_cvtss_f32(_mm_shuffle_ps(macc[jj][r], macc[jj][r], 1));
 }
 
-static inline __attribute__((always_inline)) void tile_rows_n(
+static inline __attribute__((always_inline)) void sum_rows_n(
     const char* tile, const int kind, int64_t nb, const float* x, int64_t K, const float* xs2,
-    const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    for (int j0 = 0; j0 < TILE_N; j0 += 2) two_outputs(tile, kind, nb, j0, x, K, xs2, rows, out);
+    const int rows, float out[TILE_N][SUM_MAX_ROWS]) {
+    for (int j0 = 0; j0 < TILE_N; j0 += 2) sum_two_outputs(tile, kind, nb, j0, x, K, xs2, rows, out);
 }
 
-/* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */
-static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float* w) {
-    const int64_t bsize = block_bytes(kind);
-    for (int64_t b = 0; b < nb; b++) {
-        const char* blocks = tile + b * TILE_N * bsize;
-        for (int j = 0; j < TILE_N; j++) {
-            __m256 q[4];
-            block_quants(blocks, kind, j, q);
-            const __m128 dm = block_dm(blocks, kind, j);
-            const __m256 dv = _mm256_broadcastss_ps(dm);
-            const __m256 mv = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 1));
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(w + j * K + b * 32 + 8 * i, _mm256_fmadd_ps(q[i], dv, mv));
-        }
-    }
-}
-
-/* y[r, n0 + j] for the M rows of x against one expanded tile (rows are read in whole groups
-   of GEMM_ROWS: past M the caller pads), 3 rows x 4 outputs at a time: 12 accumulators, the
-   3 rows of x and one weight vector fill the 16 registers. */
-#define GEMM_ROWS 3
-static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
-                      float* y, int64_t y_stride, int64_t n0, int64_t valid) {
-    for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS) {
-        __m256 acc[16];
-        for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
-        const float* xr = x + r0 * x_stride;
-        for (int64_t k = 0; k < K; k += 8) {
-            __m256 xv[GEMM_ROWS];
-            for (int r = 0; r < GEMM_ROWS; r++) xv[r] = _mm256_loadu_ps(xr + r * x_stride + k);
-            for (int j = 0; j < TILE_N; j++) {
-                const __m256 wv = _mm256_loadu_ps(w + j * K + k);
-                for (int r = 0; r < GEMM_ROWS; r++)
-                    acc[r * TILE_N + j] = _mm256_fmadd_ps(xv[r], wv, acc[r * TILE_N + j]);
-            }
-        }
-        float sums[16];
-        _mm256_storeu_ps(sums, sum8(acc));
-        _mm256_storeu_ps(sums + 8, sum8(acc + 8));
-        const int64_t rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < valid; j++) y[(r0 + r) * y_stride + n0 + j] = sums[r * TILE_N + j];
-    }
-}

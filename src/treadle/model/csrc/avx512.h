@@ -1,6 +1,6 @@
 /* treadle's CPU kernels at the AVX-512 level (x86-64-v4: F, BW, DQ, VL): 16-wide registers.
    Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64,
-   tile_rows_n, expand_tile and tile_gemm. */
+   expand_tile, tile_gemm and few_rows_n. */
 #include <immintrin.h>
 
 #if defined(__AVX512VNNI__)
@@ -10,7 +10,6 @@
 #endif
 #define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
-#define HAVE_TILE_ROWS_N 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */
 #define D64_MAX_GROUP 4
 
@@ -134,10 +133,9 @@ static void attend_d64(const float* qh, int64_t group, const char* kh, const cha
 
 /* A block's 32 quants as float32 in 2 registers, in order (d and m not applied). */
 static inline void quants_q4(const block_q4* b, __m512* lo, __m512* hi) {
-    const __m128i raw = _mm_loadu_si128((const __m128i*)b->qs);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b->qs));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
 }
 
 static inline void quants_q8(const block_q8* b, __m512* lo, __m512* hi) {
@@ -150,52 +148,22 @@ static inline void block_quants(const char* blocks, int kind, int j, __m512* lo,
     else quants_q8((const block_q8*)blocks + j, lo, hi);
 }
 
-/* Two outputs (j0, j0 + 1) of a tile against ROWS rows of x: per block, d * (q . x) into a
-   register accumulator per output and row, and [d, m] * [0, sum(x)] beside it (xs2 holds the
-   pairs [0, block sum] per row and block). `kind` and `rows` are constants where inlined. */
-static inline __attribute__((always_inline)) void two_outputs(
-    const char* tile, const int kind, int64_t nb, int j0, const float* x, int64_t K,
-    const float* xs2, const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    const int64_t bsize = block_bytes(kind);
-    __m512 acc[2][ROWS_AT_ONCE];
-    __m128 macc[2][ROWS_AT_ONCE];
-    for (int jj = 0; jj < 2; jj++)
-        for (int r = 0; r < rows; r++) {
-            acc[jj][r] = _mm512_setzero_ps();
-            macc[jj][r] = _mm_setzero_ps();
-        }
-    for (int64_t b = 0; b < nb; b++) {
-        const char* blocks = tile + b * TILE_N * bsize;
-        if (j0 == 0)  /* the first pass over the tile brings it into L1 for the second */
-            for (int64_t off = 0; off < TILE_N * bsize; off += 64)
-                _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
-        for (int jj = 0; jj < 2; jj++) {
-            __m512 lo, hi;
-            block_quants(blocks, kind, j0 + jj, &lo, &hi);
-            const __m128 dm = block_dm(blocks, kind, j0 + jj);
-            const __m512 d = _mm512_broadcastss_ps(dm);
-            for (int r = 0; r < rows; r++) {
-                const float* xr = x + r * K + b * 32;
-                const __m512 s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16),
-                                                 _mm512_mul_ps(lo, _mm512_loadu_ps(xr)));
-                acc[jj][r] = _mm512_fmadd_ps(d, s, acc[jj][r]);
-                if (kind == KIND_Q4) {
-                    const __m128 xs = _mm_castpd_ps(_mm_load_sd((const double*)(xs2 + 2 * (r * nb + b))));
-                    macc[jj][r] = _mm_fmadd_ps(dm, xs, macc[jj][r]);
-                }
-            }
-        }
+/* A block of a tile's output j as 32 float32 weights in 2 registers, w = d q + m: one FMA per
+   register (Q8: a multiply, w = d q), the weights of every path on the blocks. */
+static inline __attribute__((always_inline)) void block_weights(const char* blocks, int kind,
+                                                                int j, __m512 w[2]) {
+    __m512 lo, hi;
+    block_quants(blocks, kind, j, &lo, &hi);
+    const __m128 dm = block_dm(blocks, kind, j);
+    const __m512 d = _mm512_broadcastss_ps(dm);
+    if (kind == KIND_Q8) {  /* d q, as d q + 0 */
+        w[0] = _mm512_mul_ps(lo, d);
+        w[1] = _mm512_mul_ps(hi, d);
+        return;
     }
-    for (int jj = 0; jj < 2; jj++)
-        for (int r = 0; r < rows; r++)
-            out[j0 + jj][r] = _mm512_reduce_add_ps(acc[jj][r])
-                              + _mm_cvtss_f32(_mm_shuffle_ps(macc[jj][r], macc[jj][r], 1));
-}
-
-static inline __attribute__((always_inline)) void tile_rows_n(
-    const char* tile, const int kind, int64_t nb, const float* x, int64_t K, const float* xs2,
-    const int rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    for (int j0 = 0; j0 < TILE_N; j0 += 2) two_outputs(tile, kind, nb, j0, x, K, xs2, rows, out);
+    const __m512 m = _mm512_broadcastss_ps(_mm_shuffle_ps(dm, dm, 1));
+    w[0] = _mm512_fmadd_ps(lo, d, m);
+    w[1] = _mm512_fmadd_ps(hi, d, m);
 }
 
 /* A tile's TILE_N rows of W as float32, w[j * K + k], the minimum folded in (w = d q + m). */
@@ -204,13 +172,10 @@ static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float
     for (int64_t b = 0; b < nb; b++) {
         const char* blocks = tile + b * TILE_N * bsize;
         for (int j = 0; j < TILE_N; j++) {
-            __m512 lo, hi;
-            block_quants(blocks, kind, j, &lo, &hi);
-            const __m128 dm = block_dm(blocks, kind, j);
-            const __m512 d = _mm512_broadcastss_ps(dm);
-            const __m512 m = _mm512_broadcastss_ps(_mm_shuffle_ps(dm, dm, 1));
-            _mm512_storeu_ps(w + j * K + b * 32, _mm512_fmadd_ps(lo, d, m));
-            _mm512_storeu_ps(w + j * K + b * 32 + 16, _mm512_fmadd_ps(hi, d, m));
+            __m512 v[2];
+            block_weights(blocks, kind, j, v);
+            _mm512_storeu_ps(w + j * K + b * 32, v[0]);
+            _mm512_storeu_ps(w + j * K + b * 32 + 16, v[1]);
         }
     }
 }
@@ -257,5 +222,53 @@ static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t 
         const int64_t rows = M - r0 < GEMM_ROWS ? M - r0 : GEMM_ROWS;
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < valid; j++) y[(r0 + r) * y_stride + n0 + j] = sums[r * TILE_N + j];
+    }
+}
+
+/* ---- Few rows: each block expanded once in registers for up to FEW_ROWS rows --------------
+
+   The rows of one pass share each block's expansion (block_weights), and each (row, output)
+   is the very sum tile_gemm makes: one accumulator over k, 16 inputs per FMA in k's order
+   (the block's low half, then its high half), then sum16's tree, which adds a vector's lanes
+   in the same order wherever it sits among the 16. So a row's result does not depend on the
+   path, nor on the rows beside it: the rows of any call are the bits of that row alone.
+
+   Register budget (32): OUTS x ROWS accumulators (<= 16) and OUTS blocks' weights (2 each):
+   up to 4 rows take the whole tile per pass, 5 to 8 take it in two passes of 2 outputs. */
+#ifndef FEW_ROWS          /* (-D: benchmarks/linear_crossover.py --variant) */
+#define FEW_ROWS 8         /* rows per pass over a tile, at most 8 */
+#endif
+#ifndef FEW_MAX_ROWS
+#define FEW_MAX_ROWS 8     /* up to this many rows of a call; beyond, tile_gemm */
+#endif
+
+static inline __attribute__((always_inline)) void few_rows_n(
+    const char* tile, const int kind, int64_t nb, const float* x, int64_t x_stride,
+    const int rows, float out[FEW_ROWS][TILE_N]) {
+    const int64_t bsize = block_bytes(kind);
+    const int outs = rows <= 4 ? 4 : 2;
+    for (int j0 = 0; j0 < TILE_N; j0 += outs) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const char* blocks = tile + b * TILE_N * bsize;
+            if (j0 == 0)  /* the first pass over the tile brings it into L1 for the second */
+                for (int64_t off = 0; off < TILE_N * bsize; off += 64)
+                    _mm_prefetch(blocks + 8 * TILE_N * bsize + off, _MM_HINT_T0);
+            __m512 w[4][2];
+            for (int jj = 0; jj < outs; jj++) block_weights(blocks, kind, j0 + jj, w[jj]);
+            for (int r = 0; r < rows; r++) {
+                const float* xr = x + r * x_stride + b * 32;
+                const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+                for (int jj = 0; jj < outs; jj++) {
+                    acc[r * outs + jj] = _mm512_fmadd_ps(x0, w[jj][0], acc[r * outs + jj]);
+                    acc[r * outs + jj] = _mm512_fmadd_ps(x1, w[jj][1], acc[r * outs + jj]);
+                }
+            }
+        }
+        float sums[16];
+        _mm512_storeu_ps(sums, sum16(acc));
+        for (int r = 0; r < rows; r++)
+            for (int jj = 0; jj < outs; jj++) out[r][j0 + jj] = sums[r * outs + jj];
     }
 }

@@ -160,17 +160,19 @@ static inline void prefetch_bytes(const char* block, int64_t bytes) {
    bytes, and float32 scales would be a fifth more of them. Each level converts them its own
    way (F16C where it has it: `half_to_float`).
 
-   Few rows: y[r, n] = sum_b d_nb * (q_nb . x_rb) + m_nb * sum(x_rb), each block expanded in
-   registers (`tile_rows`; the block sums of x are made once per call). Many rows: each tile is
-   expanded once to float32 (`expand_tile`) and every row multiplied by it (`tile_gemm`). N is
-   padded to a whole tile (zero rows, never written out). */
+   Every path computes y[r, n] = x_r . w_n with the block's weights expanded to float32 first
+   (w = d q + m, one FMA: `block_weights`) and one float32 sum per (row, output) in the order
+   of k; the level's header fixes the lane width and the final tree. Few rows (up to the
+   level's FEW_MAX_ROWS): each block expanded in registers and applied to FEW_ROWS rows at a
+   time (`few_rows_n`). Many rows: each tile expanded once into float32 in L1 (`expand_tile`)
+   and every row multiplied by it (`tile_gemm`). Both make the same bits for a row, so a row's
+   result never depends on how many rows share the call (speculative verification's k + 1
+   rows give the logits of k + 1 single-row steps; a batch, those of its requests alone).
+   One exception: at avx2, 1 and 2 rows take the faster sum way, d (q . x) + m sum(x)
+   (`sum_rows_n`, SUM_MAX_ROWS), whose bits differ from a row's among 3 or more.
+   N is padded to a whole tile (zero rows, never written out). */
 
 #define TILE_N 4
-#define ROWS_AT_ONCE 2   /* rows of x per pass of tile_rows */
-/* Beyond this many rows, expand each tile once: from 3 rows that is faster at AVX2 and
-   AVX-512 alike (one thread, a layer of the default model: 3 rows 0.41-0.49 ms against 0.57-0.60
-   in registers, 8 rows 0.75-0.82 against 1.35). */
-#define GEMV_MAX_ROWS 2
 
 typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4;
 typedef struct { uint16_t d; int8_t qs[32]; } block_q8;
@@ -196,9 +198,6 @@ static inline float half_to_float_c(uint16_t h) {
     union { uint32_t u; float f; } v = { bits };
     return v.f;
 }
-
-/* The sum of x's block b in row r, from the pairs [0, sum] that gguf_linear_f32 makes. */
-#define XSUM(xs2, r, nb, b) ((xs2)[2 * ((r) * (nb) + (b)) + 1])
 
 /* A block's scale and minimum as floats (a Q8 block has no minimum: 0). */
 #define BLOCK_D(b) half_to_float((b)->d)

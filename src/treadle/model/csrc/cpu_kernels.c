@@ -24,17 +24,54 @@
 #endif
 #include "int8.h"
 
-#if defined(HAVE_TILE_ROWS_N)
-/* One tile (TILE_N outputs) for `rows` (1 or 2) rows of x: the level's tile_rows_n,
+#if FEW_MAX_ROWS > 0
+/* One tile (TILE_N outputs) for `rows` (1 .. FEW_ROWS: 1, 2, 4 or 8) rows of x: the level's few_rows_n,
    specialized per block kind and row count so that its inner loop has no branches. */
-static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
-                      const float* xs2, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
+#define FEW_CASE(KIND, R) case R: few_rows_n(tile, KIND, nb, x, x_stride, R, out); break
+static void few_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t x_stride,
+                     int64_t rows, float out[FEW_ROWS][TILE_N]) {
     if (kind == KIND_Q4) {
-        if (rows == 1) tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 1, out);
-        else tile_rows_n(tile, KIND_Q4, nb, x, K, xs2, 2, out);
+        switch (rows) {
+            FEW_CASE(KIND_Q4, 1);
+#if FEW_ROWS >= 2
+            FEW_CASE(KIND_Q4, 2);
+#endif
+#if FEW_ROWS >= 4
+            FEW_CASE(KIND_Q4, 3); FEW_CASE(KIND_Q4, 4);
+#endif
+#if FEW_ROWS >= 8
+            FEW_CASE(KIND_Q4, 5); FEW_CASE(KIND_Q4, 6); FEW_CASE(KIND_Q4, 7); FEW_CASE(KIND_Q4, 8);
+#endif
+        }
     } else {
-        if (rows == 1) tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 1, out);
-        else tile_rows_n(tile, KIND_Q8, nb, x, K, xs2, 2, out);
+        switch (rows) {
+            FEW_CASE(KIND_Q8, 1);
+#if FEW_ROWS >= 2
+            FEW_CASE(KIND_Q8, 2);
+#endif
+#if FEW_ROWS >= 4
+            FEW_CASE(KIND_Q8, 3); FEW_CASE(KIND_Q8, 4);
+#endif
+#if FEW_ROWS >= 8
+            FEW_CASE(KIND_Q8, 5); FEW_CASE(KIND_Q8, 6); FEW_CASE(KIND_Q8, 7); FEW_CASE(KIND_Q8, 8);
+#endif
+        }
+    }
+}
+#undef FEW_CASE
+#endif
+
+#if defined(SUM_MAX_ROWS)
+/* One tile for 1 or 2 rows of x the sum way (the level's sum_rows_n), specialized per block
+   kind and row count. */
+static void sum_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
+                     const float* xs2, int64_t rows, float out[TILE_N][SUM_MAX_ROWS]) {
+    if (kind == KIND_Q4) {
+        if (rows == 1) sum_rows_n(tile, KIND_Q4, nb, x, K, xs2, 1, out);
+        else sum_rows_n(tile, KIND_Q4, nb, x, K, xs2, 2, out);
+    } else {
+        if (rows == 1) sum_rows_n(tile, KIND_Q8, nb, x, K, xs2, 1, out);
+        else sum_rows_n(tile, KIND_Q8, nb, x, K, xs2, 2, out);
     }
 }
 #endif
@@ -137,7 +174,7 @@ void gguf_linear_f32(
     const int64_t nb = K / 32;
     const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = nb * TILE_N * block_bytes(kind);
-    if (M > GEMV_MAX_ROWS) {
+    if (M > FEW_MAX_ROWS) {
         /* Many rows: expand each tile once into float32 (L1-sized) and multiply all rows by
            it; x is read in place, but for a last partial group of rows, copied zero-padded. */
         const int64_t full = M / GEMM_ROWS * GEMM_ROWS;
@@ -161,32 +198,47 @@ void gguf_linear_f32(
         free(tail);
         return;
     }
-    /* x's rows made contiguous, and each block's sum as a pair [0, sum] (XSUM below) */
-    float* xsum = (float*)malloc(sizeof(float) * 2 * M * nb);
-    float* xc = (float*)malloc(sizeof(float) * M * K);
-    for (int64_t r = 0; r < M; r++) {
-        memcpy(xc + r * K, x + r * x_row_stride, sizeof(float) * K);
-        for (int64_t b = 0; b < nb; b++) {
-            float s = 0.f;
-            for (int i = 0; i < 32; i++) s += xc[r * K + b * 32 + i];
-            xsum[2 * (r * nb + b)] = 0.f;
-            xsum[2 * (r * nb + b) + 1] = s;
+#if defined(SUM_MAX_ROWS)
+    if (M <= SUM_MAX_ROWS) {
+        /* x's rows made contiguous, and each block's sum as a pair [0, sum] */
+        float* xs2 = (float*)malloc(sizeof(float) * 2 * M * nb);
+        float* xc = (float*)malloc(sizeof(float) * M * K);
+        for (int64_t r = 0; r < M; r++) {
+            memcpy(xc + r * K, x + r * x_row_stride, sizeof(float) * K);
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.f;
+                for (int i = 0; i < 32; i++) s += xc[r * K + b * 32 + i];
+                xs2[2 * (r * nb + b)] = 0.f;
+                xs2[2 * (r * nb + b) + 1] = s;
+            }
         }
+        #pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            float out[TILE_N][SUM_MAX_ROWS];
+            sum_rows((const char*)tiles + t * tile_bytes, kind, nb, xc, K, xs2, M, out);
+            for (int j = 0; j < TILE_N && t * TILE_N + j < N; j++)
+                for (int64_t r = 0; r < M; r++) y[r * y_row_stride + t * TILE_N + j] = out[j][r];
+        }
+        free(xs2);
+        free(xc);
+        return;
     }
-    /* Few rows: expand each block in registers for ROWS_AT_ONCE rows at a time. */
+#endif
+#if FEW_MAX_ROWS > 0
+    /* Few rows: each block expanded in registers for FEW_ROWS rows at a time, x in place. */
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < ntiles; t++) {
         const char* tile = (const char*)tiles + t * tile_bytes;
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS_AT_ONCE) {
-            const int64_t rows = M - r0 < ROWS_AT_ONCE ? M - r0 : ROWS_AT_ONCE;
-            float out[TILE_N][ROWS_AT_ONCE];
-            tile_rows(tile, kind, nb, xc + r0 * K, K, xsum + 2 * r0 * nb, rows, out);
-            for (int j = 0; j < TILE_N && t * TILE_N + j < N; j++)
-                for (int64_t r = 0; r < rows; r++) y[(r0 + r) * y_row_stride + t * TILE_N + j] = out[j][r];
+        for (int64_t r0 = 0; r0 < M; r0 += FEW_ROWS) {
+            const int64_t rows = M - r0 < FEW_ROWS ? M - r0 : FEW_ROWS;
+            float out[FEW_ROWS][TILE_N];
+            few_rows(tile, kind, nb, x + r0 * x_row_stride, x_row_stride, rows, out);
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < TILE_N && t * TILE_N + j < N; j++)
+                    y[(r0 + r) * y_row_stride + t * TILE_N + j] = out[r][j];
         }
     }
-    free(xsum);
-    free(xc);
+#endif
 }
 
 /* W[N, K] in float32 (row-major) from its tiles, as the many-row path above expands them: for

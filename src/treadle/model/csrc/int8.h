@@ -26,8 +26,15 @@
    once and multiplies every row by it, as fast from 16 rows and faster at 64 (one thread, CPU
    time, the default model's 30 layers + LM head per step: avx512vnni 8 rows 15.5 ms int8
    against 19.1, 16 rows 30.9 against 31.1, 64 rows 120 against 101; avx2 16 rows 53.9 against
-   53.8). */
+   53.8). Up to it, a row's result is the bits of that row alone (each row has its own
+   accumulators); beyond, the bits of its float32 product alone, which differs from its int8
+   one by the activations' rounding (~1% of a product's size). int8 all the way would keep the
+   int8 bits at every row count, for 1.14-1.6x the float32 kernel's time on a layer's linears
+   at 9-64 rows (one thread, `benchmarks/linear_crossover.py --int8 --variant
+   ...:-DI8_MAX_ROWS=1000000`). */
+#ifndef I8_MAX_ROWS  /* (-D: benchmarks/linear_crossover.py --variant) */
 #define I8_MAX_ROWS 8
+#endif
 
 /* x's rows (`x_stride` apart) as int8 blocks: xq[r * K + k], xds[2 * (r * nb + b)] = d and
    [... + 1] = s. The rounding is rint's (half to even), as torch.round. */

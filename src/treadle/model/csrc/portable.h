@@ -1,6 +1,6 @@
 /* treadle's CPU kernels for any CPU (no ISA flags: SSE2 on x86-64, NEON on arm64 as the
    compiler sees fit): plain C loops written for the auto-vectorizer. Included by cpu_kernels.c;
-   it provides the KV rows' loads and stores, tile_rows, expand_tile and tile_gemm (attention
+   it provides the KV rows' loads and stores, expand_tile and tile_gemm (attention
    takes the generic loop). */
 
 #define TREADLE_ISA "portable"
@@ -36,35 +36,6 @@ static inline void block_weights(const char* blocks, int kind, int j, float w[32
     }
 }
 
-/* Per output and row, 32 partial sums that the vectorizer keeps in registers, reduced once at
-   the end (a reduction per block would cost as much as the block's arithmetic). */
-static void tile_rows(const char* tile, int kind, int64_t nb, const float* x, int64_t K,
-                      const float* xsum, int64_t rows, float out[TILE_N][ROWS_AT_ONCE]) {
-    (void)xsum;
-    const int64_t bsize = block_bytes(kind);
-    float acc[TILE_N][ROWS_AT_ONCE][32];
-    memset(acc, 0, sizeof(acc));
-    for (int64_t b = 0; b < nb; b++) {
-        const char* blocks = tile + b * TILE_N * bsize;
-        for (int j = 0; j < TILE_N; j++) {
-            float w[32];
-            block_weights(blocks, kind, j, w);
-            for (int64_t r = 0; r < rows; r++) {
-                const float* xb = x + r * K + b * 32;
-                float* a = acc[j][r];
-                #pragma omp simd
-                for (int i = 0; i < 32; i++) a[i] += w[i] * xb[i];
-            }
-        }
-    }
-    for (int j = 0; j < TILE_N; j++)
-        for (int64_t r = 0; r < rows; r++) {
-            float s = 0.f;
-            for (int i = 0; i < 32; i++) s += acc[j][r][i];
-            out[j][r] = s;
-        }
-}
-
 static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float* w) {
     const int64_t bsize = block_bytes(kind);
     for (int64_t b = 0; b < nb; b++)
@@ -72,10 +43,24 @@ static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float
             block_weights(tile + b * TILE_N * bsize, kind, j, w + j * K + b * 32);
 }
 
+/* x . w over K (a multiple of 32) in 8 lanes, k's order within each lane, then a fixed tree:
+   the same bits for a row whatever its address or the rows beside it (`dot`'s vectorized
+   order is the compiler's). */
+static inline float dot_lanes(const float* x, const float* w, int64_t K) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t k = 0; k < K; k += 8)
+        for (int i = 0; i < 8; i++) acc[i] += x[k + i] * w[k + i];
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+/* Every row count takes the expanded tile (no register path: FEW_MAX_ROWS 0), so a row's
+   result never depends on the rows beside it. */
 #define GEMM_ROWS 1
+#define FEW_ROWS 1
+#define FEW_MAX_ROWS 0
 static void tile_gemm(const float* w, const float* x, int64_t x_stride, int64_t M, int64_t K,
                       float* y, int64_t y_stride, int64_t n0, int64_t valid) {
     for (int64_t r = 0; r < M; r++)
         for (int64_t j = 0; j < valid; j++)
-            y[r * y_stride + n0 + j] = dot(x + r * x_stride, w + j * K, K);
+            y[r * y_stride + n0 + j] = dot_lanes(x + r * x_stride, w + j * K, K);
 }
