@@ -45,10 +45,10 @@ from treadle.cli.supervised_desk import SupervisorDesk
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
-from treadle.frontend.async_client import reports_address
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.restart_sequence import RestartBudget, restart_child
 from treadle.frontend.startup import StartupProgress, startup_address
+from treadle.frontend.supervisor_reports import reports_address
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import (
     ChildProcess,

@@ -1,6 +1,6 @@
 """The supervisor's sockets while serving (issue 25), read by one thread:
 
-- API server 0's reports (`frontend/async_client.py:reports_address`): its engines' death
+- API server 0's reports (`frontend/supervisor_reports.py`): its engines' death
   reports, which the supervisor's restart lines quote (`report_of`), and every half second
   the engines lost there (`[LOST_ENGINES, EnginesLost]`);
 - where some engines run on other hosts (`--headless`), the handshake socket, kept open

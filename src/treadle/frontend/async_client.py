@@ -10,14 +10,12 @@ the DP coordinator reader, and the watches of `EngineWatch`.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import os
 import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -36,6 +34,7 @@ from treadle.frontend.engine_state import EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S, EngineWatch, GuardedTasks
 from treadle.frontend.inflight import InFlight
 from treadle.frontend.startup import StartupProgress
+from treadle.frontend.supervisor_reports import SupervisorReports, reports_address
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, signal_children
 from treadle.ipc.zmq_utils import make_zmq_socket
@@ -160,7 +159,7 @@ class AsyncMPClient(MPClient):
                     self.ctx, reports_address(self._supervisor_notes), zmq.PUSH, True, linger=0
                 )
                 self._reports_out = out
-                reports = _Reports(out)
+                reports = SupervisorReports(out)
                 self.watch.forward = lambda report: reports.send([report])
                 send_lost = lambda note: reports.send([LOST_ENGINES, note])  # noqa: E731
                 self.spawn(self.watch.report_lost(send_lost), "lost-engine reports")
@@ -410,42 +409,6 @@ class AsyncMPClient(MPClient):
                 sock.disable_monitor()
                 monitor.close(linger=0)
         super().shutdown(timeout)
-
-
-def reports_address(notes: str) -> str:
-    """Where API server 0 of a supervisor binds the PUSH of its engines' death reports (one
-    frame: a `DeathReport`) and of the engines lost here (`[LOST_ENGINES, EnginesLost]`);
-    the supervisor's PULL connects. Beside its notes' SUB."""
-    return f"{notes}-reports"
-
-
-class _Reports:
-    """API server 0's PUSH to its supervisor. The supervisor's PULL connects moments after
-    this binds (ipc reconnects every 0.1 s), and an engine may die at once: what cannot go yet
-    (`zmq.Again`, no peer) waits, in order, and is tried again every 0.1 s (the supervisor
-    waits 2 s for a death report before its restart line)."""
-
-    def __init__(self, sock: zmq.Socket[Any]) -> None:
-        self.sock = sock
-        self.unsent: collections.deque[list[bytes]] = collections.deque(maxlen=16)
-
-    def send(self, parts: list[bytes | msgspec.Struct]) -> None:
-        frames = [p if isinstance(p, bytes) else msgspec.msgpack.encode(p) for p in parts]
-        self.unsent.append(frames)
-        self._flush()
-
-    def _flush(self) -> None:
-        while self.unsent:
-            try:
-                self.sock.send_multipart(self.unsent[0], zmq.NOBLOCK)
-            except zmq.Again:  # (no supervisor yet; or gone, and nobody needs it)
-                return
-            self.unsent.popleft()
-
-    async def retry(self) -> None:
-        while True:
-            await asyncio.sleep(0.1)
-            self._flush()
 
 
 def stop_this_process(reason: str) -> None:
