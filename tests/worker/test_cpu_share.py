@@ -160,6 +160,7 @@ def _generate(default_model_path: str, threads: str) -> list[tuple[list[int], li
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to run the model on 2 threads"
 )
+@pytest.mark.serial  # (measures the cores left idle: nothing may run beside it)
 def test_a_thread_count_change_is_no_bigger_than_a_batch_change(default_model_path: str) -> None:
     """1 and 2 threads: the same greedy tokens, logprobs equal to rounding (oneDNN blocks a
     GEMM differently per thread count, as it does per batch size)."""
@@ -173,6 +174,7 @@ def test_a_thread_count_change_is_no_bigger_than_a_batch_change(default_model_pa
     len(os.sched_getaffinity(0)) != 2,
     reason="sized for a 2-CPU machine (two busy loops take both cores)",
 )
+@pytest.mark.serial  # (measures the cores left idle: nothing may run beside it)
 def test_busy_neighbours_take_a_thread_and_give_it_back(
     default_model_path: str, tmp_path: Path
 ) -> None:
