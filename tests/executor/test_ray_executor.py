@@ -139,6 +139,19 @@ def _worker(cluster: Any, title: str) -> psutil.Process:
     raise LookupError(title)
 
 
+def test_the_secret_never_goes_into_an_actors_runtime_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An actor's runtime_env shows in `ray list actors --detail` and the dashboard: the rank's
+    TREADLE_* settings go there, the cluster secret goes to `RayWorker.start` instead."""
+    from treadle.executor.ray_executor import actor_env
+
+    monkeypatch.setenv("TREADLE_CLUSTER_SECRET", "s" * 32)
+    monkeypatch.setenv("TREADLE_KV_CACHE_SPACE", "1")
+    env = actor_env("127.0.0.2", 3)
+    assert "TREADLE_CLUSTER_SECRET" not in env and "s" * 32 not in json.dumps(env)
+    assert env["TREADLE_KV_CACHE_SPACE"] == "1"
+    assert env["TREADLE_HOST_IP"] == "127.0.0.2" and env["TREADLE_CPU_THREADS"] == "3"
+
+
 # -- pipeline stages on two hosts ----------------------------------------------------------
 
 

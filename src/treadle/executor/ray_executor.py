@@ -108,9 +108,14 @@ class RayWorker:
         store: tuple[str, int],
         stage_addresses: list[str | None] | None,
         local: bool,
+        secret: str | None = None,
     ) -> Handle:
         """Join the group, load the shard; the reply queue's handle (shared memory when the
-        engine core is on this node, else its tcp XPUB)."""
+        engine core is on this node, else its tcp XPUB). `secret`: the cluster secret given
+        as TREADLE_CLUSTER_SECRET, which comes as an argument, never in the actor's
+        runtime_env (that shows in `ray list actors --detail` and the dashboard)."""
+        if secret is not None:
+            os.environ[cluster_auth.ENV_SECRET] = secret
         parallel = config.parallel
         title = worker_title(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         _set_title(title)
@@ -145,6 +150,21 @@ def _set_title(title: str) -> None:
     ray_title = getattr(ray._raylet, "setproctitle", None)
     if ray_title is not None:
         ray_title(f"treadle::{title}")
+
+
+def actor_env(ip: str, threads: int | None) -> dict[str, str]:
+    """A rank's environment (its actor's runtime_env, which anyone who can list the cluster's
+    actors can read): this process's TREADLE_* settings but the cluster secret (`start` gets
+    that as an argument), its node's address, and its bundle's CPUs unless pinned."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith("TREADLE_") and k != cluster_auth.ENV_SECRET
+    }
+    env["TREADLE_HOST_IP"] = ip
+    if threads is not None:
+        env["TREADLE_CPU_THREADS"] = str(threads)
+    return env
 
 
 def connect_ray() -> bool:
@@ -269,10 +289,7 @@ class RayExecutor(MultiprocExecutor):
         remote_worker = ray.remote(RayWorker)
         for rank, (bundle, _) in enumerate(placed):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-            env = {k: v for k, v in os.environ.items() if k.startswith("TREADLE_")}
-            env["TREADLE_HOST_IP"] = self.ranks[rank].ip
-            if not config.parallel.cpu_threads:
-                env["TREADLE_CPU_THREADS"] = str(threads)
+            env = actor_env(self.ranks[rank].ip, None if config.parallel.cpu_threads else threads)
             self._actors.append(
                 remote_worker.options(  # type: ignore[attr-defined]
                     name=self.ranks[rank].actor_name,
@@ -285,8 +302,10 @@ class RayExecutor(MultiprocExecutor):
         for rank, pid in enumerate(ray.get([a.pid.remote() for a in self._actors])):
             self.ranks[rank].pid = pid
         stages = self.stage_addresses if self.pp_size > 1 else None
+        secret = os.environ.get(cluster_auth.ENV_SECRET) or None
+        handle = self.broadcast.export_handle()
         starts = [
-            actor.start.remote(config, rank, self.broadcast.export_handle(), store, stages, on)
+            actor.start.remote(config, rank, handle, store, stages, on, secret)
             for rank, (actor, on) in enumerate(zip(self._actors, self._local, strict=True))
         ]
         self.reply_handles = self._get_all(starts, envs.engine_ready_timeout_s(), "load")
