@@ -257,9 +257,10 @@ def test_a_node_gone_for_good_is_named(nodes) -> None:  # type: ignore[no-untype
     node1.stop()
     with contextlib.suppress(Exception):
         _stream(node0.url, PROMPTS[0], [])
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 60
     while "did not join" not in node0.output() and time.monotonic() < deadline:
         time.sleep(0.5)
     out = node0.output()
     assert "no heartbeat" in out or "Worker_TP1" in out, out
-    assert "node(s) 1 did not join in 30 s" in out and "rank(s) [1] (Worker_TP1)" in out, out
+    assert re.search(r"node\(s\) 1 did not join in \d+ s", out), out
+    assert "rank(s) [1] (Worker_TP1) are missing" in out, out

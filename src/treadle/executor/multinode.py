@@ -54,6 +54,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 import msgspec
+import psutil
 import torch.distributed as dist
 
 from treadle import envs
@@ -83,6 +84,7 @@ BEAT_S = 0.5
 """A remote rank's heartbeat period."""
 _PLAN = "treadle/nodes/plan"
 _POLL_S = 0.2
+_MARGIN_S = 5.0
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -271,7 +273,10 @@ class MultinodeExecutor(MultiprocExecutor):
             broadcast=self.broadcast.export_handle(),
         )
         _put(self._store, _PLAN, seal(plan))
-        timeout = envs.engine_ready_timeout_s()
+        # The front end gives this process's whole start TREADLE_ENGINE_READY_TIMEOUT_S: a
+        # missing node is named here, a few seconds before that runs out.
+        started = psutil.Process().create_time()
+        timeout = max(1.0, envs.engine_ready_timeout_s() - (time.time() - started) - _MARGIN_S)
         deadline = time.monotonic() + timeout
         handle = self.broadcast.export_handle()
         stages = self.stage_addresses if self.pp_size > 1 else None
@@ -331,7 +336,7 @@ class MultinodeExecutor(MultiprocExecutor):
             if missing and time.monotonic() > deadline:
                 nodes = sorted({r // k for r in missing})
                 raise TimeoutError(
-                    f"node(s) {', '.join(map(str, nodes))} did not join in {timeout:g} s "
+                    f"node(s) {', '.join(map(str, nodes))} did not join in {timeout:.0f} s "
                     f"(TREADLE_ENGINE_READY_TIMEOUT_S): rank(s) {sorted(missing)} "
                     f"({', '.join(self._title(r) for r in sorted(missing))}) are missing; is "
                     f"`treadle serve ... --nnodes {self.nnodes} --node-rank "
@@ -400,6 +405,10 @@ class MultinodeExecutor(MultiprocExecutor):
 
     def shutdown(self) -> None:
         self._closing.set()
+        if self.monitor is None:  # a failed start: its ranks wait in a rendezvous, end them now
+            for worker in self.workers:
+                if worker.process.is_alive():
+                    worker.process.kill()
         super().shutdown()
         if self._watcher is not None:
             self._watcher.join(timeout=2.0)
