@@ -28,6 +28,8 @@ MAX_TOKENS = 24
 PROMPTS = [f"stream {i} says" for i in range(4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 FAST = {"TREADLE_NODE_HEARTBEAT_TIMEOUT_S": "3", "TREADLE_ENGINE_READY_TIMEOUT_S": "30"}
+# The served pair keys its store values (HMAC) and tcp sockets (CURVE); the -pp pair does not.
+KEYED = {**FAST, "TREADLE_CLUSTER_SECRET": "nodes-test-secret-0123456789"}
 
 
 def _free_port() -> int:
@@ -40,12 +42,13 @@ def _node_flags(port: int, rank: int, *layout: str) -> list[str]:
     return [*layout, "--nnodes", "2", "--node-rank", str(rank), "--master-port", str(port)]
 
 
-def _start_node1(model: str, port: int, tmp_path: Path, *layout: str) -> RemoteServer:
+def _start_node1(
+    model: str, port: int, tmp_path: Path, *layout: str, env: dict[str, str] = FAST
+) -> RemoteServer:
     node1_dir = tmp_path / "node1"
     node1_dir.mkdir(exist_ok=True)
     flags = [model, *_node_flags(port, 1, *layout), "--headless", "--dtype", "float32"]
-    env = {**FAST, "TREADLE_HOST_IP": "127.0.0.2"}
-    return RemoteServer(flags, node1_dir, env=env, wait=False)
+    return RemoteServer(flags, node1_dir, env={**env, "TREADLE_HOST_IP": "127.0.0.2"}, wait=False)
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +66,11 @@ def nodes(tiny_model_factory, tmp_path_factory) -> Iterator[tuple[RemoteServer, 
     model = str(tiny_model_factory("llama"))
     tmp = tmp_path_factory.mktemp("nodes")
     port = _free_port()
-    node1 = _start_node1(model, port, tmp, "-tp", "2")
+    node1 = _start_node1(model, port, tmp, "-tp", "2", env=KEYED)
     node0 = None
     try:
         flags = [model, *_node_flags(port, 0, "-tp", "2"), "--dtype", "float32"]
-        node0 = RemoteServer(flags + ["--max-engine-restarts", "3"], tmp, env=FAST, wait=False)
+        node0 = RemoteServer(flags + ["--max-engine-restarts", "3"], tmp, env=KEYED, wait=False)
         node0.wait_healthy(120.0)
         yield node0, node1
     finally:
