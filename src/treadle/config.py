@@ -164,6 +164,14 @@ class ParallelConfig:
     """A file holding the cluster secret (at least 16 bytes, the same file on every host): every tcp socket between treadle's processes then speaks ZMQ CURVE with keys derived from it, and a peer without it is refused and logged (TREADLE_CLUSTER_SECRET holds the secret itself instead). Required when engines on other hosts reach the front end over a non-loopback address."""
     insecure_cluster: bool = False
     """Accept sockets that face other hosts without a cluster secret: anyone who reaches the ports can talk to the engines."""
+    nnodes: int = 1
+    """Hosts that one model's tensor/pipeline-parallel ranks span without Ray (vLLM's --nnodes): node r runs ranks r*k .. (r+1)*k-1 of the tp x pp ranks, k = tp x pp / nnodes. Node 0 runs the server, the engine core and its ranks; every other node runs `treadle serve M ... --node-rank R --headless` and starts only its ranks' workers."""
+    node_rank: int = 0
+    """This host's place among --nnodes hosts (0: the one that serves)."""
+    master_addr: str = "127.0.0.1"
+    """Node 0's address, where the engine core's rendezvous store listens (--nnodes > 1): the other nodes' workers find the engine core there. A node's own address is TREADLE_HOST_IP, else the interface that routes to this one."""
+    master_port: int | None = None
+    """Port of the rendezvous store on --master-addr (required with --nnodes > 1)."""
     distributed_executor_backend: str = "mp"
     """What starts and watches the tensor/pipeline-parallel workers: mp (a process per rank on this host) or ray (a Ray actor per rank, placed by a placement group on the Ray cluster at RAY_ADDRESS, else the one running on this host, else a local one started for this engine core; pip install 'treadle[ray]'). Ray places the workers; the steps still go through the shared-memory queue (TCP to other nodes)."""
 
@@ -177,12 +185,22 @@ class ParallelConfig:
             return self.data_parallel_size
         return self.data_parallel_size_local
 
+    @property
+    def ranks_per_node(self) -> int:
+        """The tp x pp ranks that run on each of the --nnodes hosts."""
+        return self.world_size // max(1, self.nnodes)
+
+    def node_ranks(self, node: int) -> range:
+        """The ranks that node `node` runs (node-major: node r holds [r*k, (r+1)*k))."""
+        k = self.ranks_per_node
+        return range(node * k, (node + 1) * k)
+
     def model_threads(self) -> int:
         """Threads for one engine core or TP worker of this host (see `cpu_threads`)."""
         chosen = self.cpu_threads or envs.cpu_threads()
         if chosen:
             return chosen
-        return max(1, envs.usable_cpus() // (self.local_engine_count * self.world_size))
+        return max(1, envs.usable_cpus() // (self.local_engine_count * self.ranks_per_node))
 
     def threads_pinned(self) -> bool:
         """The user chose the thread count; else it follows free cores (worker/cpu_share.py)."""
@@ -224,6 +242,48 @@ class ParallelConfig:
         envs.host_ip()  # a bad TREADLE_HOST_IP is a start-up error, not a socket's
         self.check_cluster_secret()
         self.check_executor_backend()
+        self.check_nodes()
+
+    def check_nodes(self) -> None:
+        """--nnodes/--node-rank/--master-addr/--master-port: a layout every node can follow."""
+        n, r = self.nnodes, self.node_rank
+        if n < 1:
+            raise ValueError(f"--nnodes must be at least 1, not {n}")
+        if not 0 <= r < n:
+            raise ValueError(f"--node-rank {r} must be between 0 and --nnodes - 1 ({n - 1})")
+        if n == 1:
+            return
+        if self.world_size % n:
+            raise ValueError(
+                f"--nnodes {n} does not divide the {self.world_size} ranks of -tp "
+                f"{self.tensor_parallel_size} x -pp {self.pipeline_parallel_size}: every node "
+                "runs the same number of ranks"
+            )
+        if self.data_parallel_size > 1:
+            raise ValueError(
+                "--nnodes spreads one engine core's ranks over hosts; for -dp over hosts use "
+                "--headless engines with --data-parallel-address instead"
+            )
+        if self.distributed_executor_backend != "mp":
+            raise ValueError(
+                "--nnodes is the mp backend's way across hosts; Ray places the ranks on its "
+                "nodes itself (drop --nnodes with --distributed-executor-backend ray)"
+            )
+        if self.master_port is None or not 0 < self.master_port < 65536:
+            raise ValueError(
+                "--nnodes > 1 needs --master-port (and --master-addr): where node 0's "
+                "rendezvous store listens for the other nodes"
+            )
+        if (
+            not cluster_auth.is_loopback(self.master_addr)
+            and not (self.cluster_secret_file or cluster_auth.configured())
+            and not self.insecure_cluster
+        ):
+            raise ValueError(
+                f"the nodes meet at {self.master_addr}, and nothing keys the sockets between "
+                "them: give every node the same --cluster-secret-file (or "
+                "TREADLE_CLUSTER_SECRET), or --insecure-cluster to accept open sockets"
+            )
 
     def check_executor_backend(self) -> None:
         backend = self.distributed_executor_backend

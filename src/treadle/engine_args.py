@@ -240,6 +240,10 @@ class EngineArgs:
     distributed_executor_backend: str = arg(
         ParallelConfig.distributed_executor_backend, group="parallel", area=ParallelConfig
     )
+    nnodes: int = arg(1, group="parallel", area=ParallelConfig)
+    node_rank: int = arg(0, group="parallel", area=ParallelConfig)
+    master_addr: str = arg(ParallelConfig.master_addr, group="parallel", area=ParallelConfig)
+    master_port: int | None = arg(None, group="parallel", area=ParallelConfig)
     max_num_seqs: int = arg(SchedulerConfig.max_num_seqs, group="scheduler", area=SchedulerConfig)
     max_num_batched_tokens: int = arg(
         SchedulerConfig.max_num_batched_tokens, group="scheduler", area=SchedulerConfig
@@ -356,6 +360,10 @@ class EngineArgs:
                 cluster_secret_file=self.cluster_secret_file,
                 insecure_cluster=self.insecure_cluster,
                 distributed_executor_backend=self.distributed_executor_backend,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
             ),
             frontend=replace(
                 frontend or FrontendConfig(), disable_log_stats=self.disable_log_stats

@@ -242,3 +242,12 @@ def apply_cpu_isa_caps() -> None:
     """Called when treadle is imported, before PyTorch picks its kernels; children inherit."""
     for name, value in _ISA_CAPS.get(cpu_isa() or "", {}).items():
         os.environ.setdefault(name, value)
+
+
+def node_heartbeat_timeout_s() -> float:
+    """TREADLE_NODE_HEARTBEAT_TIMEOUT_S (10): with --nnodes > 1, a rank on another node whose
+    heartbeat (every 0.5 s, through the rendezvous store) stops for this long is a dead worker."""
+    value = float(os.environ.get("TREADLE_NODE_HEARTBEAT_TIMEOUT_S", "10"))
+    if value <= 0:
+        raise ValueError("TREADLE_NODE_HEARTBEAT_TIMEOUT_S must be positive")
+    return value

@@ -88,6 +88,13 @@ def prepare(args: argparse.Namespace, warn: bool = False) -> tuple[EngineConfig,
     )
     if api_servers < 1 and not server.headless:
         raise ValueError(f"--api-server-count must be at least 1, not {api_servers}")
+    nodes = config.parallel
+    if nodes.nnodes > 1 and server.headless != (nodes.node_rank > 0):
+        raise ValueError(
+            "--node-rank 0 serves (it runs the engine core): drop --headless there"
+            if server.headless
+            else f"--node-rank {nodes.node_rank} runs only its ranks' workers: add --headless"
+        )
     if engine_args.tensor_parallel_size > 1:
         check_parallel_layout(model_arch(source), engine_args.tensor_parallel_size)
     check_config(config)  # dtype, max_model_len, KV budget: before any process starts
@@ -108,7 +115,9 @@ def serve(args: argparse.Namespace) -> int:
     api_servers = (
         args.data_parallel_size if args.api_server_count is None else args.api_server_count
     )
-    if args.headless:
+    if args.headless and args.nnodes > 1:
+        set_process_title(f"Node_{args.node_rank}")
+    elif args.headless:
         set_process_title("Headless")
     elif api_servers > 1:
         set_process_title("APIServerSupervisor")

@@ -430,6 +430,10 @@ def run_headless(config: EngineConfig, shutdown_timeout: float) -> int:
     signal.signal(signal.SIGTERM, stop.on_signal)
     signal.signal(signal.SIGINT, stop.on_signal)
     p = config.parallel
+    if p.nnodes > 1:  # only this node's ranks; the engine core runs on node 0
+        from treadle.executor.multinode import run_node
+
+        return run_node(config, stop.event)
     launcher = EngineLauncher(config, shutdown_timeout, front_end=False)
     logger.info(
         "Headless: engine core(s) DP%d..DP%d connect to %s",

@@ -386,6 +386,10 @@ def make_executor(
         from treadle.executor.ray_executor import RayExecutor  # Ray is an optional dependency
 
         return RayExecutor(config, arch, max_model_len, on_failure)
+    if parallel.nnodes > 1:
+        from treadle.executor.multinode import MultinodeExecutor
+
+        return MultinodeExecutor(config, arch, max_model_len, on_failure)
     return MultiprocExecutor(config, arch, max_model_len, on_failure)
 
 

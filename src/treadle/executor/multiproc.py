@@ -185,6 +185,7 @@ class MultiprocExecutor:
         self.failure_callback = failure_callback
         self.reply_queues = []
         self.reply_handles = []
+        self._dist_file = ""  # the FileStore of one host's ranks (none: another store)
 
     def worker_processes(self) -> list[ProcessInfo]:
         """The workers as /topology shows them."""
@@ -324,5 +325,5 @@ class MultiprocExecutor:
         self.broadcast.close()
         # A stage worker killed -9 leaves its socket file behind.
         remove_ipc_files(a for a in self.stage_addresses if a is not None)
-        if os.path.exists(self._dist_file):
+        if self._dist_file and os.path.exists(self._dist_file):
             os.unlink(self._dist_file)

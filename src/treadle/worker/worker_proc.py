@@ -127,7 +127,7 @@ def start_worker(
     stage links meet in the same store (`open_stage_link`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # (ranks of other hosts)
     else:
         torch.set_num_threads(config.parallel.model_threads())
     backend = "nccl" if device == "cuda" else "gloo"
