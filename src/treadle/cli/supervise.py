@@ -284,11 +284,16 @@ class _Notes:
             sock.connect(address)
             starting.connect(startup_address(address))
         try:
-            while not stop.wait(0.5):
-                if not starting.closed:  # (the last one says every engine is ready)
+            while not stop.is_set():
+                if not starting.closed:  # at each change, and every half second
+                    progress.changed.wait(0.5)
+                    progress.changed.clear()
                     starting.send(msgspec.msgpack.encode(StartupPhases(list(progress.phases))))
-                    if progress.done:
+                    if progress.done:  # (the last one says every engine is ready)
                         starting.close(linger=0)
+                    continue
+                if stop.wait(0.5):
+                    break
                 now = dict(lost)  # (one copy: the main thread adds to it)
                 if now:
                     ranks = sorted(now)

@@ -34,6 +34,7 @@ class StartupProgress:
         self.phases = [StartupPhase.STARTING] * num_engines  # per DP rank
         self.done = False
         self.stopping = False  # a stop signal came during the start-up (`stop`)
+        self.changed = threading.Event()  # set by each change (the supervisor publishes it)
         # The local children of the start-up (the launcher's engines and DP coordinator), so
         # that a stop during the start-up can end them (`stop`).
         self.children: Callable[[], list[ChildProcess]] = list
@@ -43,11 +44,13 @@ class StartupProgress:
         if not self.done and 0 <= rank < len(self.phases):
             logger.debug("Engine core %d: %s", rank, phase)
             self.phases[rank] = phase
+            self.changed.set()
 
     def finish(self) -> None:
         """Every engine is connected and the client is built."""
         self.phases = [StartupPhase.READY] * len(self.phases)
         self.done = True
+        self.changed.set()
 
     def resize(self, n: int) -> None:
         """Engines added or removed while serving (`POST /scale`): those present are ready."""

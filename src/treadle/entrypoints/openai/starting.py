@@ -12,9 +12,9 @@ small app:
     /version                  200
     anything else             503 in OpenAI's error shape: "the engine is starting: ..."
 
-except that once every engine is loaded and connecting (`StartupProgress.connecting`), a
-request other than those probes waits (up to `HOLD_S`) for the full app instead: with several
-API servers, one may be built moments after another, and a request it takes then is served.
+except that once every engine is loaded and connecting (`StartupProgress.connecting`), every
+request waits (up to `HOLD_S`) for the full app instead: with several API servers, one may be
+built moments after another, and what it takes then is answered as the built ones answer.
 
 Then the full app (`build_app`) is built and its lifespan entered in the event loop, and every
 request goes to it (its /health/startup answers 200). A start-up that fails stops the server
@@ -56,8 +56,6 @@ STOP_WAIT_S = 30.0
 HOLD_S = 10.0
 """How long a request that comes while the engines connect waits for the full app."""
 
-_PROBES = frozenset({"/health", "/ping", "/health/startup", "/version", "/topology"})
-
 
 @dataclass(frozen=True)
 class EngineStart:
@@ -97,7 +95,7 @@ class StartingServer:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        if self.app is None and self.start.progress.connecting() and not _probe(scope):
+        if self.app is None and self.start.progress.connecting():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), HOLD_S)
         await (self.app or self.waiting)(scope, receive, send)
@@ -167,14 +165,6 @@ class StartingServer:
             self.start.progress.stop()  # (its children may not have existed at the first stop)
             thread.join(0.5)
         return self.engine
-
-
-def _probe(scope: Any) -> bool:
-    path = scope.get("path", "")
-    root = scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    return path in _PROBES
 
 
 def say_listening(line: str) -> None:
