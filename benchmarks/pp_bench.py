@@ -8,7 +8,9 @@ transfer.
 - Throughput: a random model whose heads split in 2 (hidden 512, 30 layers, 8 heads, 4 KV
   heads, tied 49152 vocab: ~120M parameters, as `tp_bench.py`), batched (32 x 128 in / 64
   out) and single-stream TPOT ((time of 65 tokens - time of 1) / 64), for one process, -pp 2
-  and -tp 2 side by side in each round; medians of the rounds.
+  and -tp 2 side by side in each round, and -pp 2 / -tp 2 with `--distributed-executor-backend
+  ray` (when Ray is installed): Ray places the ranks, the steps take the same queues, so the
+  per-step overhead of ray against mp should be nil; medians of the rounds.
 
 On 2 cores neither PP nor TP can make one model faster: each of 2 ranks gets one core. What
 PP buys is memory (each stage holds 1/pp of the layers and their KV), which pays across hosts.
@@ -17,6 +19,7 @@ PP buys is memory (each stage holds 1/pp of the layers and their KV), which pays
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing
 import os
 import statistics
@@ -106,11 +109,19 @@ def transfer(n: int = 300) -> None:
         )
 
 
-def measure(model: str, tp: int, pp: int, prompts: list[list[int]]) -> tuple[float, float]:
+def measure(
+    model: str, tp: int, pp: int, backend: str, prompts: list[list[int]]
+) -> tuple[float, float]:
     """(batched output tok/s, single-stream TPOT in ms)."""
     from treadle import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend=backend,
+    )
     try:
         one = [{"prompt_token_ids": prompts[0][:16]}]
         llm.generate(one, SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
@@ -134,6 +145,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip-transfer", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--skip-ray", action="store_true", help="no --distributed-executor-backend ray runs"
+    )
     args = parser.parse_args()
     print("pipeline parallelism (benchmarks/pp_bench.py)")
     if not args.skip_transfer:
@@ -143,7 +157,11 @@ def main() -> None:
     from conftest import build_tiny_model
 
     prompts = [[(13 * i + j) % 30000 + 100 for j in range(128)] for i in range(32)]
-    layouts = {"one process": (1, 1), "-pp 2": (1, 2), "-tp 2": (2, 1)}
+    layouts = {"one process": (1, 1, "mp"), "-pp 2": (1, 2, "mp"), "-tp 2": (2, 1, "mp")}
+    if importlib.util.find_spec("ray") is not None and not args.skip_ray:
+        # The same ranks placed by Ray (a local Ray cluster unless RAY_ADDRESS names one): Ray
+        # is off the per-step path, so these should match their mp twins.
+        layouts.update({"-pp 2 ray": (1, 2, "ray"), "-tp 2 ray": (2, 1, "ray")})
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(
@@ -158,8 +176,8 @@ def main() -> None:
             tie_word_embeddings=True,
         )
         for r in range(args.rounds):
-            for name, (tp, pp) in layouts.items():
-                runs[name].append(measure(str(path), tp, pp, prompts))
+            for name, (tp, pp, backend) in layouts.items():
+                runs[name].append(measure(str(path), tp, pp, backend, prompts))
                 tok_s, tpot = runs[name][-1]
                 print(
                     f"  round {r + 1} {name:12s} batched {tok_s:7.1f} tok/s   TPOT {tpot:6.1f} ms"
@@ -172,6 +190,16 @@ def main() -> None:
         print(
             f"  median {name:12s} batched {tok_s:7.1f} tok/s ({tok_s / base_tok:.2f}x)   "
             f"single-stream TPOT {tpot:6.1f} ms ({tpot / base_tpot:.2f}x)"
+        )
+    for layout in ("-pp 2", "-tp 2"):
+        if f"{layout} ray" not in runs:
+            continue
+        pairs = list(zip(runs[f"{layout} ray"], runs[layout], strict=True))
+        tpot_ratio = statistics.median(r[1] / m[1] for r, m in pairs)
+        tok_ratio = statistics.median(r[0] / m[0] for r, m in pairs)
+        print(
+            f"  ray / mp {layout}: batched {tok_ratio:.2f}x, single-stream TPOT "
+            f"{tpot_ratio:.2f}x (per-round ratios, median)"
         )
 
 

@@ -228,6 +228,8 @@ def test_tp2_over_two_nodes_serves_one_process_text(nodes, reference) -> None:  
     assert (workers["Worker_TP1"]["host"], workers["Worker_TP1"]["pid"]) == ("127.0.0.2", rank1.pid)
     assert workers["Worker_TP0"]["pid"] == rank0.pid
     assert "127.0.0.2" in topology["hosts"]
+    for worker in workers.values():  # the remote one too: its engine reported it
+        assert (worker["dp_rank"], worker["state"]) == (0, "ready"), worker
     texts = [_stream(node0.url, p, []) for p in PROMPTS]
     assert texts == [o.outputs[0].text for o in reference]
 

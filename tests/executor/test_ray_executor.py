@@ -293,6 +293,8 @@ def test_two_hosts_serve_the_same_text_across_a_lost_node_and_name_it_once_gone(
         assert workers["Worker_TP1"]["host"] == "127.0.0.2"
         assert workers["Worker_TP1"]["pid"] == rank1.pid
         assert workers["Worker_TP0"]["ray_node_id"] != workers["Worker_TP1"]["ray_node_id"] != ""
+        for worker in workers.values():  # the remote one too: its engine reported it
+            assert (worker["dp_rank"], worker["state"]) == (0, "ready"), worker
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             seen: list[list[int]] = [[] for _ in prompts]
             futures = [

@@ -203,3 +203,18 @@ def test_a_zombie_is_dead_and_a_dead_client_is_dead_everywhere() -> None:
     assert procs[("front", "APIServer_0")]["state"] == "dead"
     assert procs[("front", "EngineCore_DP0")]["state"] == "dead"
     assert [e["state"] for e in topo["engines"]] == ["dead", "dead"]
+
+
+def test_a_worker_on_another_host_takes_the_state_of_the_engine_that_reported_it() -> None:
+    """`--nnodes` / Ray: rank 1's parent is `Node_1` (or a raylet) on another host, not the
+    engine core; the engine that reports it is its engine."""
+    report = report0()
+    report.processes[2] = proc("Worker_TP1", 300, 299, host="node1")
+    local = [p for p in LOCAL if p.title != "Worker_TP1"]
+    fe = front(["ready", "ready"])
+    fe.local = local
+    topo = build_topology(fe, [report, report1()])
+    remote = by_title(topo)[("node1", "Worker_TP1")]
+    assert (remote["dp_rank"], remote["state"]) == (0, "ready")
+    topo = build_topology(fe, [None, report1()])  # engine 0 sent no report: nothing known
+    assert ("node1", "Worker_TP1") not in by_title(topo)

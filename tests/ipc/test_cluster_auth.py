@@ -18,6 +18,7 @@ import zmq
 from treadle.config import ParallelConfig
 from treadle.ipc import cluster_auth
 from treadle.ipc.shm_broadcast import MessageQueue
+from treadle.ipc.shm_message import MsgpackCodec
 from treadle.ipc.zmq_utils import get_bound_address, make_zmq_socket
 
 SECRET = "s3cret-of-the-cluster-0123456789"
@@ -149,13 +150,15 @@ def test_without_a_secret_sockets_are_plain(monkeypatch: pytest.MonkeyPatch) -> 
 def test_the_broadcast_queue_reaches_a_remote_reader_only_with_the_secret(
     secret: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writer = MessageQueue(n_reader=1, n_local_reader=0, connect_ip="127.0.0.1")
+    writer = MessageQueue(
+        n_reader=1, n_local_reader=0, connect_ip="127.0.0.1", codec=MsgpackCodec()
+    )
     handle = writer.export_handle()
     assert handle.remote_subscribe_addr.startswith("tcp://127.0.0.1:")
     readers: list[MessageQueue] = []
 
     def join() -> None:
-        reader = MessageQueue.create_from_handle(handle, 0)
+        reader = MessageQueue.create_from_handle(handle, 0, MsgpackCodec())
         readers.append(reader)
         reader.wait_until_ready(timeout=10)
 
@@ -173,11 +176,15 @@ def test_the_broadcast_queue_reaches_a_remote_reader_only_with_the_secret(
         writer.close()
 
     # A reader without the secret never completes the subscription handshake.
-    writer = MessageQueue(n_reader=1, n_local_reader=0, connect_ip="127.0.0.1")
+    writer = MessageQueue(
+        n_reader=1, n_local_reader=0, connect_ip="127.0.0.1", codec=MsgpackCodec()
+    )
     monkeypatch.delenv(cluster_auth.ENV_SECRET)
     outsider: list[MessageQueue] = []
     t = threading.Thread(
-        target=lambda: outsider.append(MessageQueue.create_from_handle(writer.export_handle(), 0)),
+        target=lambda: outsider.append(
+            MessageQueue.create_from_handle(writer.export_handle(), 0, MsgpackCodec())
+        ),
         daemon=True,
     )
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import ipc_children
+import msgspec
 import numpy as np
 import psutil
 import pytest
@@ -20,6 +22,7 @@ from ipc_children import MiB, ReaderGroup, messages, same
 
 from treadle.ipc import shm_ring
 from treadle.ipc.shm_broadcast import MessageQueue, MessageQueueShutdown, ShmRingBuffer
+from treadle.ipc.shm_message import MsgpackCodec, PickleCodec
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -28,9 +31,12 @@ class InProcess:
     """A writer and `n` readers in this process (threads only for the ready barrier)."""
 
     def __init__(self, n: int = 1, n_local: int | None = None, **kwargs: Any):
-        self.writer = MessageQueue(n, n_local, connect_ip="127.0.0.1", **kwargs)
+        # Readers on "another host" (n_local < n) read msgpack: the queue refuses pickle there.
+        remote = n_local is not None and n_local < n
+        codec = MsgpackCodec if remote else PickleCodec
+        self.writer = MessageQueue(n, n_local, connect_ip="127.0.0.1", codec=codec(), **kwargs)
         handle = pickle.loads(pickle.dumps(self.writer.export_handle()))  # as if sent
-        self.readers = [MessageQueue.create_from_handle(handle, r) for r in range(n)]
+        self.readers = [MessageQueue.create_from_handle(handle, r, codec()) for r in range(n)]
         threads = [threading.Thread(target=r.wait_until_ready, args=(30,)) for r in self.readers]
         for t in threads:
             t.start()
@@ -99,10 +105,45 @@ def test_remote_reader_over_tcp() -> None:
         local, remote = queues.readers
         assert remote.buffer is None and queues.writer.export_handle().remote_subscribe_addr
         assert queues.writer.export_handle().remote_subscribe_addr.startswith("tcp://127.0.0.1:")
-        for msg in ["a", np.arange(10), b"x" * (2 * MiB), ("t", torch.ones(400_000))]:
+        for msg in ["a", np.arange(10), b"x" * (2 * MiB), ["t", torch.ones(400_000)]]:
             queues.writer.enqueue(msg, timeout=10)
             assert same(local.dequeue(timeout=10), msg)
             assert same(remote.dequeue(timeout=10), msg)
+    finally:
+        queues.close()
+
+
+def test_a_queue_read_on_another_host_never_carries_pickle(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="readers on other hosts cannot carry pickle"):
+        MessageQueue(2, 1, connect_ip="127.0.0.1", codec=PickleCodec())
+    queues = InProcess(2, n_local=1, max_chunk_bytes=MiB, max_chunks=4)
+    try:
+        handle = queues.writer.export_handle()
+        assert handle.codec == "msgpack"
+        with pytest.raises(ValueError, match="carries 'msgpack'; the reader's codec is 'pickle'"):
+            MessageQueue.create_from_handle(handle, 1, PickleCodec())
+        forged = pickle.loads(pickle.dumps(handle))
+        forged.codec = "pickle"  # a handle that lies: the remote reader still refuses pickle
+        with pytest.raises(ValueError, match="another host never reads pickle"):
+            MessageQueue.create_from_handle(forged, 1, PickleCodec())
+
+        # A pickle sent on the tcp socket (as a peer that took the writer's place would) is
+        # refused by the msgpack reader, and what it names never runs.
+        marker = tmp_path / "ran"
+
+        class Exploit:
+            def __reduce__(self) -> tuple[Any, ...]:
+                return (os.system, (f"touch {marker}",))
+
+        local, remote = queues.readers
+        assert queues.writer.remote_socket is not None
+        queues.writer.remote_socket.send_multipart([pickle.dumps(Exploit())])
+        with pytest.raises(msgspec.DecodeError):
+            remote.dequeue(timeout=10)
+        assert not marker.exists()
+        queues.writer.enqueue({"after": 1}, timeout=10)  # and the queue goes on
+        assert remote.dequeue(timeout=10) == {"after": 1}
+        assert local.dequeue(timeout=10) == {"after": 1}
     finally:
         queues.close()
 

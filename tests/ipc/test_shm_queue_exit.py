@@ -30,11 +30,14 @@ SCRIPT = textwrap.dedent(
     print("threads before", len(os.listdir("/proc/self/task")), flush=True)
 
     from treadle.ipc.shm_broadcast import MessageQueue
+    from treadle.ipc.shm_message import MsgpackCodec
 
     def build():
-        writer = MessageQueue(3, 2, max_chunk_bytes=1 << 16, connect_ip="127.0.0.1")
+        writer = MessageQueue(
+            3, 2, max_chunk_bytes=1 << 16, connect_ip="127.0.0.1", codec=MsgpackCodec()
+        )
         handle = writer.export_handle()
-        readers = [MessageQueue.create_from_handle(handle, r) for r in range(3)]
+        readers = [MessageQueue.create_from_handle(handle, r, MsgpackCodec()) for r in range(3)]
         ts = [threading.Thread(target=r.wait_until_ready, args=(30,)) for r in readers]
         for t in ts:
             t.start()

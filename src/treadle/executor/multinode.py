@@ -76,6 +76,7 @@ from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, get_tcp_uri, remove_ipc
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.topology import ProcessInfo
+from treadle.wire.worker import call_codec, reader_codec, reply_codec
 from treadle.worker.worker_proc import busy_loop, run_worker, start_worker, worker_title
 
 logger = init_logger(__name__)
@@ -245,6 +246,7 @@ class MultinodeExecutor(MultiprocExecutor):
             local_reader_ranks=self.local_ranks,
             max_chunk_bytes=envs.mq_max_chunk_bytes(),
             connect_ip=node_ip(p.master_addr),
+            codec=call_codec(cross_host=len(self.local_ranks) < self.world_size),
         )
         try:
             self._start(config)
@@ -302,7 +304,9 @@ class MultinodeExecutor(MultiprocExecutor):
         local = wait_for_ready(self.workers, timeout=max(1.0, deadline - time.monotonic()))
         remote = [self.remote[r].replies for r in range(len(self.local_ranks), self.world_size)]
         self.reply_handles = [*local, *remote]
-        self.reply_queues = [MessageQueue.create_from_handle(h, 0) for h in self.reply_handles]
+        self.reply_queues = [
+            MessageQueue.create_from_handle(h, 0, reader_codec(h.codec)) for h in self.reply_handles
+        ]
         self.broadcast.wait_until_ready(timeout=60)
         for queue in self.reply_queues:
             queue.wait_until_ready(timeout=60)
@@ -539,11 +543,13 @@ def run_remote_rank(
     own_files = [a for a in stage_addresses or [] if a is not None and a.startswith("ipc://")]
     _Heartbeat(master, session, rank, title, own_files).start()
     worker = start_worker(config, rank, p.world_size, master, stage_addresses)
-    replies = MessageQueue(1, 0, connect_ip=ip)
+    replies = MessageQueue(1, 0, connect_ip=ip, codec=reply_codec(cross_host=True))
     info = RankInfo(pid=os.getpid(), ppid=os.getppid(), host=host_name(), replies=replies.handle)
     _put(store, _rank_key(session, rank), seal(info))
     ready.send_ready(None)
-    requests = MessageQueue.create_from_handle(plan.broadcast, rank)
+    requests = MessageQueue.create_from_handle(
+        plan.broadcast, rank, reader_codec(plan.broadcast.codec)
+    )
     try:
         requests.wait_until_ready(timeout=120)
         replies.wait_until_ready(timeout=120)

@@ -49,7 +49,11 @@ from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, remove_ipc_files
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.topology import ProcessInfo
-from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.wire.worker import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    reader_codec,
+)
 from treadle.worker.worker_proc import STOP_WORKER, run_worker, worker_title
 
 logger = init_logger(__name__)
@@ -153,7 +157,10 @@ class MultiprocExecutor:
                         )
                     )
             self.reply_handles = wait_for_ready(self.workers, timeout=envs.engine_ready_timeout_s())
-            self.reply_queues = [MessageQueue.create_from_handle(h, 0) for h in self.reply_handles]
+            self.reply_queues = [
+                MessageQueue.create_from_handle(h, 0, reader_codec(h.codec))
+                for h in self.reply_handles
+            ]
             self.broadcast.wait_until_ready()
             for queue in self.reply_queues:
                 queue.wait_until_ready()
@@ -249,7 +256,7 @@ class MultiprocExecutor:
 
     def _reply(self, rank: int, timeout: float | None) -> Any:
         try:
-            ok, result = self.reply_queues[rank].dequeue(timeout=timeout)
+            _, ok, result = self.reply_queues[rank].dequeue(timeout=timeout)
         except MessageQueueShutdown:
             raise self._failed() from None
         if not ok:

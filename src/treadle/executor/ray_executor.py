@@ -69,6 +69,7 @@ from treadle.ipc.zmq_utils import get_ip, get_open_zmq_ipc_path, get_tcp_uri, re
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.topology import ProcessInfo
+from treadle.wire.worker import call_codec, reader_codec, reply_codec
 from treadle.worker.worker import Worker
 from treadle.worker.worker_proc import STOP_WORKER, busy_loop, start_worker, worker_title
 
@@ -120,7 +121,11 @@ class RayWorker:
         title = worker_title(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         _set_title(title)
         self.worker = start_worker(config, rank, parallel.world_size, store, stage_addresses)
-        self.replies = MessageQueue(1, 1) if local else MessageQueue(1, 0, connect_ip=get_ip())
+        self.replies = (
+            MessageQueue(1, 1)
+            if local
+            else MessageQueue(1, 0, connect_ip=get_ip(), codec=reply_codec(cross_host=True))
+        )
         self.args = (rank, title, broadcast_handle)
         return self.replies.export_handle()
 
@@ -129,7 +134,7 @@ class RayWorker:
         assert self.worker is not None and self.replies is not None and self.args is not None
         rank, title, handle = self.args
         _set_title(title)  # Ray titles the process after each call it starts
-        requests = MessageQueue.create_from_handle(handle, rank)
+        requests = MessageQueue.create_from_handle(handle, rank, reader_codec(handle.codec))
         try:
             requests.wait_until_ready()
             self.replies.wait_until_ready()
@@ -281,6 +286,7 @@ class RayExecutor(MultiprocExecutor):
             local_reader_ranks=local,
             max_chunk_bytes=envs.mq_max_chunk_bytes(),
             connect_ip=driver_ip,
+            codec=call_codec(cross_host=len(local) < self.world_size),
         )
         self._store = dist.TCPStore(
             driver_ip, 0, self.world_size, is_master=True, wait_for_workers=False
@@ -309,7 +315,9 @@ class RayExecutor(MultiprocExecutor):
             for rank, (actor, on) in enumerate(zip(self._actors, self._local, strict=True))
         ]
         self.reply_handles = self._get_all(starts, envs.engine_ready_timeout_s(), "load")
-        self.reply_queues = [MessageQueue.create_from_handle(h, 0) for h in self.reply_handles]
+        self.reply_queues = [
+            MessageQueue.create_from_handle(h, 0, reader_codec(h.codec)) for h in self.reply_handles
+        ]
         self._loops = [actor.loop.remote() for actor in self._actors]
         self.broadcast.wait_until_ready(timeout=60)
         for queue in self.reply_queues:

@@ -153,9 +153,11 @@ def _process_entry(p: ProcessInfo, state: EngineState) -> dict[str, Any]:
 def build_topology(fe: FrontEnd, reports: Sequence[EngineReport | None]) -> dict[str, Any]:
     """The `/topology` document from this API server's view and the engines' reports."""
     infos: dict[tuple[str, int], ProcessInfo] = {(p.host, p.pid): p for p in fe.local}
-    for report in reports:
+    reported_by: dict[str, int] = {}  # process id -> the DP rank whose engine reported it
+    for rank, report in enumerate(reports):
         for p in report.processes if report else ():
             infos[(p.host, p.pid)] = p  # the engine's own look is the fresher one
+            reported_by[node_id(p)] = rank
     processes = []
     for p in infos.values():
         role, ranks = parse_title(p.title)
@@ -166,12 +168,16 @@ def build_topology(fe: FrontEnd, reports: Sequence[EngineReport | None]) -> dict
             )  # until its engine is known: a new process, or one not answering
         processes.append(_process_entry(p, state))
     by_id = {e["id"]: e for e in processes}
-    # Workers carry their engine's DP rank and state; engines their client-side state.
+    # Workers carry their engine's DP rank and state; engines their client-side state. A
+    # worker on another host (`--nnodes`, Ray) has no engine core for a parent: the engine
+    # that reported it is its engine.
     for e in processes:
         if e["role"] == "Worker":
             parent = by_id.get(f"{e['host']}:{e['ppid']}")
             if parent is not None and "dp_rank" in parent:
                 e["dp_rank"] = parent["dp_rank"]
+            elif e["id"] in reported_by:
+                e["dp_rank"] = reported_by[e["id"]]
     engines = []
     for rank, state in enumerate(fe.engine_states):
         report = reports[rank] if rank < len(reports) else None

@@ -20,11 +20,13 @@ readers walk the chunks in order, so the ring is also the message order. A chunk
 
     | overflow: u8 | n buffers: u32 | n x length: u64 | buffer 0 | buffer 1 | ... |
 
-Buffer 0 is a protocol-5 pickle; pickle buffers of 1 MiB or more (numpy arrays, and CPU tensors,
-which are reduced to their raw bytes) follow out of band (`treadle.ipc.shm_message`). A message
-too large for a chunk writes only overflow=1 there, keeping its place in the order, and goes as
-frames over a ZMQ XPUB socket.
-Readers on another host (`n_local_reader < n_reader`) get every message over a tcp XPUB.
+Buffer 0 is the message as its codec writes it (`treadle.ipc.shm_message`: a protocol-5 pickle
+by default, or msgpack); arrays of 1 MiB or more follow out of band. A message too large for a
+chunk writes only overflow=1 there, keeping its place in the order, and goes as frames over a
+ZMQ XPUB socket.
+Readers on another host (`n_local_reader < n_reader`) get every message over a tcp XPUB. Such a
+queue carries msgpack, never pickle: the writer refuses a pickle codec when it has remote
+readers, and a remote reader refuses one at attach (`Codec.cross_host`).
 
 Waiting. A reader spins (`sched_yield`) for `YIELD_S`, naps in `NAP_S` sleeps until it has
 waited `PARK_AFTER_S`, then parks on a notify socket (XPUB with SNDHWM=1 -> SUB with CONFLATE=1,
@@ -57,7 +59,14 @@ import zmq
 
 from treadle import envs
 from treadle.ipc import cluster_auth
-from treadle.ipc.shm_message import Serializer, is_overflow, loads_frames, read_chunk, write_chunk
+from treadle.ipc.serial import Buffer
+from treadle.ipc.shm_message import (
+    Codec,
+    PickleCodec,
+    is_overflow,
+    read_chunk,
+    write_chunk,
+)
 from treadle.ipc.shm_ring import ShmRingBuffer, memory_fence, unlink_orphaned_segment
 from treadle.ipc.zmq_utils import (
     get_bound_address,
@@ -100,6 +109,7 @@ class Handle:
     local_notify_addr: str | None = None
     remote_subscribe_addr: str | None = None
     remote_addr_ipv6: bool = False
+    codec: str = PickleCodec.name  # the writer's codec's name: a reader's must be the same
 
 
 def _warning_interval() -> float:
@@ -117,7 +127,12 @@ class MessageQueue:
         max_chunk_bytes: int | None = None,
         max_chunks: int = 10,
         connect_ip: str | None = None,
+        codec: Codec | None = None,
     ):
+        """`codec`: how messages are serialized (default `PickleCodec`: this host's readers only;
+        a queue with remote readers needs a `cross_host` one, e.g. `MsgpackCodec`)."""
+        if codec is None:
+            codec = PickleCodec()
         if n_local_reader is None:
             n_local_reader = n_reader
         if local_reader_ranks is None:
@@ -127,18 +142,22 @@ class MessageQueue:
                 f"bad reader counts: n_reader={n_reader}, n_local_reader={n_local_reader}, "
                 f"local_reader_ranks={local_reader_ranks}"
             )
+        if n_reader > n_local_reader and not codec.cross_host:
+            raise ValueError(
+                f"a MessageQueue with readers on other hosts cannot carry {codec.name}: "
+                "nothing crossing hosts is unpickled (give it a MsgpackCodec)"
+            )
         if max_chunk_bytes is None:
             max_chunk_bytes = envs.mq_max_chunk_bytes()
         self.n_reader = n_reader
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_reader - n_local_reader
-        self._init_state(is_writer=True)
-        self._serializer = Serializer()
+        self._init_state(is_writer=True, codec=codec)
         self.buffer: ShmRingBuffer | None = None
         self.local_socket: zmq.Socket[Any] | None = None
         self.notify_socket: zmq.Socket[Any] | None = None
         self.remote_socket: zmq.Socket[Any] | None = None
-        self.handle = Handle(local_reader_ranks=list(local_reader_ranks))
+        self.handle = Handle(local_reader_ranks=list(local_reader_ranks), codec=codec.name)
         try:
             if n_local_reader:
                 self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
@@ -160,8 +179,9 @@ class MessageQueue:
         self._no_reads = bytes(n_local_reader)
         logger.debug("MessageQueue handle: %s", self.handle)
 
-    def _init_state(self, is_writer: bool) -> None:
+    def _init_state(self, is_writer: bool, codec: Codec) -> None:
         self._is_writer = is_writer
+        self._codec = codec
         self._is_local_reader = False
         self._is_remote_reader = False
         self.local_reader_rank = -1
@@ -209,10 +229,22 @@ class MessageQueue:
         return self.handle
 
     @staticmethod
-    def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
-        """Attach as reader `rank` (local when `rank` is in `handle.local_reader_ranks`)."""
+    def create_from_handle(handle: Handle, rank: int, codec: Codec | None = None) -> MessageQueue:
+        """Attach as reader `rank` (local when `rank` is in `handle.local_reader_ranks`), with
+        the writer's codec (default `PickleCodec`, refused for a remote reader)."""
+        if codec is None:
+            codec = PickleCodec()
+        if codec.name != handle.codec:
+            raise ValueError(
+                f"this MessageQueue carries {handle.codec!r}; the reader's codec is {codec.name!r}"
+            )
+        if rank not in handle.local_reader_ranks and not codec.cross_host:
+            raise ValueError(
+                f"a reader on another host never reads {codec.name}: give the queue a "
+                "MsgpackCodec on both ends"
+            )
         self = MessageQueue.__new__(MessageQueue)
-        self._init_state(is_writer=False)
+        self._init_state(is_writer=False, codec=codec)
         self.handle = handle
         self.buffer = None
         self.local_socket = self.notify_socket = self.remote_socket = None
@@ -298,16 +330,17 @@ class MessageQueue:
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Broadcast `obj` to every reader; `TimeoutError` if no chunk frees up in `timeout`."""
         assert self._is_writer, "only the writer enqueues"
-        bufs = self._serializer.dumps(obj)
+        codec = self._codec
+        bufs = codec.dumps(obj)
         try:
             if self.buffer is not None:
                 self._write_local(bufs, timeout)
             if self.remote_socket is not None:
                 self.remote_socket.send_multipart(bufs)  # copies: the views may be released
         finally:
-            bufs[0].release()
+            codec.release(bufs)
 
-    def _write_local(self, bufs: list[memoryview], timeout: float | None) -> None:
+    def _write_local(self, bufs: list[Buffer], timeout: float | None) -> None:
         assert self.buffer is not None
         idx = self._acquire_write(timeout)
         if not write_chunk(self.buffer.chunks[idx], bufs):
@@ -401,7 +434,7 @@ class MessageQueue:
             try:
                 overflow = is_overflow(chunk)
                 if not overflow:
-                    return read_chunk(chunk)
+                    return read_chunk(chunk, self._codec)
             finally:
                 memory_fence()
                 self.buffer.metadata[
@@ -460,7 +493,7 @@ class MessageQueue:
         if not self._poll(sock, deadline):
             raise TimeoutError(f"MessageQueue.dequeue: nothing arrived in {timeout} s")
         assert sock is not None
-        return loads_frames(sock.recv_multipart(copy=False))
+        return self._codec.loads(sock.recv_multipart(copy=False))
 
     # -- waiting ------------------------------------------------------------------------------
 

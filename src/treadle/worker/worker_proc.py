@@ -8,7 +8,7 @@ NCCL on CUDA; one TP group per stage) -> link to the neighbouring stages -> load
 shard (its stage's layers only) -> READY with the reply queue's handle on the ready
 pipe -> ready barrier of the broadcast queue -> ready barrier of the reply queue. Then each
 message `(method, args, kwargs, output_rank)` runs `getattr(worker, method)`; only
-`output_rank` (or every rank, when None) replies `(ok, result or error text)`.
+`output_rank` (or every rank, when None) replies `(method, ok, result or error text)`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from treadle.ipc.shm_broadcast import (
 )
 from treadle.logger import init_logger
 from treadle.model.parallel import init_parallel
+from treadle.wire.worker import reader_codec
 from treadle.worker.pp_transfer import open_stage_link
 from treadle.worker.worker import Worker
 
@@ -95,7 +96,9 @@ def run_worker(
 
     at_parent_death(remove_orphans)
     ready.send_ready(replies.export_handle())
-    requests = MessageQueue.create_from_handle(broadcast_handle, rank)
+    requests = MessageQueue.create_from_handle(
+        broadcast_handle, rank, reader_codec(broadcast_handle.codec)
+    )
     requests.wait_until_ready()
     replies.wait_until_ready()
     serving = True
@@ -165,9 +168,9 @@ def busy_loop(
             return
         try:
             result: Any = getattr(worker, method)(*args, **(kwargs or {}))
-            reply: tuple[bool, Any] = (True, result)
+            reply: tuple[str, bool, Any] = (method, True, result)
         except Exception as e:
             logger.error("%s: %s failed:\n%s", title, method, traceback.format_exc())
-            reply = (False, f"{type(e).__name__}: {e}")
+            reply = (method, False, f"{type(e).__name__}: {e}")
         if output_rank is None or output_rank == rank:
             replies.enqueue(reply)
