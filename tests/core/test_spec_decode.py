@@ -151,6 +151,7 @@ def outputs() -> Iterator[dict[str, object]]:
                     s.spec_draft_tokens,
                     s.spec_accepted_tokens,
                 )
+                results[name + "-per-pos"] = s.make_stats().spec_decode_num_accepted_tokens_per_pos
             finally:
                 llm.shutdown()
     finally:
@@ -170,3 +171,7 @@ def test_greedy_outputs_are_identical_with_speculation(outputs: dict[str, object
         assert outputs["ngram-fused-rows"] > 1
     drafts, proposed, accepted = outputs["ngram-counts"]  # type: ignore[misc]
     assert drafts > 0 and accepted > 0 and accepted <= proposed
+    # per position (vLLM's _per_pos): k counters, falling with the position, summing to all
+    per_pos = outputs["ngram-per-pos"]
+    assert len(per_pos) == 5 and sum(per_pos) == accepted  # type: ignore[arg-type]
+    assert per_pos == sorted(per_pos, reverse=True)  # type: ignore[type-var]

@@ -66,6 +66,8 @@ class Scheduler:
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        k = 0 if speculative is None else speculative.num_speculative_tokens
+        self.spec_accepted_per_pos = [0] * k
         self.step_times = StepTimes()  # of steps of decode rows, by rows (`spec_decode.plan`)
         self._step_started: float | None = None
 
@@ -292,6 +294,8 @@ class Scheduler:
         self.spec_drafts += 1
         self.spec_draft_tokens += len(proposal)
         self.spec_accepted_tokens += len(accepted)
+        for pos in range(len(accepted)):
+            self.spec_accepted_per_pos[pos] += 1
         req.spec_hits, req.spec_trials = tally(
             req.spec_hits, req.spec_trials, len(proposal), len(accepted)
         )
@@ -374,6 +378,7 @@ class Scheduler:
             spec_decode_num_drafts=self.spec_drafts,
             spec_decode_num_draft_tokens=self.spec_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
         )
 
     # -- internals ---------------------------------------------------------------------------
