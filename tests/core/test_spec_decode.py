@@ -86,8 +86,8 @@ def test_acceptance_counts_hits_and_the_first_miss() -> None:
 
 def test_bad_speculative_configs_say_what_to_change() -> None:
     for value, words in (
-        ('{"method": "eagle"}', "only"),
-        ('{"model": "x"}', "draft model"),
+        ('{"method": "eagle"}', "choose"),
+        ('{"model": "x"}', "draft_model"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
         ("not json", "not JSON"),
         ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),

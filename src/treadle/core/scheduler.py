@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from treadle.wire.worker import (
     SchedulerOutput,
 )
 
+if TYPE_CHECKING:
+    from treadle.core.spec_draft import DraftProposer
+
 
 class Scheduler:
     def __init__(
@@ -44,9 +48,12 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
+        draft: DraftProposer | None = None,
     ) -> None:
-        """`speculative`: n-gram proposals for greedy requests (`core/spec_decode.py`)."""
+        """`speculative`: proposals to verify (`core/spec_decode.py`): n-gram prompt lookup,
+        or `draft`'s (`core/spec_draft.py`) for the method "draft_model"."""
         self.speculative = speculative
+        self.draft = draft
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -242,15 +249,18 @@ class Scheduler:
         if config is None:
             return {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        draft = self.draft
         candidates = {
             r.request_id: (self._room(r, budget), acceptance(r.spec_hits, r.spec_trials))
             for r in decoding
             if can_speculate(r.sampling_params)
+            and (draft is None or r.prompt_embeds is None)  # the draft reads token ids
         }
         if not candidates:
             return {}
-        counts, probe = plan(candidates, len(decoding), self.step_times)
-        chosen: dict[str, list[int]] = {}
+        draft_times = None if draft is None else draft.times
+        counts, probe = plan(candidates, len(decoding), self.step_times, draft_times)
+        wanted: list[tuple[Request, int]] = []
         for rid in candidates:
             req = self.requests[rid]
             n = counts.get(rid, 0)
@@ -260,9 +270,14 @@ class Scheduler:
                     n = 1
             if n:
                 req.spec_idle = 0
-                proposal = propose(req.all_token_ids, n, config)
-                if proposal:
-                    chosen[rid] = proposal
+                wanted.append((req, n))
+        if draft is not None:
+            return draft.propose(wanted) if wanted else {}
+        chosen: dict[str, list[int]] = {}
+        for req, n in wanted:
+            proposal = propose(req.all_token_ids, n, config)
+            if proposal:
+                chosen[req.request_id] = proposal
         return chosen
 
     def _room(self, req: Request, budget: int) -> int:
@@ -412,6 +427,8 @@ class Scheduler:
             self.running.remove(req)
             self._finished_ids.add(req.request_id)
         self.kv.free_request(req)
+        if self.draft is not None:
+            self.draft.drop(req.request_id)
         del self.requests[req.request_id]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
@@ -419,6 +436,8 @@ class Scheduler:
         given in this step (now unscheduled)."""
         self.running.remove(req)
         self.kv.free_request(req)
+        if self.draft is not None:
+            self.draft.drop(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         self.num_preemptions += 1
