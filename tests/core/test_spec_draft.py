@@ -15,7 +15,9 @@ from tests.conftest import build_tiny_model
 
 from treadle import LLM, SamplingParams
 from treadle.config import SpeculativeConfig
+from treadle.core.request import Request
 from treadle.core.spec_decode import StepTimes, plan
+from treadle.core.spec_draft import GREEDY
 
 K = 3
 
@@ -144,6 +146,56 @@ def test_preemptions_with_a_draft_give_plain_outputs(
         assert s.draft is not None and not s.draft._drafts
     finally:
         small.shutdown()
+
+
+def test_a_draft_beside_a_tp2_model_gives_plain_outputs(
+    engines: dict[str, LLM], models: dict[str, Path]
+) -> None:
+    """-tp 2: the model in two worker processes, the draft (world size 1) in the engine
+    core."""
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3
+    want = greedy_ids(engines["plain"], PROMPTS, params)
+    tp2 = make_llm(models["target"], models["draft"], tensor_parallel_size=2)
+    try:
+        assert greedy_ids(tp2, PROMPTS, params) == want
+        assert tp2.engine_core.scheduler.spec_draft_tokens > 0
+    finally:
+        tp2.shutdown()
+
+
+def test_the_draft_s_cache_follows_the_accepted_tokens(engines: dict[str, LLM]) -> None:
+    """After proposals that were partly rejected (and a bonus token that differs), the
+    draft's next proposals are those of a draft that computes the whole context afresh; a
+    dropped request gives its blocks back."""
+    draft = engines["draft"].engine_core.scheduler.draft
+    assert draft is not None
+    free = draft.num_free_blocks
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        req = Request(rid, tokens[:12], GREEDY, None, 0.0)
+        req.all_token_ids = list(tokens)
+        return req
+
+    kept = request("kept", PROMPTS[2][:20])
+    proposal = draft.propose([(kept, K)])["kept"]
+    for accepted, plain_steps in ((1, 0), (0, 2), (3, 0), (1, 1), (2, 0)):
+        assert len(proposal) == K
+        tokens = kept.all_token_ids
+        tokens += proposal[:accepted]
+        if accepted < K:
+            tokens.append((proposal[accepted] + 1) % 512)  # the model chose otherwise
+        else:
+            tokens.append(5)  # the bonus token
+        tokens += [7] * plain_steps  # steps without speculation (the plan proposed nothing)
+        fresh = request("fresh", tokens)
+        want = draft.propose([(fresh, K)])["fresh"]
+        draft.drop("fresh")
+        proposal = draft.propose([(kept, K)])["kept"]
+        assert proposal == want, accepted
+    # the same tokens again (proposals that were not verified): the same proposals
+    assert draft.propose([(kept, K)])["kept"] == proposal
+    draft.drop("kept")
+    assert draft.num_free_blocks == free
 
 
 def test_the_plan_counts_the_draft_s_forwards() -> None:

@@ -242,9 +242,10 @@ class Scheduler:
         return outputs
 
     def _proposals(self, budget: int) -> dict[str, list[int]]:
-        """The decoding requests' n-gram proposals for this step (none without
-        --speculative-config), as many of each as `spec_decode.plan` finds worth verifying.
-        Only the requests the plan gives rows look their proposals up."""
+        """The decoding requests' proposals for this step (none without
+        --speculative-config), n-gram or the draft model's, as many of each as
+        `spec_decode.plan` finds worth verifying. Only the requests the plan gives rows look
+        their proposals up (or run the draft)."""
         config = self.speculative
         if config is None:
             return {}

@@ -1,5 +1,5 @@
-"""N-gram speculative decoding (issue 27, vLLM's `{"method": "ngram"}`): proposals that one
-forward pass verifies.
+"""Speculative decoding (issue 27): n-gram proposals (vLLM's `{"method": "ngram"}`; a draft
+model's are `core/spec_draft.py`'s), and how many proposals one forward pass verifies.
 
 Prompt lookup: the last n tokens of a request (n from `prompt_lookup_max` down to
 `prompt_lookup_min`) are looked up in its earlier tokens (prompt and output), latest
@@ -22,8 +22,11 @@ each is worth at least `MIN_WORTH` tokens). So a request whose proposals are mos
 middling one proposes fewer, and a batch whose step time grows with every row (many
 requests on a small CPU) speculates only where acceptance is high. Row counts never timed
 are assumed to cost what the nearest count below costs (so they are tried once, and then
-known). A request the plan leaves out proposes one token every `PROBE_EVERY` steps, so
-that its rate can rise again, where a sure token would pay.
+known). With a draft model its forwards count in the step's time too (the j-th proposals
+of m requests cost a draft forward of m requests, as the draft has timed it), so a draft
+that costs more than its proposals save proposes nothing. A request the plan leaves out
+proposes one token every `PROBE_EVERY` steps, so that its rate can rise again, where a sure
+token would pay.
 
 Requests under a grammar (structured outputs: their bitmask would be needed at every
 proposed position), pooling and infill requests do not speculate.

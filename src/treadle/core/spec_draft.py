@@ -100,7 +100,6 @@ class DraftProposer:
         self.times = StepTimes()  # seconds of a draft forward, by its number of requests
         self._free: list[int] = []
         self._drafts: dict[str, _Draft] = {}
-        self._dropped: set[str] = set()  # to tell the draft's runner in the next forward
 
     def initialize_cache(self, max_model_len: int, num_blocks: int) -> None:
         """A cache of `num_blocks` blocks (the target's count; on CUDA at most what fits in
@@ -137,7 +136,7 @@ class DraftProposer:
         draft = self._drafts.pop(request_id, None)
         if draft is not None:
             self._free.extend(reversed(draft.block_ids))
-            self._dropped.add(request_id)
+            self.runner.execute_model(SchedulerOutput(finished_request_ids={request_id}))
 
     @property
     def num_free_blocks(self) -> int:
@@ -153,8 +152,7 @@ class DraftProposer:
         if not batch:
             return {}
         proposals: dict[str, list[int]] = {}
-        first = SchedulerOutput(finished_request_ids=self._dropped)
-        self._dropped = set()
+        first = SchedulerOutput()
         for req, _, start in batch:
             rid = req.request_id
             first.new_requests.append(  # the whole request again: its tokens are the truth
