@@ -17,8 +17,11 @@ tokens are kept and the rest are recomputed next time (overwritten in place). A 
 finishes or is preempted gives its draft blocks back (`drop`). A request whose blocks the pool
 cannot give proposes nothing in that step.
 
-Each draft forward is timed (`times`, by its number of requests), so that
-`spec_decode.plan` weighs the draft's own cost against what its proposals are worth.
+Each draft forward of the steady state (at most 2 tokens a request: the last proposal and
+the bonus token) is timed (`times`, by its number of requests), so that `spec_decode.plan`
+weighs the draft's own cost against what its proposals are worth. A forward that catches up
+a long context (a request's first proposal, or its first after steps without) is not timed:
+the plan may stop proposing on what it knows, and must not learn it from a one-off prefill.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ logger = init_logger(__name__)
 
 GREEDY = SamplingParams(temperature=0.0)
 GPU_FREE_FRACTION = 0.9  # of what the target's KV cache left, at most
+WARM_UP_ROUNDS = 3
 
 
 @dataclass(slots=True, eq=False)
@@ -124,12 +128,24 @@ class DraftProposer:
             )
         self.runner.initialize_cache(num_blocks)
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._warm_up(max_model_len)
         logger.info(
             "Draft KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,
             self.block_size,
             num_blocks * per_block / (1 << 20),
         )
+
+    def _warm_up(self, max_model_len: int) -> None:
+        """A few proposals for a made-up request, untimed: a first forward pays one-off
+        costs, and a draft timed too slow is never tried again (`spec_decode.plan`)."""
+        length = max(1, min(32, max_model_len - WARM_UP_ROUNDS * (self.k + 1) - 1))
+        req = Request("treadle-draft-warm-up", [0] * length, GREEDY, None, 0.0)
+        for _ in range(WARM_UP_ROUNDS):
+            proposal = self.propose([(req, self.k)])[req.request_id]
+            req.all_token_ids += [*proposal, 0]
+        self.drop(req.request_id)
+        self.times = StepTimes()
 
     def drop(self, request_id: str) -> None:
         """The request finished or was preempted: its blocks go back to the pool."""
@@ -173,7 +189,8 @@ class DraftProposer:
             sched.total_num_scheduled_tokens = sum(sched.num_scheduled_tokens.values())
             started = time.monotonic()
             sampled = self.runner.execute_model(sched).sampled
-            self.times.record(len(active), time.monotonic() - started)
+            if sched.total_num_scheduled_tokens <= 2 * len(active):  # no long catch-up
+                self.times.record(len(active), time.monotonic() - started)
             for req, _, _ in active:
                 proposals.setdefault(req.request_id, []).append(sampled[req.request_id])
             active = [(req, n, start) for req, n, start in active if n > depth]
