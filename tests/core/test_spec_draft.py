@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from tests.conftest import build_tiny_model
+from tests.core.test_spec_sampling import two_sample_p
 
 from treadle import LLM, SamplingParams
 from treadle.config import SpeculativeConfig
 from treadle.core.request import Request
 from treadle.core.spec_decode import StepTimes, plan
 from treadle.core.spec_draft import GREEDY
+from treadle.worker import sampler as sampler_module
 
 K = 3
 
@@ -124,6 +128,44 @@ def test_a_seeded_sampled_request_repeats_with_a_draft(engines: dict[str, LLM]) 
     for name in ("draft", "self"):
         runs = [greedy_ids(engines[name], [PROMPTS[1]], [params])[0] for _ in "ab"]
         assert runs[0] == runs[1], name
+
+
+N = 400  # sampled requests per sample
+
+
+def first_tokens(llm: LLM, seeds: range) -> Counter[tuple[int, ...]]:
+    params = [SamplingParams(temperature=1.0, top_k=2, max_tokens=4, seed=s) for s in seeds]
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    outs = llm.generate([prompt] * len(seeds), params, use_tqdm=False)
+    return Counter(tuple(o.outputs[0].token_ids) for o in outs)
+
+
+def test_sampling_with_a_draft_has_plain_sampling_s_distribution(engines: dict[str, LLM]) -> None:
+    """The first four tokens of many sampled requests (top 2 at temperature 1): the same
+    distribution with the draft's proposals (the target as its own draft: proposals often
+    accepted, often not) as without (two-sample chi-square, as `test_spec_sampling.py`)."""
+    s = engines["self"].engine_core.scheduler
+    before = (s.spec_draft_tokens, s.spec_accepted_tokens)
+    plain = first_tokens(engines["plain"], range(N))
+    spec = first_tokens(engines["self"], range(N, 2 * N))
+    drafted, accepted = s.spec_draft_tokens - before[0], s.spec_accepted_tokens - before[1]
+    assert drafted > N and drafted / 10 < accepted < drafted, (drafted, accepted)
+    assert two_sample_p(plain, spec) > 1e-3, (plain, spec)
+
+
+def test_the_sampling_test_finds_a_wrong_acceptance_rule(
+    engines: dict[str, LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Proposals accepted whenever the model could sample them: the test above fails."""
+
+    def in_support(probs: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor, x: object) -> int:
+        if isinstance(x, int) and float(probs[x]) > 0:
+            return x
+        return sampler_module._inverse_transform(probs, cdf, target)
+
+    plain = first_tokens(engines["plain"], range(N))
+    monkeypatch.setattr(sampler_module, "_draw", in_support)
+    assert two_sample_p(plain, first_tokens(engines["self"], range(N, 2 * N))) < 1e-3
 
 
 def test_preemptions_with_a_draft_give_plain_outputs(
