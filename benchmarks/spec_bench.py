@@ -1,5 +1,6 @@
-"""N-gram speculative decoding (issue 27): output tok/s of greedy requests with and without
-`--speculative-config` on the prompts shipped in `benchmarks/data/spec_prompts.json`
+"""Speculative decoding (issue 27): output tok/s of greedy requests with and without
+`--speculative-config` (n-gram, and with `--methods draft` a draft model: `--draft`, by
+default the model itself, the upper bound of acceptance) on the prompts shipped in `benchmarks/data/spec_prompts.json`
 (repetitive: code edits, JSON to fill, quoting; random: open-ended), default model, offline,
 in one process.
 
@@ -8,6 +9,9 @@ the same workload on all of them in turn, so that load from other processes fall
 alike; the ratios to plain are per round, and the medians are reported. Workloads: single
 stream (the prompts one after another) and concurrency C (C requests at once, the prompts
 repeated). Outputs are checked identical to plain. Also the acceptance rate.
+`--always-propose` makes every speculating engine verify every proposal it can (its plan
+sees steps of any size cost the same and the draft cost nothing): what speculation costs
+where the plan would not propose.
 
 Beside it, where `.peers/llama-server-native` exists (`make bench-peers`), llama.cpp's
 llama-server on the same prompts and model, single stream, without speculation and with its
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from peer_bench import ROOT, LlamaServer, free_port  # noqa: E402
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.config import resolve_model  # noqa: E402
+from treadle.core.spec_decode import StepTimes  # noqa: E402
 
 PROMPTS: dict[str, list[str]] = json.loads(
     (Path(__file__).parent / "data" / "spec_prompts.json").read_text()
@@ -48,6 +53,24 @@ def ngram(k: int) -> dict[str, object]:
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 4,
     }
+
+
+def draft_model(k: int, path: str) -> dict[str, object]:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+class FlatTimes(StepTimes):
+    """`--always-propose`: a step costs `value` seconds, whatever its rows."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+
+    def record(self, rows: int, seconds: float) -> None:
+        pass
+
+    def estimate(self, rows: int) -> float | None:
+        return self.value
 
 
 def timed(llm: LLM, prompts: list[str], tokens: int, concurrency: int) -> tuple[float, list]:
@@ -104,6 +127,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", nargs="+", default=list(PROMPTS))
+    ap.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])
+    ap.add_argument("--draft", default=None, help="the draft model (default: the model itself)")
+    ap.add_argument("--always-propose", action="store_true")
     ap.add_argument(
         "--cpu-activation-dtype", default="float32", help="treadle's, for every engine (int8)"
     )
@@ -130,8 +156,19 @@ def main() -> None:
 
     common = {"max_model_len": 2048, "cpu_activation_dtype": args.cpu_activation_dtype}
     engines: dict[str, LLM] = {"plain": LLM(**common)}  # type: ignore[arg-type]
+    draft = args.draft or resolve_model(None).path
     for k in args.k:
-        engines[f"ngram k={k}"] = LLM(**common, speculative_config=ngram(k))  # type: ignore[arg-type]
+        if "ngram" in args.methods:
+            engines[f"ngram k={k}"] = LLM(**common, speculative_config=ngram(k))  # type: ignore[arg-type]
+        if "draft" in args.methods:
+            engines[f"draft k={k}"] = LLM(**common, speculative_config=draft_model(k, draft))  # type: ignore[arg-type]
+    if args.always_propose:
+        for name, llm in engines.items():
+            scheduler = llm.engine_core.scheduler
+            if name != "plain":
+                scheduler.step_times = FlatTimes(1.0)
+            if scheduler.draft is not None:
+                scheduler.draft.times = FlatTimes(0.0)
     try:
         for llm in engines.values():  # warm up
             llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)

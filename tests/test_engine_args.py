@@ -5,6 +5,7 @@ refused, unknown ones name the closest known one."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields
 from pathlib import Path
 
@@ -235,5 +236,8 @@ def test_speculative_config_from_the_command_line(default_model_path: str) -> No
         )
     )
     assert config.speculative is not None and config.speculative.num_speculative_tokens == 5
-    with pytest.raises(ValueError, match='only "ngram"'):
+    with pytest.raises(ValueError, match='choose "ngram" or "draft_model"'):
         prepare(parse(default_model_path, "--speculative-config", '{"method": "eagle"}'))
+    draft = json.dumps({"method": "draft_model", "model": default_model_path})
+    config, _, _ = prepare(parse(default_model_path, "--speculative-config", draft))
+    assert config.speculative is not None and config.speculative.model == default_model_path

@@ -13,7 +13,7 @@ import inspect
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from treadle import envs
 from treadle.ipc import cluster_auth
@@ -417,18 +417,23 @@ class SpeculativeConfig:
     """vLLM's `--speculative-config` (JSON): what proposes tokens for the model to verify."""
 
     method: str = "ngram"
-    """Only "ngram" (prompt lookup: the tokens that followed the last n tokens' latest earlier
-    occurrence in the prompt and output)."""
+    """"ngram" (prompt lookup: the tokens that followed the last n tokens' latest earlier
+    occurrence in the prompt and output) or "draft_model" (a smaller model with the same
+    vocabulary proposes greedily: `model`)."""
     num_speculative_tokens: int = 3
     """Tokens proposed per step (k): one forward pass verifies all k + 1 positions."""
     prompt_lookup_min: int = 1
-    """The shortest n-gram looked up."""
+    """The shortest n-gram looked up ("ngram")."""
     prompt_lookup_max: int = 4
-    """The longest n-gram looked up (tried first)."""
+    """The longest n-gram looked up (tried first; "ngram")."""
+    model: str | None = None
+    """The draft model ("draft_model"): a Hugging Face directory or a .gguf file, run in the
+    engine core process (world size 1) with its own KV cache."""
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig:
-        """From JSON text or a dict; `ValueError` saying what to change."""
+        """From JSON text or a dict; `ValueError` saying what to change (a draft model's
+        path resolved to local files, `FileNotFoundError` when it is not there)."""
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -441,12 +446,12 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(
                 f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: "
-                f"{', '.join(sorted(known))}; a draft model is not supported yet)"
+                f"{', '.join(sorted(known))})"
             )
         config = cls(**value)
-        if config.method != "ngram":
+        if config.method not in ("ngram", "draft_model"):
             raise ValueError(
-                f'--speculative-config method {config.method!r}: only "ngram" is supported'
+                f'--speculative-config method {config.method!r}: choose "ngram" or "draft_model"'
             )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             v = getattr(config, name)
@@ -454,7 +459,25 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config {name} must be in [1, 64], got {v!r}")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError("--speculative-config prompt_lookup_min > prompt_lookup_max")
-        return config
+        if config.method == "ngram":
+            if config.model is not None:
+                raise ValueError(
+                    '--speculative-config: "model" is for the method "draft_model", not "ngram"'
+                )
+            return config
+        if not isinstance(config.model, str) or not config.model:
+            raise ValueError(
+                '--speculative-config: the method "draft_model" needs "model": the path of a '
+                "smaller model with the same tokenizer (a Hugging Face directory or a .gguf file)"
+            )
+        try:
+            source = resolve_model(config.model)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"--speculative-config: the draft model {config.model!r} is not there: give a "
+                "local Hugging Face model directory or a .gguf file"
+            ) from None
+        return replace(config, model=source.path)
 
 
 @dataclass(frozen=True)

@@ -207,8 +207,10 @@ class EngineArgs:
         group="scheduler",
         type=str,
         help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\': n-gram prompt lookup proposes '
-        "tokens that one forward pass verifies (greedy requests; exact).",
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (n-gram prompt lookup) or '
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\' (a smaller '
+        "model with the same tokenizer): proposed tokens that one forward pass verifies "
+        "(exact: greedy outputs unchanged, sampling keeps its distribution).",
     )
     kv_cache_save_path: str | None = arg(
         None, "--kv-cache-save-path", "--slot-save-path", group="cache", area=CacheConfig

@@ -99,3 +99,18 @@ def test_step_meter_covers_the_burst_after_an_idle_spell() -> None:
         meter.on_step(1, 1, now=60.0 + i / 20)
     assert meter.rates(now=60.5)[0] == pytest.approx(20.0)
     assert meter.rates(now=60.5 + RATE_WINDOW_S + 1) == (0.0, 0.0, 0.0)  # idle again: none
+
+
+def test_the_line_has_the_acceptance_rate_and_its_rate_per_position() -> None:
+    sched = FakeScheduler()
+    sched.stats = SchedulerStats(
+        spec_decode_num_drafts=10,
+        spec_decode_num_draft_tokens=30,
+        spec_decode_num_accepted_tokens=15,
+        spec_decode_num_accepted_tokens_per_pos=[8, 5, 2],
+    )
+    stats = PeriodicStats(engine_index=0, interval=5.0, now=0.0)
+    assert stats.tick(sched, busy=True, now=1.0) is None
+    line = stats.tick(sched, busy=True, now=5.0)
+    assert line is not None
+    assert line.endswith("Spec decoding acceptance rate: 50.0%, per position: 80%, 50%, 20%")

@@ -86,8 +86,8 @@ def test_acceptance_counts_hits_and_the_first_miss() -> None:
 
 def test_bad_speculative_configs_say_what_to_change() -> None:
     for value, words in (
-        ('{"method": "eagle"}', "only"),
-        ('{"model": "x"}', "draft model"),
+        ('{"method": "eagle"}', "choose"),
+        ('{"model": "x"}', "draft_model"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
         ("not json", "not JSON"),
         ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
@@ -151,6 +151,7 @@ def outputs() -> Iterator[dict[str, object]]:
                     s.spec_draft_tokens,
                     s.spec_accepted_tokens,
                 )
+                results[name + "-per-pos"] = s.make_stats().spec_decode_num_accepted_tokens_per_pos
             finally:
                 llm.shutdown()
     finally:
@@ -170,3 +171,7 @@ def test_greedy_outputs_are_identical_with_speculation(outputs: dict[str, object
         assert outputs["ngram-fused-rows"] > 1
     drafts, proposed, accepted = outputs["ngram-counts"]  # type: ignore[misc]
     assert drafts > 0 and accepted > 0 and accepted <= proposed
+    # per position (vLLM's _per_pos): k counters, falling with the position, summing to all
+    per_pos = outputs["ngram-per-pos"]
+    assert len(per_pos) == 5 and sum(per_pos) == accepted  # type: ignore[arg-type]
+    assert per_pos == sorted(per_pos, reverse=True)  # type: ignore[type-var]

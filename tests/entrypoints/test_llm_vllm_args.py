@@ -57,7 +57,7 @@ def test_unknown_or_refused_kwargs_fail_before_anything_starts(tiny_model_factor
     before = set(psutil.Process().children(recursive=True))
     with pytest.raises(TypeError, match="'max_num_seq'; did you mean 'max_num_seqs'"):
         LLM(str(tiny_model_factory("llama")), max_num_seq=8)
-    with pytest.raises(ValueError, match='only "ngram" is supported'):
+    with pytest.raises(ValueError, match='"draft_model" needs "model"'):
         LLM(str(tiny_model_factory("llama")), speculative_config={"method": "draft_model"})
     assert set(psutil.Process().children(recursive=True)) <= before
 

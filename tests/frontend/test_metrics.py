@@ -73,3 +73,18 @@ def test_engine_totals_are_counted_by_one_api_server_only() -> None:
         },
     )
     assert info == 1
+
+
+def test_accepted_tokens_per_position_are_counted_by_position() -> None:
+    """vLLM's `spec_decode_num_accepted_tokens_per_pos`: a counter per proposal position,
+    fed from the engine's cumulative list as differences (a restarted engine's smaller
+    totals add nothing)."""
+    logger = StatLogger("m", 300, engine=11)
+    name = "spec_decode_num_accepted_tokens_per_pos_total"
+    logger.record_scheduler_stats(SchedulerStats(spec_decode_num_accepted_tokens_per_pos=[3, 1]))
+    logger.record_scheduler_stats(SchedulerStats(spec_decode_num_accepted_tokens_per_pos=[5, 2, 0]))
+    assert sample(name, "11", position="0") == 5
+    assert sample(name, "11", position="1") == 2
+    assert sample(name, "11", position="2") is None  # never accepted there yet
+    logger.record_scheduler_stats(SchedulerStats(spec_decode_num_accepted_tokens_per_pos=[1]))
+    assert sample(name, "11", position="0") == 5

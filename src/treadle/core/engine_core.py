@@ -22,6 +22,7 @@ from treadle.core.pipeline import BatchQueue, TokenFeed
 from treadle.core.prompt_cache import PromptCacheFiles
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
+from treadle.core.spec_draft import DraftProposer
 from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
@@ -79,6 +80,8 @@ class EngineCore:
         say(StartupPhase.LOADING_WEIGHTS)
         time.sleep(envs.test_slow_start_s())
         self.executor = make_executor(config, on_executor_failure)
+        spec = config.speculative  # a draft model loads before the KV cache takes the rest
+        draft = DraftProposer(config, self.executor.arch) if spec and spec.model else None
         say(StartupPhase.PROFILING_KV_CACHE)
         self.num_blocks = self.executor.determine_num_blocks()
         say(StartupPhase.ALLOCATING_KV_CACHE)
@@ -96,8 +99,15 @@ class EngineCore:
         )
         # Outputs of refused requests, by client index, returned by the next step().
         self._refused: dict[int, list[EngineCoreOutput]] = {}
+        if draft is not None:
+            draft.initialize_cache(self.max_model_len, self.num_blocks)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.num_blocks, self.max_model_len, config.speculative
+            config.scheduler,
+            config.cache,
+            self.num_blocks,
+            self.max_model_len,
+            config.speculative,
+            draft,
         )
         self.prompt_files = PromptCacheFiles(
             config, self.scheduler.kv, self.executor, self.vocab_size

@@ -90,6 +90,11 @@ class PeriodicStats:
         if stats.spec_decode_num_draft_tokens:  # since start, as vLLM's SpecDecoding line
             rate = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
             parts.append(f"Spec decoding acceptance rate: {100.0 * rate:.1f}%")
+            drafts = max(1, stats.spec_decode_num_drafts)  # vLLM's per-position rates
+            per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+            parts.append(
+                "per position: " + ", ".join(f"{100.0 * n / drafts:.0f}%" for n in per_pos)
+            )
         return f"Engine {self.engine_index:03d}: " + ", ".join(parts)
 
 

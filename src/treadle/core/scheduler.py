@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from treadle.wire.worker import (
     SchedulerOutput,
 )
 
+if TYPE_CHECKING:
+    from treadle.core.spec_draft import DraftProposer
+
 
 class Scheduler:
     def __init__(
@@ -44,9 +48,12 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
+        draft: DraftProposer | None = None,
     ) -> None:
-        """`speculative`: n-gram proposals for greedy requests (`core/spec_decode.py`)."""
+        """`speculative`: proposals to verify (`core/spec_decode.py`): n-gram prompt lookup,
+        or `draft`'s (`core/spec_draft.py`) for the method "draft_model"."""
         self.speculative = speculative
+        self.draft = draft
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -66,6 +73,8 @@ class Scheduler:
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        k = 0 if speculative is None else speculative.num_speculative_tokens
+        self.spec_accepted_per_pos = [0] * k
         self.step_times = StepTimes()  # of steps of decode rows, by rows (`spec_decode.plan`)
         self._step_started: float | None = None
 
@@ -233,22 +242,26 @@ class Scheduler:
         return outputs
 
     def _proposals(self, budget: int) -> dict[str, list[int]]:
-        """The decoding requests' n-gram proposals for this step (none without
-        --speculative-config), as many of each as `spec_decode.plan` finds worth verifying.
-        Only the requests the plan gives rows look their proposals up."""
+        """The decoding requests' proposals for this step (none without
+        --speculative-config), n-gram or the draft model's, as many of each as
+        `spec_decode.plan` finds worth verifying. Only the requests the plan gives rows look
+        their proposals up (or run the draft)."""
         config = self.speculative
         if config is None:
             return {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        draft = self.draft
         candidates = {
             r.request_id: (self._room(r, budget), acceptance(r.spec_hits, r.spec_trials))
             for r in decoding
             if can_speculate(r.sampling_params)
+            and (draft is None or r.prompt_embeds is None)  # the draft reads token ids
         }
         if not candidates:
             return {}
-        counts, probe = plan(candidates, len(decoding), self.step_times)
-        chosen: dict[str, list[int]] = {}
+        draft_times = None if draft is None else draft.times
+        counts, probe = plan(candidates, len(decoding), self.step_times, draft_times)
+        wanted: list[tuple[Request, int]] = []
         for rid in candidates:
             req = self.requests[rid]
             n = counts.get(rid, 0)
@@ -258,9 +271,14 @@ class Scheduler:
                     n = 1
             if n:
                 req.spec_idle = 0
-                proposal = propose(req.all_token_ids, n, config)
-                if proposal:
-                    chosen[rid] = proposal
+                wanted.append((req, n))
+        if draft is not None:
+            return draft.propose(wanted) if wanted else {}
+        chosen: dict[str, list[int]] = {}
+        for req, n in wanted:
+            proposal = propose(req.all_token_ids, n, config)
+            if proposal:
+                chosen[req.request_id] = proposal
         return chosen
 
     def _room(self, req: Request, budget: int) -> int:
@@ -292,6 +310,8 @@ class Scheduler:
         self.spec_drafts += 1
         self.spec_draft_tokens += len(proposal)
         self.spec_accepted_tokens += len(accepted)
+        for pos in range(len(accepted)):
+            self.spec_accepted_per_pos[pos] += 1
         req.spec_hits, req.spec_trials = tally(
             req.spec_hits, req.spec_trials, len(proposal), len(accepted)
         )
@@ -374,6 +394,7 @@ class Scheduler:
             spec_decode_num_drafts=self.spec_drafts,
             spec_decode_num_draft_tokens=self.spec_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
         )
 
     # -- internals ---------------------------------------------------------------------------
@@ -407,6 +428,8 @@ class Scheduler:
             self.running.remove(req)
             self._finished_ids.add(req.request_id)
         self.kv.free_request(req)
+        if self.draft is not None:
+            self.draft.drop(req.request_id)
         del self.requests[req.request_id]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
@@ -414,6 +437,8 @@ class Scheduler:
         given in this step (now unscheduled)."""
         self.running.remove(req)
         self.kv.free_request(req)
+        if self.draft is not None:
+            self.draft.drop(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         self.num_preemptions += 1

@@ -1,5 +1,5 @@
-"""N-gram speculative decoding (issue 27, vLLM's `{"method": "ngram"}`): proposals that one
-forward pass verifies.
+"""Speculative decoding (issue 27): n-gram proposals (vLLM's `{"method": "ngram"}`; a draft
+model's are `core/spec_draft.py`'s), and how many proposals one forward pass verifies.
 
 Prompt lookup: the last n tokens of a request (n from `prompt_lookup_max` down to
 `prompt_lookup_min`) are looked up in its earlier tokens (prompt and output), latest
@@ -22,8 +22,11 @@ each is worth at least `MIN_WORTH` tokens). So a request whose proposals are mos
 middling one proposes fewer, and a batch whose step time grows with every row (many
 requests on a small CPU) speculates only where acceptance is high. Row counts never timed
 are assumed to cost what the nearest count below costs (so they are tried once, and then
-known). A request the plan leaves out proposes one token every `PROBE_EVERY` steps, so
-that its rate can rise again, where a sure token would pay.
+known). With a draft model its forwards count in the step's time too (the j-th proposals
+of m requests cost a draft forward of m requests, as the draft has timed it), so a draft
+that costs more than its proposals save proposes nothing. A request the plan leaves out
+proposes one token every `PROBE_EVERY` steps, so that its rate can rise again, where a sure
+token would pay.
 
 Requests under a grammar (structured outputs: their bitmask would be needed at every
 proposed position), pooling and infill requests do not speculate.
@@ -82,26 +85,49 @@ class StepTimes:
 
 
 def plan(
-    candidates: dict[str, tuple[int, float]], base_rows: int, times: StepTimes
+    candidates: dict[str, tuple[int, float]],
+    base_rows: int,
+    times: StepTimes,
+    draft: StepTimes | None = None,
 ) -> tuple[dict[str, int], bool]:
     """How many of its proposals each candidate (request id -> (proposals available, its
     acceptance rate)) verifies in a step of `base_rows` other decode rows; and whether a
-    sure token would still have paid where the plan stopped (then probes are worth it)."""
+    sure token would still have paid where the plan stopped (then probes are worth it).
+    `draft`: a draft model's forward times, by its number of requests; the j-th proposals
+    of the requests that make one cost a draft forward of that many requests, which counts
+    in the step's time (a draft forward never timed costs nothing: it is tried, then known)."""
     base = times.estimate(base_rows)
     if base is None:  # nothing timed yet
         return {rid: most for rid, (most, _) in candidates.items()}, True
     rows, tokens, seconds = base_rows, float(base_rows), base
+    depths: list[int] = []  # requests making a j-th proposal, by j - 1
+    drafting = 0.0  # the draft forwards' seconds
+
+    def draft_cost(j: int) -> float:
+        """The draft forwards' seconds with one more request making a j-th proposal."""
+        if draft is None:
+            return 0.0
+        n = depths[j - 1] if j <= len(depths) else 0
+        before = (draft.estimate(n) or 0.0) if n else 0.0
+        return drafting + (draft.estimate(n + 1) or 0.0) - before
+
     heap = [(-a, rid, 1) for rid, (most, a) in candidates.items() if most > 0]
     heapq.heapify(heap)
     counts: dict[str, int] = {}
     while heap:
         worth, rid, j = heap[0]
-        after = times.estimate(rows + 1)
-        assert after is not None
+        verify = times.estimate(rows + 1)
+        assert verify is not None
+        with_draft = draft_cost(j)
+        after = verify + with_draft
         if -worth < MIN_WORTH or (tokens - worth) * seconds < tokens * after:
-            return counts, (tokens + 1) * seconds >= tokens * after
+            sure = verify + draft_cost(1)
+            return counts, (tokens + 1) * seconds >= tokens * sure
         heapq.heappop(heap)
-        rows, tokens, seconds = rows + 1, tokens - worth, after
+        rows, tokens, seconds, drafting = rows + 1, tokens - worth, after, with_draft
+        if j > len(depths):
+            depths.append(0)
+        depths[j - 1] += 1
         counts[rid] = j
         most, a = candidates[rid]
         if j < most:

@@ -98,6 +98,11 @@ def _definitions(max_model_len: int) -> dict[str, Any]:
         spec_drafts=counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
         spec_draft_tokens=counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
         spec_accepted=counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+        spec_accepted_per_pos=counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*LABELS, "position"],
+        ),
         prompt_tokens=counter("prompt_tokens", "Number of prefill tokens processed."),
         generation_tokens=counter("generation_tokens", "Number of generation tokens processed."),
         success=counter(
@@ -210,8 +215,10 @@ class StatLogger:
         self.m = {
             key: metric.labels(**labels)
             for key, metric in m.items()
-            if key not in ("success", "cache_info")
+            if key not in ("success", "cache_info", "spec_accepted_per_pos")
         }
+        self.labels = labels
+        self.spec_per_pos = m["spec_accepted_per_pos"]
         # Every finish reason is there from the start, at 0 (as vLLM's).
         self.success = {
             str(r): m["success"].labels(**labels, finished_reason=str(r)) for r in FinishReason
@@ -246,6 +253,11 @@ class StatLogger:
             delta = getattr(stats, attr) - getattr(self._last, attr)
             if delta > 0:
                 self.m[name].inc(delta)
+        last = self._last.spec_decode_num_accepted_tokens_per_pos
+        for pos, total in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            delta = total - (last[pos] if pos < len(last) else 0)
+            if delta > 0:
+                self.spec_per_pos.labels(**self.labels, position=str(pos)).inc(delta)
         self._last = stats
 
     def retire(self) -> None:

@@ -238,6 +238,12 @@ def engine_entry(rank: int, state: EngineState, report: EngineReport | None) -> 
         prefix_cache_hits=stats.prefix_cache_hits,
         prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else 0.0,
         num_preemptions=stats.num_preemptions,
+        spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
+        spec_decode_acceptance_rate=stats.spec_decode_num_accepted_tokens
+        / stats.spec_decode_num_draft_tokens
+        if stats.spec_decode_num_draft_tokens
+        else None,
         steps=report.steps,
         generated_tokens=report.generated_tokens,
         steps_per_s=report.steps_per_s,
