@@ -6,9 +6,9 @@ Ranks are node-major: node r runs ranks [r*k, (r+1)*k), k = tp x pp / nnodes.
 Node 0 (`treadle serve M ... --nnodes N --node-rank 0`): the API server, the engine core and
 `MultinodeExecutor`, which
 
-1. listens on A:P (that address only: it binds the socket itself and hands it to a
-   `torch.distributed` `TCPStore`, which would otherwise listen on every interface) and
-   publishes a `Plan` there: a session id, the layout, and the broadcast queue's handle;
+1. serves the rendezvous store on A:P (that address only: `ipc/secure_store.py`'s
+   `StoreServer`, CURVE-keyed with the cluster secret) and publishes a `Plan` there: a
+   session id, the layout, and the broadcast queue's handle;
 2. starts its own ranks as `MultiprocExecutor` does (shared memory, ipc stage links), joining
    torch.distributed through that store;
 3. waits for every other rank's `RankInfo` (its pid, host and reply queue: a tcp XPUB on its
@@ -26,15 +26,15 @@ whose new session the node joins.
 Liveness: each remote rank adds to a heartbeat counter in the store every `BEAT_S`; the
 engine core takes a rank whose counter stands still for TREADLE_NODE_HEARTBEAT_TIMEOUT_S as
 dead (the engine-death path: the front end restarts it and requests resume); a rank that
-cannot reach the store any more (the engine core is gone) exits at once.
+whose store calls go unanswered for `CALL_REPLY_S` (the engine core is gone) exits.
 
 Trust: what travels through the store is msgpack (`Plan`, `RankInfo`), never pickle; with a
-cluster secret each value carries an HMAC of it, and every socket whose address came from
-the store is CURVE-keyed, so a peer that forges an address reaches nothing. The store itself
-(torch's TCPStore) and gloo's connections are not authenticated: they carry rendezvous keys
-and tensors, never code, but anyone who reaches them could disturb a step. So a non-loopback
+cluster secret the store's socket is a CURVE server (a peer without the secret cannot read
+or write a key, and is logged), each value also carries an HMAC, and every socket whose
+address came from the store is CURVE-keyed. gloo's own connections (tensors, never code) are
+not authenticated: anyone who reaches them could disturb a step. So a non-loopback
 `--master-addr` without a secret is refused at start-up unless `--insecure-cluster`
-(`ParallelConfig.check_nodes`), and A:P belongs on a network only the nodes reach.
+(`ParallelConfig.check_nodes`), and the nodes belong on a network only they reach.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ from treadle.ipc.process import (
     start_process,
     wait_for_ready,
 )
+from treadle.ipc.secure_store import SecureStore, StoreServer
 from treadle.ipc.shm_broadcast import Handle, MessageQueue
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, get_tcp_uri, remove_ipc_files
 from treadle.logger import init_logger
@@ -83,6 +84,9 @@ logger = init_logger(__name__)
 
 BEAT_S = 0.5
 """A remote rank's heartbeat period."""
+CALL_REPLY_S = 5.0
+"""A store call that node 0's store does not answer in this long fails: the engine core is
+gone."""
 _PLAN = "treadle/nodes/plan"
 _POLL_S = 0.2
 _MARGIN_S = 5.0
@@ -180,36 +184,14 @@ def node_ip(master_addr: str) -> str:
         return master_addr
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart rebinds at once
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(
-            f"cannot listen on --master-addr {host} --master-port {port}: {e.strerror or e}"
-        ) from None
-    return sock
-
-
-def _reachable(host: str, port: int) -> bool:
-    """A plain connect (a TCPStore client that fails logs a stack trace per try)."""
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
 def _put(store: dist.Store, key: str, value: bytes) -> None:
     store.set(key, value)  # type: ignore[arg-type]  # (bytes are stored as they are)
 
 
-def _client(host: str, port: int) -> dist.TCPStore:
-    return dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=30))
+def _client(host: str, port: int) -> SecureStore:
+    """A client of node 0's store; a call that the store does not answer in 5 s fails (the
+    engine core is gone)."""
+    return SecureStore(host, port, timeout=timedelta(seconds=30), reply_s=CALL_REPLY_S)
 
 
 # -- node 0: the executor ----------------------------------------------------------------------
@@ -233,7 +215,8 @@ class MultinodeExecutor(MultiprocExecutor):
         self.remote: dict[int, RankInfo] = {}
         self.workers: list[ChildProcess] = []
         self.monitor: ProcessMonitor | None = None
-        self._store: dist.TCPStore | None = None
+        self._server: StoreServer | None = None
+        self._store: SecureStore | None = None
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self.stage_addresses = [
@@ -259,14 +242,13 @@ class MultinodeExecutor(MultiprocExecutor):
 
     def _start(self, config: EngineConfig) -> None:
         host, port = self.master
-        fd = _listen(host, port).detach()  # the store owns (and closes) the socket from here
         try:
-            self._store = dist.TCPStore(
-                host, port, None, is_master=True, wait_for_workers=False, master_listen_fd=fd
-            )
-        except BaseException:
-            os.close(fd)
-            raise
+            self._server = StoreServer(host, port)  # that address only; CURVE with the secret
+        except OSError as e:
+            raise RuntimeError(
+                f"cannot listen on --master-addr {host} --master-port {port}: {e}"
+            ) from None
+        self._store = _client(host, port)
         plan = Plan(
             session=self.session,
             nnodes=self.nnodes,
@@ -416,7 +398,12 @@ class MultinodeExecutor(MultiprocExecutor):
         super().shutdown()
         if self._watcher is not None:
             self._watcher.join(timeout=2.0)
-        self._store = None  # (closes its server: the other nodes' ranks see it go)
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._server is not None:
+            self._server.close()  # the other nodes' ranks see it go
+            self._server = None
 
 
 # -- nodes 1..N-1 ----------------------------------------------------------------------------
@@ -477,17 +464,18 @@ def _next_plan(host: str, port: int, last: str | None, stop: threading.Event) ->
     """The plan of an engine core session other than `last`, once one is published."""
     said = False
     while not stop.is_set():
-        if _reachable(host, port):
-            try:
-                store = _client(host, port)
-                if store.check([_PLAN]):
-                    plan: Plan = unseal(store.get(_PLAN), Plan, "the engine core's plan")
-                    if plan.session != last:
-                        return plan
-            except ValueError:
-                raise
-            except Exception as e:  # (the engine core went away meanwhile)
-                logger.debug("store at %s:%d: %s", host, port, e)
+        store = _client(host, port)
+        try:
+            if store.check([_PLAN]):
+                plan: Plan = unseal(store.get(_PLAN), Plan, "the engine core's plan")
+                if plan.session != last:
+                    return plan
+        except ValueError:
+            raise
+        except Exception as e:  # (no engine core there, or it went away meanwhile)
+            logger.debug("store at %s:%d: %s", host, port, e)
+        finally:
+            store.close()
         if not said:
             logger.info("Waiting for the engine core at %s:%d", host, port)
             said = True

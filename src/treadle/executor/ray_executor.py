@@ -19,10 +19,11 @@ Start-up, in the engine core (the Ray driver):
 4. The same queues as `MultiprocExecutor`: one broadcast `MessageQueue` whose readers on this
    node read shared memory and whose readers on other nodes read its tcp XPUB (CURVE with the
    cluster secret), and one reply queue per rank (tcp from another node). torch.distributed
-   meets at a `TCPStore` that this process hosts (its port read back, never probed).
+   meets at a store that this process hosts (`ipc/secure_store.py`, CURVE-keyed with the
+   cluster secret; its port read back, never probed).
 5. Pipeline stage links (`pp_transfer.py`): ipc between ranks on one node, else tcp on the
    receiving rank's node address, port 0; the receiver publishes the real address in the same
-   `TCPStore` and the sender reads it there. Sockets that face another node (the queues' tcp
+   store and the sender reads it there. Sockets that face another node (the queues' tcp
    ends, tcp stage links) need the cluster secret unless they are loopback or
    `--insecure-cluster` says so (`_check_layout`).
 6. Each actor's `start()` links its stages, loads its shard and returns its reply queue's
@@ -64,6 +65,7 @@ from treadle.executor.multiproc import MultiprocExecutor
 from treadle.ipc import cluster_auth
 from treadle.ipc.proc_info import process_info
 from treadle.ipc.process import set_process_title
+from treadle.ipc.secure_store import StoreServer
 from treadle.ipc.shm_broadcast import Handle, MessageQueue, remove_orphaned_queue
 from treadle.ipc.zmq_utils import get_ip, get_open_zmq_ipc_path, get_tcp_uri, remove_ipc_files
 from treadle.logger import init_logger
@@ -228,7 +230,7 @@ class RayExecutor(MultiprocExecutor):
         self._loops: list[Any] = []
         self._local: list[bool] = []
         self._pg: PlacementGroup | None = None
-        self._store: dist.TCPStore | None = None
+        self._store: StoreServer | None = None
         self._closing = False
         self._here = ""  # this engine core's Ray node
         self._watcher: threading.Thread | None = None
@@ -288,9 +290,7 @@ class RayExecutor(MultiprocExecutor):
             connect_ip=driver_ip,
             codec=call_codec(cross_host=len(local) < self.world_size),
         )
-        self._store = dist.TCPStore(
-            driver_ip, 0, self.world_size, is_master=True, wait_for_workers=False
-        )
+        self._store = StoreServer(driver_ip, 0)  # CURVE-keyed with the cluster secret
         store = (driver_ip, self._store.port)
         remote_worker = ray.remote(RayWorker)
         for rank, (bundle, _) in enumerate(placed):
@@ -465,7 +465,9 @@ class RayExecutor(MultiprocExecutor):
         if self._pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._pg)
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         if self._watcher is not None:
             self._watcher.join(timeout=2.0)
         if self._connected and ray.is_initialized():

@@ -117,7 +117,7 @@ class PickleCodec:
         self._oob.append(raw)
         return False
 
-    def dumps(self, obj: Any) -> list[memoryview]:
+    def dumps(self, obj: Any) -> list[Buffer]:
         """Buffer 0 is a view of the reused stream: `release()` it before the next call."""
         stream = self._stream
         stream.seek(0)

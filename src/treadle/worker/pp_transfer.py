@@ -6,8 +6,8 @@ removed on close) when the sending rank runs on the same node, else `tcp://<its 
 address>:0`. The receiver binds first and publishes the address it got (the real port, read
 back: never probed) in the store where the ranks met for torch.distributed; the sender reads
 it there and connects (`open_stage_link`). So the executor needs no second round trip to
-learn ports, and any executor whose ranks share a store (mp's file, Ray's `TCPStore`) links
-stages across hosts the same way.
+learn ports, and any executor whose ranks share a store (mp's file, the `StoreServer` of Ray
+and `--nnodes`) links stages across hosts the same way.
 
 A tcp stage socket is keyed as every other cross-host socket (`make_zmq_socket` ->
 `cluster_auth.secure`): with a cluster secret the PULL is a CURVE server that admits only the

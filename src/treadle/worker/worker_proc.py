@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from treadle.config import EngineConfig
 from treadle.ipc.process import ReadyPipe, at_parent_death, parent_gone
+from treadle.ipc.secure_store import SecureStore
 from treadle.ipc.shm_broadcast import (
     Handle,
     MessageQueue,
@@ -125,7 +126,7 @@ def start_worker(
     stage_addresses: list[str | None] | None = None,
 ) -> Worker:
     """Join the torch.distributed group, link to the neighbouring stages, load this rank's
-    shard. `dist_init`: a `file://` path (a `FileStore`), or the (host, port) of a `TCPStore`
+    shard. `dist_init`: a `file://` path (a `FileStore`), or the (host, port) of a `StoreServer`
     that the executor hosts (every rank connects to it as a client: no port is probed). The
     stage links meet in the same store (`open_stage_link`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,11 +138,11 @@ def start_worker(
     store: dist.Store
     if isinstance(dist_init, tuple):
         host, port = dist_init
-        store = dist.TCPStore(host, port, world_size, is_master=False)
+        store = SecureStore(host, port)
     elif dist_init.startswith("file://"):
         store = dist.FileStore(dist_init.removeprefix("file://"), world_size)
     else:
-        raise ValueError(f"dist_init {dist_init!r}: a file:// path or a TCPStore's (host, port)")
+        raise ValueError(f"dist_init {dist_init!r}: a file:// path or a store's (host, port)")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     tp = config.parallel.tensor_parallel_size
     pp = config.parallel.pipeline_parallel_size
