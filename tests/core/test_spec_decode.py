@@ -5,6 +5,7 @@ a request inside its accepted tokens, and beside requests that do not speculate.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,8 +30,9 @@ def test_the_longest_suffix_is_looked_up_at_its_latest_earlier_occurrence() -> N
 
 
 def test_who_speculates() -> None:
-    """Sampled requests, penalties, biases, min_tokens and logprobs speculate (`Sampler.verify`
-    processes each position as plain sampling would); a grammar, pooling and infill do not."""
+    """Sampled requests, penalties, biases, min_tokens, logprobs and grammars speculate
+    (`Sampler.verify` processes each position as plain sampling would; a grammar's proposals
+    are cut where it rejects one); pooling and infill do not."""
     for params in (
         {"temperature": 0.0},
         {"temperature": 0.7},
@@ -43,7 +45,7 @@ def test_who_speculates() -> None:
     assert not can_speculate(SamplingParams(pooling="last"))
     assert not can_speculate(SamplingParams(infill=True))
     grammar = StructuredOutputsParams(regex="[ab]+")
-    assert not can_speculate(SamplingParams(structured_outputs=grammar))
+    assert can_speculate(SamplingParams(structured_outputs=grammar))
 
 
 def times(**seconds: float) -> StepTimes:
@@ -95,6 +97,27 @@ def test_bad_speculative_configs_say_what_to_change() -> None:
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(value)
 
+
+FRUITS = "(apple|banana|cherry)(, (apple|banana|cherry)){0,30}"
+CONSTRAINED = [
+    SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=FRUITS)
+    ),
+    SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        structured_outputs=StructuredOutputsParams(
+            json={
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"fruit": {"enum": ["apple", "banana", "cherry"]}},
+                    "required": ["fruit"],
+                },
+            }
+        ),
+    ),
+]
 
 PROMPTS = [
     "List: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple,",
@@ -152,11 +175,32 @@ def outputs() -> Iterator[dict[str, object]]:
                     s.spec_accepted_tokens,
                 )
                 results[name + "-per-pos"] = s.make_stats().spec_decode_num_accepted_tokens_per_pos
+                before = (s.spec_drafts, s.spec_accepted_tokens)
+                constrained = llm.generate([PROMPTS[0]] * 2, CONSTRAINED, use_tqdm=False)
+                results[name + "-grammar"] = [list(o.outputs[0].token_ids) for o in constrained]
+                results[name + "-grammar-text"] = constrained[0].outputs[0].text
+                results[name + "-grammar-counts"] = (
+                    s.spec_drafts - before[0],
+                    s.spec_accepted_tokens - before[1],
+                )
             finally:
                 llm.shutdown()
     finally:
         del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
     yield results
+
+
+def test_a_grammar_request_speculates_and_gives_its_plain_tokens(
+    outputs: dict[str, object],
+) -> None:
+    """Structured outputs with speculation: proposals are cut where the grammar rejects one,
+    and each verified position is masked by its own bitmask row, so the greedy tokens are
+    those of plain decoding under the grammar."""
+    assert outputs["ngram-grammar"] == outputs["plain-grammar"]
+    assert re.fullmatch(FRUITS, str(outputs["ngram-grammar-text"]))
+    drafts, accepted = outputs["ngram-grammar-counts"]  # type: ignore[misc]
+    assert drafts > 0 and accepted > 0
+    assert outputs["plain-grammar-counts"] == (0, 0)
 
 
 def test_greedy_outputs_are_identical_with_speculation(outputs: dict[str, object]) -> None:

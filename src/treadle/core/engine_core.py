@@ -281,8 +281,12 @@ class EngineCore:
             self._crash_if_poisoned(sched)
         grammar_rows = self.scheduler.grammar_rows(sched)
         if grammar_rows:
-            sched.grammar_request_ids = [r.request_id for r in grammar_rows]
-            sched.grammar_bitmask = self.grammars.bitmask([r.grammar for r in grammar_rows])
+            # A speculating request has a row per position it verifies: its id repeats.
+            ahead = [sched.spec_tokens.get(r.request_id, []) for r in grammar_rows]
+            sched.grammar_request_ids = [
+                r.request_id for r, p in zip(grammar_rows, ahead, strict=True) for _ in [0, *p]
+            ]
+            sched.grammar_bitmask = self.grammars.bitmask([r.grammar for r in grammar_rows], ahead)
         return sched
 
     def _update(

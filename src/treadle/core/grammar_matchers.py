@@ -49,9 +49,11 @@ class GrammarMatchers:
             )
         return self._compiler.matcher(so)
 
-    def bitmask(self, matchers: list[Any]) -> torch.Tensor:
-        """int32 [len(matchers), words]: the tokens each matcher allows next."""
-        return fill_bitmask(matchers, self.vocab_size)
+    def bitmask(self, matchers: list[Any], ahead: list[list[int]] | None = None) -> torch.Tensor:
+        """int32 [rows, words]: the tokens each matcher allows next; with `ahead` (speculative
+        decoding: tokens proposed after each matcher's state, all of which it accepts), a row
+        per position: next, then after each proposed token in turn."""
+        return fill_bitmask(matchers, self.vocab_size, ahead)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -273,12 +273,16 @@ class Scheduler:
                 req.spec_idle = 0
                 wanted.append((req, n))
         if draft is not None:
-            return draft.propose(wanted) if wanted else {}
+            proposed = draft.propose(wanted) if wanted else {}
+        else:
+            proposed = {req.request_id: propose(req.all_token_ids, n, config) for req, n in wanted}
         chosen: dict[str, list[int]] = {}
-        for req, n in wanted:
-            proposal = propose(req.all_token_ids, n, config)
+        for rid, proposal in proposed.items():
+            grammar = self.requests[rid].grammar
+            if grammar is not None and proposal:  # cut before what the grammar rejects
+                proposal = proposal[: grammar.validate_tokens(proposal)]
             if proposal:
-                chosen[req.request_id] = proposal
+                chosen[rid] = proposal
         return chosen
 
     def _room(self, req: Request, budget: int) -> int:
@@ -360,11 +364,13 @@ class Scheduler:
 
     def grammar_rows(self, sched: SchedulerOutput) -> list[Request]:
         """The structured-output requests that sample in this step (their chunk reaches the
-        end of their tokens), in the order of `sched.num_scheduled_tokens`."""
+        end of their tokens, and past them by the proposals a speculating one verifies), in
+        the order of `sched.num_scheduled_tokens`."""
         rows = []
         for rid in sched.num_scheduled_tokens:
             req = self.requests[rid]
-            if req.grammar is not None and req.num_computed_tokens == req.num_tokens:
+            ahead = len(sched.spec_tokens.get(rid, ()))
+            if req.grammar is not None and req.num_computed_tokens == req.num_tokens + ahead:
                 rows.append(req)
         return rows
 

@@ -28,8 +28,11 @@ that costs more than its proposals save proposes nothing. A request the plan lea
 proposes one token every `PROBE_EVERY` steps, so that its rate can rise again, where a sure
 token would pay.
 
-Requests under a grammar (structured outputs: their bitmask would be needed at every
-proposed position), pooling and infill requests do not speculate.
+A request under a grammar (structured outputs) speculates too: its proposal is cut before the
+first token the grammar would reject (`Scheduler._proposals`, llguidance's `validate_tokens`),
+and the step's bitmask holds one row per position it verifies (the matcher advanced through
+the proposals and rolled back, `GrammarMatchers.bitmask`), so each position is sampled as
+plain decoding would sample it there. Pooling and infill requests do not speculate.
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ def plan(
 
 
 def can_speculate(p: SamplingParams) -> bool:
-    return p.structured_outputs is None and p.pooling is None and not p.infill
+    return p.pooling is None and not p.infill
 
 
 def propose(tokens: list[int], most: int, config: SpeculativeConfig) -> list[int]:

@@ -215,7 +215,8 @@ class ModelRunner:
                 if lp is not None:
                     result.logprobs[state.request_id] = lp
         if verifying:
-            self._verify(verifying, spec, logits[len(sampling) :], result)
+            grammar = self._verify_grammar(sched, verifying)
+            self._verify(verifying, spec, logits[len(sampling) :], result, grammar)
         for state, n in zip(states, counts, strict=True):
             state.num_computed_tokens += n
         return result
@@ -254,10 +255,12 @@ class ModelRunner:
         spec: dict[str, list[int]],
         logits: torch.Tensor,
         out: ModelRunnerOutput,
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """The speculating requests' proposals checked against their 1 + k rows of logits
-        (`Sampler.verify`: greedy, or rejection sampling at temperature > 0); each request's
-        tokens end with the accepted proposals and the token chosen after them."""
+        (`Sampler.verify`: greedy, or rejection sampling at temperature > 0; `grammar`: the
+        constrained rows and their bitmask rows); each request's tokens end with the accepted
+        proposals and the token chosen after them."""
         rows: list[SamplingRow] = []
         proposals: list[list[int]] = []
         for state, _, _ in verifying:
@@ -265,7 +268,7 @@ class ModelRunner:
             del state.token_ids[len(state.token_ids) - len(proposal) :]
             proposals.append(proposal)
             rows.extend(self._verify_rows(state, proposal))
-        verdicts = self.sampler.verify(logits, rows, proposals)
+        verdicts = self.sampler.verify(logits, rows, proposals, grammar)
         for (state, _, _), (accepted, token, lp) in zip(verifying, verdicts, strict=True):
             state.token_ids.extend([*accepted, token])
             out.accepted[state.request_id] = accepted
@@ -314,6 +317,35 @@ class ModelRunner:
             return None
         bitmask = sched.grammar_bitmask[mask_rows]
         return torch.tensor(rows, device=self.device), bitmask
+
+    def _verify_grammar(
+        self, sched: SchedulerOutput, verifying: list[tuple[RequestState, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the verifying logits, their bitmask rows) of the speculating requests
+        under a grammar: such a request's id repeats in `grammar_request_ids`, once per
+        position it verifies (1 + k consecutive bitmask rows)."""
+        if sched.grammar_bitmask is None or not sched.grammar_request_ids:
+            return None
+        mask_rows: dict[str, list[int]] = {}
+        for j, rid in enumerate(sched.grammar_request_ids):
+            mask_rows.setdefault(rid, []).append(j)
+        rows: list[int] = []
+        masks: list[int] = []
+        first = 0
+        for state, _, n in verifying:
+            own = mask_rows.get(state.request_id)
+            if own is not None:
+                if len(own) != n:
+                    raise ValueError(
+                        f"request {state.request_id!r} verifies {n} positions but has "
+                        f"{len(own)} grammar bitmask rows"
+                    )
+                rows.extend(range(first, first + n))
+                masks.extend(own)
+            first += n
+        if not rows:
+            return None
+        return torch.tensor(rows, device=self.device), sched.grammar_bitmask[masks]
 
     def _prompt_logprobs(
         self, state: RequestState, hidden: torch.Tensor

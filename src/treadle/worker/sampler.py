@@ -147,11 +147,7 @@ class Sampler:
         for i, row in enumerate(rows):
             _restrict(logits, i, row)
         if grammar is not None:
-            rows_idx, bitmask = grammar
-            if self.kernels is not None and logits.device.type == "cpu":
-                self.kernels.apply_token_bitmask_(logits, rows_idx, bitmask)
-            else:
-                _apply_grammar(logits, rows_idx, bitmask)
+            self._apply_grammar(logits, grammar)
         tokens = self._sample(logits, rows).tolist()
         if raw_logprobs is None:
             return tokens, [None] * len(rows)
@@ -159,6 +155,15 @@ class Sampler:
             None if row.logprobs is None else _logprobs(raw_logprobs[i], tokens[i], row.logprobs)
             for i, row in enumerate(rows)
         ]
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, grammar: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        rows_idx, bitmask = grammar
+        if self.kernels is not None and logits.device.type == "cpu":
+            self.kernels.apply_token_bitmask_(logits, rows_idx, bitmask)
+        else:
+            _apply_grammar(logits, rows_idx, bitmask)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
@@ -206,7 +211,11 @@ class Sampler:
         return greedy
 
     def verify(
-        self, logits: torch.Tensor, rows: list[SamplingRow], proposals: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        proposals: list[list[int]],
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> list[tuple[list[int], int, Logprobs | None]]:
         """Speculative decoding's check of n-gram proposals: per request, `rows` and `logits`
         hold 1 + k positions (position j read after the first j proposals), processed as in
@@ -232,6 +241,8 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         for i, row in enumerate(rows):
             _restrict(logits, i, row)
+        if grammar is not None:  # one bitmask row per constrained position
+            self._apply_grammar(logits, grammar)
         greedy: list[int] = logits.max(dim=-1).indices.tolist()
         random_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0]
         probs = None
