@@ -5,6 +5,7 @@ refused, unknown ones name the closest known one."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -17,8 +18,13 @@ from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
 from treadle.engine_args import VLLM_ARGS, EngineArgs, check_vllm_args
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    return build_parser()  # (a third of a second each: built once)
+
+
 def parse(*argv: str) -> argparse.Namespace:
-    args, extras = build_parser().parse_known_args(["serve", *argv])
+    args, extras = _parser().parse_known_args(["serve", *argv])
     assert extras == [], extras
     return args
 

@@ -351,6 +351,9 @@ def _wait_for_states(
         time.sleep(0.2)
 
 
+REJOIN_TOKENS = 200  # long enough that every stream is under way when its engine is killed
+
+
 @pytest.mark.parametrize("api_servers", [1, 2])
 def test_a_headless_engine_started_again_rejoins_its_rank(
     server_factory, tiny_llama: Path, tmp_path: Path, api_servers: int
@@ -367,7 +370,7 @@ def test_a_headless_engine_started_again_rejoins_its_rank(
         headless,
     ):
         front.wait_healthy()
-        references = [complete(front, p, rank=0, max_tokens=400) for p in PROMPTS]
+        references = [complete(front, p, rank=0, max_tokens=REJOIN_TOKENS) for p in PROMPTS]
         command = [str(a) for a in headless.args]  # type: ignore[union-attr]
         env = dict(os.environ, TREADLE_RPC_BASE_PATH=str(front.rpc_dir))
 
@@ -390,7 +393,8 @@ def test_a_headless_engine_started_again_rejoins_its_rank(
         counts = [0] * len(PROMPTS)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [
-                pool.submit(_stream, front, p, 400, counts, i) for i, p in enumerate(PROMPTS)
+                pool.submit(_stream, front, p, REJOIN_TOKENS, counts, i)
+                for i, p in enumerate(PROMPTS)
             ]
             # every stream under way (a few tokens each: on a loaded machine one stream can run
             # far ahead while another waits for its first token)
@@ -409,7 +413,8 @@ def test_a_headless_engine_started_again_rejoins_its_rank(
         assert httpx.get(front.url + "/health", timeout=10).status_code == 200
         ready = httpx.get(front.url + "/health/ready", timeout=10)
         assert ready.status_code == 503 and "lost" in ready.text
-        assert complete(front, PROMPTS[0], max_tokens=400) == references[0]  # engine 0 serves on
+        # engine 0 serves on
+        assert complete(front, PROMPTS[0], max_tokens=REJOIN_TOKENS) == references[0]
         resp = httpx.post(
             front.url + "/v1/completions",
             json={"prompt": "hi", "max_tokens": 2},
@@ -423,7 +428,9 @@ def test_a_headless_engine_started_again_rejoins_its_rank(
             _wait_for_states(front, ["ready", "ready"], 120, again, tmp_path / "again.log")
             assert "EngineCore_DP1 is back (it rejoined)" in front.output()
             before = engine_successes(front).get("1", 0.0)
-            assert [complete(front, p, rank=1, max_tokens=400) for p in PROMPTS] == references
+            assert [
+                complete(front, p, rank=1, max_tokens=REJOIN_TOKENS) for p in PROMPTS
+            ] == references
             assert engine_successes(front).get("1", 0.0) - before == len(PROMPTS)
             assert httpx.get(front.url + "/health/ready", timeout=10).status_code == 200
             topo = httpx.get(front.url + "/topology", timeout=30).json()
