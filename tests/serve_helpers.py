@@ -4,6 +4,7 @@ stopped by pid (with its children) when the test is done."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -187,3 +188,23 @@ def channel_counts(topo: dict[str, Any]) -> dict[str, int]:
     for c in topo["channels"]:
         counts[c["kind"]] = counts.get(c["kind"], 0) + 1
     return counts
+
+
+def stream_text(url: str, prompt: str, max_tokens: int, chunks: list[float] | None = None) -> str:
+    """The text of a greedy streamed completion of `max_tokens` tokens (ignore_eos) from the
+    server at `url`; `chunks` gets each chunk's arrival time. A 200 and no error chunk are
+    asserted."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    text = ""
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                if chunks is not None:
+                    chunks.append(time.monotonic())
+    return text

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import os
 import re
 import signal
@@ -27,6 +26,7 @@ from serve_helpers import (
     assert_no_leftovers,
     channel_counts,
     check_topology,
+    stream_text,
     treadle_titles,
 )
 from treadle import LLM, SamplingParams
@@ -306,22 +306,6 @@ def test_a_headless_second_host_serves_its_ranks(
         assert not any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE for e in engines)
 
 
-def _stream(server: RemoteServer, prompt: str, max_tokens: int, counts: list[int], i: int) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    text = ""
-    with httpx.stream(
-        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120
-    ) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-                counts[i] += 1
-    return text
-
-
 def _headless_engine(headless: subprocess.Popen[bytes]) -> psutil.Process:
     return next(
         c
@@ -390,15 +374,15 @@ def test_a_headless_engine_started_again_rejoins_its_rank(
         assert _engine_states(front) == ["ready", "ready"]
 
         before = engine_successes(front).get("0", 0.0)
-        counts = [0] * len(PROMPTS)
+        chunks: list[list[float]] = [[] for _ in PROMPTS]
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [
-                pool.submit(_stream, front, p, REJOIN_TOKENS, counts, i)
-                for i, p in enumerate(PROMPTS)
+                pool.submit(stream_text, front.url, p, REJOIN_TOKENS, c)
+                for p, c in zip(PROMPTS, chunks, strict=True)
             ]
             # every stream under way (a few tokens each: on a loaded machine one stream can run
             # far ahead while another waits for its first token)
-            while min(counts) < 3:
+            while min(len(c) for c in chunks) < 3:
                 assert not any(f.done() for f in futures), [f.result() for f in futures]
                 time.sleep(0.01)
             _headless_engine(headless).kill()

@@ -4,7 +4,6 @@ stage worker restarts the engine while every stream finishes with its undisturbe
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 import time
@@ -13,27 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_helpers import RemoteServer
+from serve_helpers import RemoteServer, stream_text
 
 LAYERS = 5
 STREAMS = 4
 MAX_TOKENS = 160
-
-
-def _stream(url: str, prompt: str, chunks: list[float]) -> str:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    text = ""
-    with httpx.stream(
-        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120
-    ) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-                chunks.append(time.monotonic())
-    return text
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +43,11 @@ def test_a_killed_stage_worker_restarts_the_engine_and_streams_go_on(
     ]
     prompts = [f"Tell me about the number {i}." for i in range(STREAMS)]
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        reference = list(pool.map(lambda p: _stream(srv.url, p, []), prompts))
+        reference = list(pool.map(lambda p: stream_text(srv.url, p, MAX_TOKENS), prompts))
         chunks: list[list[float]] = [[] for _ in prompts]
         futures = [
-            pool.submit(_stream, srv.url, p, c) for p, c in zip(prompts, chunks, strict=True)
+            pool.submit(stream_text, srv.url, p, MAX_TOKENS, c)
+            for p, c in zip(prompts, chunks, strict=True)
         ]
         while min(len(c) for c in chunks) < 20:
             assert not any(f.done() for f in futures), [f.result() for f in futures]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import re
 import socket
 import subprocess
@@ -19,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from serve_helpers import TREADLE, RemoteServer
+from serve_helpers import TREADLE, RemoteServer, stream_text
 from treadle import LLM, SamplingParams
 from treadle.config import ParallelConfig
 from treadle.executor import multinode
@@ -197,22 +196,6 @@ def test_tp2_pp2_over_two_nodes_gives_one_process_tokens(
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
 
 
-def _stream(url: str, prompt: str, seen: list[int]) -> str:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    text = ""
-    with httpx.stream(
-        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120
-    ) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-                seen.append(1)
-    return text
-
-
 def test_tp2_over_two_nodes_serves_one_process_text(nodes, reference) -> None:  # type: ignore[no-untyped-def]
     node0, node1 = nodes
     rank0, rank1 = _proc(node0, "Worker_TP0"), _proc(node1, "Worker_TP1")
@@ -230,7 +213,7 @@ def test_tp2_over_two_nodes_serves_one_process_text(nodes, reference) -> None:  
     assert "127.0.0.2" in topology["hosts"]
     for worker in workers.values():  # the remote one too: its engine reported it
         assert (worker["dp_rank"], worker["state"]) == (0, "ready"), worker
-    texts = [_stream(node0.url, p, []) for p in PROMPTS]
+    texts = [stream_text(node0.url, p, MAX_TOKENS) for p in PROMPTS]
     assert texts == [o.outputs[0].text for o in reference]
 
 
@@ -240,9 +223,10 @@ def test_a_killed_remote_worker_restarts_the_engine_and_the_streams_finish(
     node0, node1 = nodes
     victim = _proc(node1, "Worker_TP1")
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        seen: list[list[int]] = [[] for _ in PROMPTS]
+        seen: list[list[float]] = [[] for _ in PROMPTS]
         futures = [
-            pool.submit(_stream, node0.url, p, s) for p, s in zip(PROMPTS, seen, strict=True)
+            pool.submit(stream_text, node0.url, p, MAX_TOKENS, s)
+            for p, s in zip(PROMPTS, seen, strict=True)
         ]
         while min(len(s) for s in seen) < 3:
             assert not any(f.done() for f in futures), [f.result() for f in futures]
@@ -261,7 +245,7 @@ def test_a_node_gone_for_good_is_named(nodes) -> None:  # type: ignore[no-untype
     node0, node1 = nodes
     node1.stop()
     with contextlib.suppress(Exception):
-        _stream(node0.url, PROMPTS[0], [])
+        stream_text(node0.url, PROMPTS[0], MAX_TOKENS)
     deadline = time.monotonic() + 60
     while "did not join" not in node0.output() and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -25,7 +25,7 @@ import httpx
 import psutil
 import pytest
 
-from serve_helpers import TREADLE, RemoteServer
+from serve_helpers import TREADLE, RemoteServer, stream_text
 from treadle import LLM, SamplingParams
 from treadle.config import ParallelConfig
 from treadle.engine_args import EngineArgs
@@ -246,22 +246,6 @@ def test_tp2_pp2_over_two_hosts_gives_one_process_tokens(
 # -- a served engine across a node's death ---------------------------------------------------
 
 
-def _stream(url: str, prompt: str, seen: list[int]) -> str:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    text = ""
-    with httpx.stream(
-        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120
-    ) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-                seen.append(1)
-    return text
-
-
 def test_two_hosts_serve_the_same_text_across_a_lost_node_and_name_it_once_gone(
     cluster, tiny_model_factory, reference, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -296,9 +280,10 @@ def test_two_hosts_serve_the_same_text_across_a_lost_node_and_name_it_once_gone(
         for worker in workers.values():  # the remote one too: its engine reported it
             assert (worker["dp_rank"], worker["state"]) == (0, "ready"), worker
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            seen: list[list[int]] = [[] for _ in prompts]
+            seen: list[list[float]] = [[] for _ in prompts]
             futures = [
-                pool.submit(_stream, srv.url, p, s) for p, s in zip(prompts, seen, strict=True)
+                pool.submit(stream_text, srv.url, p, MAX_TOKENS, s)
+                for p, s in zip(prompts, seen, strict=True)
             ]
             while min(len(s) for s in seen) < 5:
                 assert not any(f.done() for f in futures), [f.result() for f in futures]
@@ -314,7 +299,7 @@ def test_two_hosts_serve_the_same_text_across_a_lost_node_and_name_it_once_gone(
         # Gone for good: the restart cannot place rank 1.
         cluster.remove_node(_second_host(cluster))
         with pytest.raises(Exception):  # noqa: B017 - the stream fails however it fails
-            _stream(srv.url, prompts[0], [])
+            stream_text(srv.url, prompts[0], MAX_TOKENS)
         deadline = time.monotonic() + 60
         while "`ray status`" not in srv.output() and time.monotonic() < deadline:
             time.sleep(0.5)
