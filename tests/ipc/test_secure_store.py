@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from treadle.ipc import cluster_auth
+from treadle.ipc import cluster_auth, secure_store
 from treadle.ipc.secure_store import DistStoreError, SecureStore, StoreServer
 
 SECRET = "s3cret-of-the-store-0123456789ab"
@@ -85,6 +85,23 @@ def test_a_bad_request_is_answered_or_dropped_and_the_server_goes_on(server: Sto
     store = _client(server)
     store.set("still", b"here")
     assert store.get("still") == b"here"
+
+
+def test_blocking_calls_waiting_at_once_are_bounded(
+    server: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(secure_store, "MAX_PARKED", 3)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    try:
+        for rid in range(4):
+            sock.send(msgspec.msgpack.encode([rid, "get", f"never{rid}", None, 30.0]))
+        assert msgspec.msgpack.decode(sock.recv()) == [3, False, "3 calls wait already"]
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def test_a_call_nobody_answers_fails_instead_of_hanging() -> None:

@@ -12,7 +12,8 @@ Wire: a request is one msgpack frame `[id, op, key(s), value, wait_s]`, a reply
 `[id, ok, value or error text]`; nothing is unpickled. Ops: `set`, `get` (waits up to `wait_s`
 for the key), `add` (the value kept as decimal text, as TCPStore's), `check`, `wait`, `cas`
 (TCPStore's `compare_set`), `del`, `num`. Bounded: keys of at most `MAX_KEY` bytes, values of
-at most `MAX_VALUE`, at most `MAX_KEYS` keys; a malformed request is answered with an error
+at most `MAX_VALUE`, at most `MAX_KEYS` keys, at most `MAX_PARKED` blocking calls waiting; a
+malformed request is answered with an error
 (or dropped when it has no id) and the server goes on.
 
 A call that gets no reply (the server is gone, e.g. its engine core died) raises
@@ -47,6 +48,8 @@ REPLY_S = 10.0
 MAX_KEY = 1024
 MAX_VALUE = 64 << 20
 MAX_KEYS = 1 << 16
+MAX_PARKED = 4096
+"""Blocking `get`/`wait` calls waiting at once; one more is refused at once."""
 _DEFAULT_TIMEOUT = timedelta(seconds=300)  # TCPStore's
 
 _Request: TypeAlias = tuple[int, str, str | list[str], bytes | int | list[bytes] | None, float]
@@ -142,6 +145,8 @@ class StoreServer:
                     self._reply(peer, rid, True, self._data[keys[0]] if op == "get" else None)
                 elif not 0 <= wait_s <= 24 * 3600:
                     raise _Refused(f"a wait of {wait_s} s")
+                elif len(self._parked) >= MAX_PARKED:
+                    raise _Refused(f"{MAX_PARKED} calls wait already")
                 else:
                     self._parked.append((time.monotonic() + wait_s, peer, rid, op, keys))
                     self._parked.sort(key=lambda p: p[0])
