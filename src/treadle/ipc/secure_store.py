@@ -36,7 +36,7 @@ import torch.distributed as dist
 import zmq
 
 from treadle.ipc import cluster_auth
-from treadle.ipc.zmq_utils import get_tcp_uri
+from treadle.ipc.zmq_utils import close_context, get_tcp_uri
 from treadle.logger import init_logger
 
 __all__ = ["SecureStore", "StoreServer"]
@@ -239,7 +239,9 @@ class SecureStore(dist.Store):
         self._ids = itertools.count(1)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(_Reply)
-        self._finalizer = weakref.finalize(self, _close, self._ctx, self._sockets, os.getpid())
+        self._finalizer = weakref.finalize(
+            self, close_context, self._ctx, self._sockets, os.getpid()
+        )
 
     def close(self) -> None:
         self._finalizer()
@@ -314,14 +316,3 @@ class SecureStore(dist.Store):
 
     def set_timeout(self, timeout: timedelta) -> None:  # type: ignore[override]
         self._timeout_s = timeout.total_seconds()
-
-
-def _close(ctx: zmq.Context[Any], sockets: list[zmq.Socket[Any]], pid: int) -> None:
-    if os.getpid() != pid:  # a forked child leaves its parent's sockets alone
-        return
-    for sock in sockets:
-        with contextlib.suppress(zmq.ZMQError):
-            sock.close()
-    sockets.clear()
-    with contextlib.suppress(zmq.ZMQError):
-        ctx.term()

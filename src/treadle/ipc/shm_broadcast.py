@@ -69,6 +69,7 @@ from treadle.ipc.shm_message import (
 )
 from treadle.ipc.shm_ring import ShmRingBuffer, memory_fence, unlink_orphaned_segment
 from treadle.ipc.zmq_utils import (
+    close_context,
     get_bound_address,
     get_ip,
     get_open_zmq_ipc_path,
@@ -528,13 +529,7 @@ def _release(
     """Close a queue's sockets (the writer's linger at most `_LINGER_MS`, so this ends),
     terminate its context (which ends its IO threads) and close its wake pipe. A forked child
     holds a copy of its parent's queue: it leaves the parent's context and sockets alone."""
-    if os.getpid() == pid:
-        for sock in sockets:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.close()
-        sockets.clear()
-        with contextlib.suppress(zmq.ZMQError):
-            ctx.term()
+    close_context(ctx, sockets, pid)
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -52,6 +52,19 @@ _IPC_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
 _bound_ipc_files: dict[str, int] = {}
 
 
+def close_context(ctx: zmq.Context[Any], sockets: list[zmq.Socket[Any]], pid: int) -> None:
+    """Close `sockets` (emptying the list) and terminate `ctx`, which ends its IO threads;
+    nothing in a forked child of process `pid` (it holds copies of its parent's)."""
+    if os.getpid() != pid:
+        return
+    for sock in sockets:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.close()
+    sockets.clear()
+    with contextlib.suppress(zmq.ZMQError):
+        ctx.term()
+
+
 def get_open_zmq_ipc_path() -> str:
     """A fresh `ipc://` address in `TREADLE_RPC_BASE_PATH` (default: the temp dir)."""
     base = envs.rpc_base_path()
