@@ -81,3 +81,45 @@ def test_a_request_while_the_engines_connect_waits_for_the_full_app() -> None:
     assert seen["held"] == {"served_by": "the full app"}
     assert seen["held_probe"] == 404
     assert seen["lifespan"] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+async def _follower_scenario() -> dict[str, Any]:
+    """An API server that copies the supervisor's phases (`follows`) holds a probe until the
+    first copy came, then answers with it (not with its own `starting`)."""
+    progress = StartupProgress(1, follows=True)
+    gate = threading.Event()
+    server = StartingServer(
+        EngineStart(lambda: gate.wait(30) and object(), progress),  # type: ignore[arg-type]
+        _full_app,
+        FrontendArgs(),
+        None,
+        stop_serving=lambda: None,
+        on_engine=lambda engine: None,
+    )
+    inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    lifespan = asyncio.create_task(server({"type": "lifespan"}, inbox.get, _ignore))
+    seen: dict[str, Any] = {}
+    transport = httpx.ASGITransport(app=server)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        probe = asyncio.create_task(client.get("/health/startup"))
+        await asyncio.sleep(0.3)
+        seen["done_early"] = probe.done()
+        progress.report(0, StartupPhase.LOADING_WEIGHTS)  # as `follow_phases` copies it
+        progress.heard.set()
+        answer = await asyncio.wait_for(probe, 10)
+        seen["probe"] = (answer.status_code, answer.json()["engines"][0]["phase"])
+    gate.set()
+    await inbox.put({"type": "lifespan.shutdown"})
+    await asyncio.wait_for(lifespan, 10)
+    return seen
+
+
+async def _ignore(message: dict[str, Any]) -> None:
+    pass
+
+
+def test_a_follower_holds_a_probe_until_it_heard_the_phases() -> None:
+    seen = asyncio.run(_follower_scenario())
+    assert seen["done_early"] is False
+    assert seen["probe"] == (503, "loading weights")

@@ -8,7 +8,9 @@ reports (a restarted engine's) are ignored; `/topology` shows such an engine `re
 
 With several API servers the supervisor runs the handshake: its own `StartupProgress` is
 published every half second (`StartupPhases`, `cli/supervise.py`) and each API server's
-`follow_phases` thread copies it into the API server's own.
+`follow_phases` thread copies it into the API server's own. Such a copy knows nothing until
+the first message comes (`heard`): meanwhile its API server holds what it would answer, so
+that two probes to two API servers never see the phases go back.
 """
 
 from __future__ import annotations
@@ -30,8 +32,13 @@ logger = init_logger(__name__)
 
 
 class StartupProgress:
-    def __init__(self, num_engines: int) -> None:
+    def __init__(self, num_engines: int, follows: bool = False) -> None:
         self.phases = [StartupPhase.STARTING] * num_engines  # per DP rank
+        # Set once `phases` are known: at once, unless they are copied from the supervisor
+        # (`follows`), then at its first message (`follow_phases`).
+        self.heard = threading.Event()
+        if not follows:
+            self.heard.set()
         self.done = False
         self.stopping = False  # a stop signal came during the start-up (`stop`)
         self.changed = threading.Event()  # set by each change (the supervisor publishes it)
@@ -50,6 +57,7 @@ class StartupProgress:
         """Every engine is connected and the client is built."""
         self.phases = [StartupPhase.READY] * len(self.phases)
         self.done = True
+        self.heard.set()
         self.changed.set()
 
     def resize(self, n: int) -> None:
@@ -75,6 +83,7 @@ class StartupProgress:
         thread that waits for them fails at once instead of waiting for the model to load
         (an API server that waits for a supervisor's engines reads `stopping`)."""
         self.stopping = True
+        self.heard.set()  # (nothing more will come: what waits for it answers now)
         for child in self.children():
             if child.process.is_alive():
                 child.process.terminate()
@@ -112,6 +121,7 @@ def follow_phases(progress: StartupProgress, address: str) -> threading.Thread:
                         # Ready at the supervisor: connecting to this API server.
                         ready = phase is StartupPhase.READY
                         progress.report(rank, StartupPhase.HANDSHAKE if ready else phase)
+                    progress.heard.set()
         finally:
             sock.close(linger=0)
             ctx.term()

@@ -353,7 +353,7 @@ def run_api_server_worker(
     if reuse is None:
         # The first start: serve HTTP while the supervisor's engines start, with their phases
         # (`/health/startup`, `/topology`), as a single API server does.
-        progress = StartupProgress(config.parallel.data_parallel_size)
+        progress = StartupProgress(config.parallel.data_parallel_size, supervisor is not None)
         if supervisor is not None:
             follow_phases(progress, startup_address(supervisor))
         engine = EngineStart(

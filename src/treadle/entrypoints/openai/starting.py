@@ -15,6 +15,9 @@ small app:
 except that once every engine is loaded and connecting (`StartupProgress.connecting`), every
 request waits (up to `HOLD_S`) for the full app instead: with several API servers, one may be
 built moments after another, and what it takes then is answered as the built ones answer.
+Likewise an API server that copies the supervisor's phases holds every request until the first
+copy came (`StartupProgress.heard`, up to `FIRST_PHASES_S`): before, it would say "starting"
+while another API server already said "loading weights".
 
 Then the full app (`build_app`) is built and its lifespan entered in the event loop, and every
 request goes to it (its /health/startup answers 200). A start-up that fails stops the server
@@ -56,6 +59,9 @@ STOP_WAIT_S = 30.0
 HOLD_S = 10.0
 """How long a request that comes while the engines connect waits for the full app."""
 
+FIRST_PHASES_S = 5.0
+"""How long a request waits for the supervisor's first phases (published every 0.5 s)."""
+
 
 @dataclass(frozen=True)
 class EngineStart:
@@ -95,7 +101,14 @@ class StartingServer:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        if self.app is None and self.start.progress.connecting():
+        progress = self.start.progress
+        if self.app is None and not progress.heard.is_set():
+            deadline = time.monotonic() + FIRST_PHASES_S
+            while not (progress.heard.is_set() or self._settled.is_set()):
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
+        if self.app is None and progress.connecting():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), HOLD_S)
         await (self.app or self.waiting)(scope, receive, send)
