@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -178,7 +179,11 @@ def test_a_drain_timeout_moves_the_requests_and_the_text_stays(server: RemoteSer
         assert [f.result(120) for f in futures] == reference
     output = srv.output()
     assert "the drain timeout of 0 s passed" in output
-    assert "2 request(s) to resume" in output
+    # Both were running when the drain began; one may end in the moment between the drain's
+    # deadline and the move (CI saw it once), so the move takes 1 or 2.
+    after = output.split("the drain timeout of 0 s passed", 1)[1]
+    moved = re.search(r"(\d+) request\(s\) to resume", after)
+    assert moved and int(moved.group(1)) >= 1, after
     assert len(engines(srv)) == 2
 
 
