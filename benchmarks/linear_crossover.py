@@ -85,7 +85,9 @@ def measure(
         int8 = kernels.with_activations("int8")
         return (
             linear_method.GGUFLinear(kernels, quant, dense, 1 << 20),
-            linear_method.GGUFLinear(int8, quant, dense, 1 << 20),
+            linear_method.GGUFLinear(
+                int8, linear_method.for_activations(quant, int8), dense, 1 << 20
+            ),
             dense,
         )
 
@@ -171,6 +173,11 @@ def measure_variants(
     results: dict[str, dict[str, dict[int, float]]] = {}
     for label, shapes in (("layer", LAYER), ("lm_head", HEAD)):
         quants = [quant(*s) for s in shapes]
+        # as each variant's kernels take them (int8: 16 wide where the library runs that)
+        laid_out = {
+            v: [linear_method.for_activations(q, kernels) for q in quants]
+            for v, kernels in libs.items()
+        }
         results[label] = {v: {} for v in libs}
         for rows in rows_list:
             xs = [torch.randn(rows, s[0]) for s in shapes]
@@ -179,7 +186,7 @@ def measure_variants(
                 for v, kernels in libs.items():  # alternate: all see the same machine
                     start = time.perf_counter()
                     for _ in range(5):
-                        for q, x in zip(quants, xs, strict=True):
+                        for q, x in zip(laid_out[v], xs, strict=True):
                             linear_method.on_blocks(kernels, q, x, None)
                     times[v].append((time.perf_counter() - start) / 5 * 1e3)
             for v in libs:
@@ -188,7 +195,12 @@ def measure_variants(
 
 
 def measure_decode_steps(
-    isa: str, threads: int, repeats: int, rows_list: list[int], variants: list[str]
+    isa: str,
+    threads: int,
+    repeats: int,
+    rows_list: list[int],
+    variants: list[str],
+    int8: bool = False,
 ) -> dict[str, dict[int, float]]:
     """In this process: {variant: {rows: ms}}, the fastest of `repeats` rounds (each round's
     median of 5 steps), the variants' models taking turns per step size."""
@@ -212,7 +224,10 @@ def measure_decode_steps(
             ref, _, defines = rest.partition(":")
             lib = build_variant(isa, ref, defines.split(), tmp)
             cpu_kernels._selected[:] = [Kernels(isa, Path(lib))]  # what the model loads
-            models[label] = load_model(source, arch, torch.float32, torch.device("cpu"), 2048)
+            activations = "int8" if int8 else "float32"
+            models[label] = load_model(
+                source, arch, torch.float32, torch.device("cpu"), 2048, activations
+            )
     first = next(iter(models.values()))
     block, ctx = 16, 64  # each request: 64 tokens of context on its own 4 blocks
     shape = (first.num_kv_heads, 4 * max(rows_list), block, first.head_dim)
@@ -283,13 +298,17 @@ def main() -> int:
         "--stat", choices=["median", "min"], default="median", help="min: on a busy machine"
     )
     parser.add_argument("--variant", action="append", default=[], help="LABEL=REF[:DEFINES]")
-    parser.add_argument("--int8", action="store_true", help="variants: int8 activations")
+    parser.add_argument(
+        "--int8", action="store_true", help="variants (and decode steps): int8 activations"
+    )
     parser.add_argument("--decode-steps", action="store_true", help="variants: model steps")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child and args.decode_steps:
         rows_list = [int(r) for r in args.rows.split(",")]
-        steps = measure_decode_steps(args.isa, args.threads, args.repeats, rows_list, args.variant)
+        steps = measure_decode_steps(
+            args.isa, args.threads, args.repeats, rows_list, args.variant, args.int8
+        )
         print(json.dumps(steps))
         return 0
     if args.child and args.variant:

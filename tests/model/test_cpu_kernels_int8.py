@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.model import cpu_kernels
+from treadle.model import cpu_kernels, linear_method
 from treadle.model.cpu_kernels import Kernels
 from treadle.model.linear_method import DenseLinear, GGUFLinear
 from treadle.model.quantized import GGUFBlocks, QuantizedWeight
@@ -127,3 +127,66 @@ def test_int8_is_close_to_float32_and_the_exact_path_stays(kernels: Kernels) -> 
     assert exact.with_activations("float32") is exact
     with pytest.raises(ValueError, match="int4"):
         exact.with_activations("int4")
+
+
+# ---- 16 outputs wide (`QuantizedWeight.to_g16`, csrc/int8.h) ---------------------------------
+
+KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1}  # the kernel's block kind of each GGUF type
+
+
+def g16_weight(kind: str, n: int, k: int, seed: int) -> tuple[GGUFBlocks, QuantizedWeight]:
+    blocks = random_blocks(kind, n, k, seed)
+    tiled = QuantizedWeight.build([blocks], n, torch.device("cpu"))
+    assert tiled is not None
+    return blocks, tiled.to_g16()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 70])
+def test_g16_matches_the_exact_integer_reference_at_every_row_count(
+    kernels: Kernels, kind: str, rows: int
+) -> None:
+    if not kernels.g16_kinds >> KINDS[kind] & 1:
+        # (int8.h: portable runs none, avx512 and avx2 not Q8): such a layer keeps its tiles
+        tiled = QuantizedWeight.build([random_blocks(kind, 8, 64, 0)], 8, torch.device("cpu"))
+        assert tiled is not None and linear_method.for_activations(tiled, kernels) is tiled
+        return
+    blocks, weight = g16_weight(kind, 203, 576, seed=rows)  # 203: not a whole group
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 700)[:, 50:626]  # strided rows
+    x[0, :32] = 0.0  # a block of zeros (d = 0)
+    got = GGUFLinear(kernels, weight, None, max_rows=1 << 20).apply(x, None)
+    expected, magnitude = reference(x.contiguous(), blocks)
+    assert ((got.double() - expected).abs() <= 1e-6 * magnitude + 1e-30).all()
+    # Each row's bits are its own: the same alone as among the others (a speculative step's
+    # rows give the logits of single-row steps).
+    for r in range(rows):
+        assert torch.equal(
+            got[r], kernels.gguf_linear(x[r : r + 1], weight.tiles, weight.kind, 203)[0]
+        )
+
+
+def test_a_kind_the_level_does_not_run_16_wide_gives_nan(kernels: Kernels) -> None:
+    missing = [k for k in ("Q4_1", "Q8_0") if not kernels.g16_kinds >> KINDS[k] & 1]
+    if not missing:
+        assert kernels.isa == "avx512vnni"  # vpdpbusd: both kinds
+        return
+    _, weight = g16_weight(missing[0], 32, 64, seed=0)
+    assert kernels.gguf_linear(torch.randn(2, 64), weight.tiles, weight.kind, 32).isnan().all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_g16_holds_the_same_weights(kind: str) -> None:
+    """Laid out anew, not changed: its expansion (for oneDNN's many-row products) and its rows
+    (an embedding lookup of a tied LM head) are the tiles' to the bit."""
+    blocks, g16 = g16_weight(kind, 37, 96, seed=3)
+    tiled = QuantizedWeight.build([blocks], 37, torch.device("cpu"))
+    assert tiled is not None
+    assert g16.tiles.shape == (3, 3, 320 if KINDS[kind] == 0 else 544)
+    exact = cpu_kernels.kernels_for(cpu_kernels.select_isa())
+    a = exact.gguf_dequantize(tiled.tiles, tiled.kind, 37, torch.empty(37 * 96)).clone()
+    b = exact.gguf_dequantize(g16.tiles, g16.kind, 37, torch.empty(37 * 96))
+    assert torch.equal(a, b)
+    assert torch.equal(a, torch.from_numpy(blocks.dequantize()))
+    ids = torch.tensor([0, 5, 15, 16, 36, 5])
+    assert torch.equal(g16.dequantize_rows(ids), tiled.dequantize_rows(ids))

@@ -213,6 +213,13 @@ class Kernels:
         lib.gguf_linear_i8_max_rows.restype = ctypes.c_int
         # rows up to which int8 activations take the integer dot products (beyond: float32)
         self.int8_max_rows = int(lib.gguf_linear_i8_max_rows())
+        # the block kinds (bit 1 << kind) this level runs laid out 16 outputs wide, with int8
+        # activations at every row count (`QuantizedWeight.to_g16`, `csrc/int8.h`); none in a
+        # library built from older sources (benchmarks/linear_crossover.py --variant)
+        self.g16_kinds = 0
+        if hasattr(lib, "gguf_g16_kinds"):
+            lib.gguf_g16_kinds.restype = ctypes.c_int
+            self.g16_kinds = int(lib.gguf_g16_kinds())
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None

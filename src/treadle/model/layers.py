@@ -270,7 +270,8 @@ class VocabParallelEmbedding(nn.Module):
         self._gguf = None
         self.method = linear_method.choose(self.weight, quant, kernels, lm_head=True)
         if self.weight.numel() == 0:
-            self._rows_from = quant
+            # (the method's copy: `choose` may have laid the blocks out anew)
+            self._rows_from = getattr(self.method, "quant", quant)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.method.apply(hidden, None)

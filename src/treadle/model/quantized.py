@@ -31,6 +31,8 @@ from treadle.model.gguf_file import dequantize_blocks
 BLOCK = 32  # weights per GGUF block (Q4_0, Q4_1, Q8_0)
 TILE_N = 4  # output rows stored side by side (the kernel's TILE_N)
 KIND_Q4, KIND_Q8 = 0, 1  # the kernel's block kinds
+KIND_Q4_G16, KIND_Q8_G16 = 2, 3  # the same laid out 16 outputs wide (`QuantizedWeight.to_g16`)
+G16 = 16
 _BUILD_ROWS = 4096  # rows laid out at a time (`QuantizedWeight.build`)
 # GGUF type -> (bytes per block, kernel kind)
 _RAW = {"Q4_0": (18, KIND_Q4), "Q4_1": (20, KIND_Q4), "Q8_0": (34, KIND_Q8)}
@@ -141,11 +143,40 @@ class QuantizedWeight:
                     part.release()
         return cls(torch.from_numpy(tiles), kernel_kind, out_features, nb * BLOCK)
 
+    def to_g16(self) -> QuantizedWeight:
+        """The same blocks laid out 16 outputs wide, for int8 activations (`csrc/common.h`:
+        per group of 16 outputs and block, the 16 scales (and minimums), then the quants with
+        one output's 4 consecutive inputs in each 32-bit lane; Q8's as q + 128). The tiles
+        `[ceil(N / 4), K / 32, 4, bytes]` become `[ceil(N / 16), K / 32, 320 or 544]`."""
+        if self.kind not in (KIND_Q4, KIND_Q8):
+            raise ValueError(f"block kind {self.kind} is not tiled")
+        t = self.tiles
+        ntiles, nb, _, width = t.shape
+        groups = -(-ntiles // (G16 // TILE_N))
+        if groups * (G16 // TILE_N) != ntiles:  # zero blocks up to a whole group
+            t = torch.cat([t, t.new_zeros(groups * (G16 // TILE_N) - ntiles, nb, TILE_N, width)])
+        # output o = 4 * (its tile in the group) + its slot in the tile
+        a = t.view(groups, G16 // TILE_N, nb, TILE_N, width).permute(0, 2, 1, 3, 4)
+        a = a.reshape(groups, nb, G16, width)
+        d = a[..., 0:2].reshape(groups, nb, 2 * G16)
+        if self.kind == KIND_Q4:
+            m = a[..., 2:4].reshape(groups, nb, 2 * G16)
+            qs = a[..., 4:20].reshape(groups, nb, G16, 4, 4).permute(0, 1, 3, 2, 4)
+            packed = torch.cat([d, m, qs.reshape(groups, nb, 256)], dim=-1)
+        else:
+            q = a[..., 2:34].reshape(groups, nb, G16, 8, 4).permute(0, 1, 3, 2, 4)
+            packed = torch.cat([d, q.reshape(groups, nb, 512) ^ 0x80], dim=-1)
+        return QuantizedWeight(
+            packed.contiguous(), self.kind + KIND_Q4_G16, self.out_features, self.in_features
+        )
+
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in float32, `[len(ids), K]`: the same values as gguf's
         dequantization (d q, or d q + m: each product and sum rounded as numpy rounds them),
         for an embedding table kept only as blocks."""
         ids = ids.reshape(-1).to(torch.long)
+        if self.kind >= KIND_Q4_G16:
+            return self._dequantize_g16_rows(ids)
         blocks = self.tiles[ids // TILE_N, :, ids % TILE_N]  # [T, K / 32, bytes]
         d = blocks[..., 0:2].contiguous().view(torch.float16).float()
         if self.kind == KIND_Q8:
@@ -155,3 +186,21 @@ class QuantizedWeight:
         qs = blocks[..., 4:]
         q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # weights i, i + 16 of each block
         return (d * q + m).reshape(len(ids), self.in_features)
+
+    def _dequantize_g16_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """`dequantize_rows` of a weight laid out 16 wide: the same values."""
+        n, at = len(ids), torch.arange(len(ids))
+        o = ids % G16
+        blocks = self.tiles[ids // G16]  # [T, K / 32, bytes]
+        nb = blocks.shape[1]
+        d = blocks[..., 0:32].reshape(n, nb, G16, 2)[at, :, o].contiguous()
+        d = d.view(torch.float16).float()  # [T, K / 32, 1]
+        if self.kind == KIND_Q8_G16:
+            u = blocks[..., 32:].reshape(n, nb, 8, G16, 4)[at, :, :, o].reshape(n, nb, 32)
+            q = (u.to(torch.int16) - 128).float()
+            return (d * q).reshape(n, self.in_features)
+        m = blocks[..., 32:64].reshape(n, nb, G16, 2)[at, :, o].contiguous()
+        m = m.view(torch.float16).float()
+        qs = blocks[..., 64:].reshape(n, nb, 4, G16, 4)[at, :, :, o].reshape(n, nb, 16)
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+        return (d * q + m).reshape(n, self.in_features)

@@ -174,10 +174,28 @@ static inline void prefetch_bytes(const char* block, int64_t bytes) {
 
 #define TILE_N 4
 
+/* With int8 activations (int8.h) a weight may instead be laid out 16 outputs wide ("G16",
+   made at load by quantized.py), so that one integer-dot instruction makes 16 outputs'
+   partial sums and each block's scales are applied once per 16 outputs and row:
+
+       groups[ceil(N / 16)][K / 32] of
+         Q4 (KIND_Q4_G16): half d[16], m[16]; uint8 qs[4][16][4]          320 bytes
+                           qs[h][o][i] = output o's GGUF byte 4h + i: its low nibble is
+                           weight 4h + i, its high nibble weight 16 + 4h + i
+         Q8 (KIND_Q8_G16): half d[16]; uint8 u[8][16][4]                 544 bytes
+                           u[g][o][i] = q + 128 of output o's weight 4g + i (so unsigned:
+                           w = d (u - 128), i.e. w = d u + m with m = -128 d)
+
+   N is padded to a whole group (zero blocks). Only gguf_linear_i8 and gguf_dequantize_f32
+   read it (gguf_linear_f32 hands such a weight to gguf_linear_i8). */
+#define G16 16
+
 typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4;
 typedef struct { uint16_t d; int8_t qs[32]; } block_q8;
 
-enum { KIND_Q4 = 0, KIND_Q8 = 1 };
+enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q4_G16 = 2, KIND_Q8_G16 = 3 };
+
+static inline int64_t g16_block_bytes(int kind) { return kind == KIND_Q4_G16 ? 320 : 544; }
 
 static inline int64_t block_bytes(int kind) {
     return kind == KIND_Q4 ? (int64_t)sizeof(block_q4) : (int64_t)sizeof(block_q8);

@@ -78,6 +78,8 @@ static void sum_rows(const char* tile, int kind, int64_t nb, const float* x, int
 
 const char* treadle_kernel_isa(void) { return TREADLE_ISA; }
 int gguf_linear_i8_max_rows(void) { return I8_MAX_ROWS; }
+/* The block kinds (1 << KIND_Q4, 1 << KIND_Q8) this level runs laid out 16 wide (G16). */
+int gguf_g16_kinds(void) { return G16_KINDS; }
 
 /* Attention of float32 queries over the paged KV cache, whose rows are of type kv_type
    (common.h: float32, float16, bfloat16 or int8 with a scale per row). The hand-tiled path
@@ -166,11 +168,19 @@ void paged_decode_attention_f32(
 
 /* ---- Linear layers over GGUF blocks (layout: common.h) ------------------------------------ */
 
+void gguf_linear_i8(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
+                    const void* tiles, int kind, int64_t N, float* y, int64_t y_row_stride,
+                    int num_threads);
+
 void gguf_linear_f32(
     const float* x, int64_t x_row_stride, int64_t M, int64_t K,   /* x[M, K], rows may be strided */
     const void* tiles, int kind, int64_t N,                        /* W[N, K] as above */
     float* y, int64_t y_row_stride, int num_threads)               /* y[M, N] */
 {
+    if (kind >= KIND_Q4_G16) {  /* laid out for int8 activations only */
+        gguf_linear_i8(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads);
+        return;
+    }
     const int64_t nb = K / 32;
     const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = nb * TILE_N * block_bytes(kind);
@@ -246,6 +256,34 @@ void gguf_linear_f32(
 void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, float* w,
                          int num_threads)
 {
+    if (kind >= KIND_Q4_G16) {  /* 16 wide: w = d q + m (Q4), d (u - 128) (Q8) */
+        const int64_t nb = K / 32, gb = g16_block_bytes(kind);
+        #pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t o = n % G16;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = (const uint8_t*)tiles + ((n / G16) * nb + b) * gb;
+                uint16_t dh;
+                memcpy(&dh, blk + 2 * o, 2);
+                const float d = half_to_float(dh);
+                float* out = w + n * K + b * 32;
+                if (kind == KIND_Q4_G16) {
+                    uint16_t mh;
+                    memcpy(&mh, blk + 32 + 2 * o, 2);
+                    const float m = half_to_float(mh);
+                    for (int k = 0; k < 16; k++) {
+                        const uint8_t q = blk[64 + (k / 4) * 64 + 4 * o + k % 4];
+                        out[k] = fmaf((float)(q & 15), d, m);
+                        out[k + 16] = fmaf((float)(q >> 4), d, m);
+                    }
+                } else {
+                    for (int k = 0; k < 32; k++)
+                        out[k] = d * (float)((int)blk[32 + (k / 4) * 64 + 4 * o + k % 4] - 128);
+                }
+            }
+        }
+        return;
+    }
     const int64_t nb = K / 32;
     const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = nb * TILE_N * block_bytes(kind);
@@ -267,6 +305,41 @@ void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, floa
     }
 }
 
+/* A G16 weight (common.h, int8.h) against int8 activations, for every row count: each group
+   of 16 outputs passes over G16_ROWS rows at a time while it stays in L1. A kind this level
+   does not run 16 wide (Python never lays one out so) gives NaN. */
+static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
+                            const void* w, int kind, int64_t N, float* y, int64_t y_row_stride,
+                            int num_threads)
+{
+    if (!(G16_KINDS & (1 << (kind - KIND_Q4_G16)))) {
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t n = 0; n < N; n++) y[r * y_row_stride + n] = NAN;
+        return;
+    }
+#if G16_KINDS
+    const int64_t nb = K / 32, ngroups = (N + G16 - 1) / G16;
+    const int64_t group_bytes = nb * g16_block_bytes(kind);
+    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
+    float* xds = (float*)malloc(sizeof(float) * 2 * M * nb);
+    quantize_rows_q8(x, x_row_stride, M, K, xq, xds);
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < ngroups; g++) {
+        const char* grp = (const char*)w + g * group_bytes;
+        const int64_t valid = N - g * G16 < G16 ? N - g * G16 : G16;
+        for (int64_t r0 = 0; r0 < M; r0 += G16_ROWS) {
+            const int64_t rows = M - r0 < G16_ROWS ? M - r0 : G16_ROWS;
+            float out[G16_ROWS][G16];
+            g16_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows, out);
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(y + (r0 + r) * y_row_stride + g * G16, out[r], sizeof(float) * valid);
+        }
+    }
+    free(xq);
+    free(xds);
+#endif
+}
+
 /* The same product with x's rows quantized to int8 blocks of 32 (int8.h), up to I8_MAX_ROWS
    rows (beyond: gguf_linear_f32): rows go I8_ROWS at a time over a tile that stays in L1. */
 void gguf_linear_i8(
@@ -274,6 +347,10 @@ void gguf_linear_i8(
     const void* tiles, int kind, int64_t N,
     float* y, int64_t y_row_stride, int num_threads)
 {
+    if (kind >= KIND_Q4_G16) {
+        gguf_linear_g16(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads);
+        return;
+    }
     if (M > I8_MAX_ROWS) {
         gguf_linear_f32(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads);
         return;
