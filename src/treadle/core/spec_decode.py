@@ -16,9 +16,9 @@ are given back (`Scheduler.update_from_output`).
 How many proposals a step verifies follows what they are worth on this machine: the
 scheduler times every step of decode rows (`StepTimes`, by its number of rows), and each
 request keeps its recent acceptance rate a (per proposed token, decayed, starting at
-`PRIOR_HITS / PRIOR_TRIALS`: cautiously). Its j-th proposal is worth a^j tokens; `plan` adds
-proposals, the most valuable first, while the step's expected tokens per second grow (and
-each is worth at least `MIN_WORTH` tokens). So a request whose proposals are mostly rejected proposes nothing, a
+`PRIOR_HITS / PRIOR_TRIALS`: cautiously). Its j-th proposal is worth a^j tokens; `plan` takes
+proposals, the most valuable first (each worth at least `MIN_WORTH` tokens), as far as
+gives the step the most expected tokens per second. So a request whose proposals are mostly rejected proposes nothing, a
 middling one proposes fewer, and a batch whose step time grows with every row (many
 requests on a small CPU) speculates only where acceptance is high. Row counts never timed
 are assumed to cost what the nearest count below costs (so they are tried once, and then
@@ -114,28 +114,38 @@ def plan(
         before = (draft.estimate(n) or 0.0) if n else 0.0
         return drafting + (draft.estimate(n + 1) or 0.0) - before
 
+    def sure_pays() -> bool:
+        """Whether one more row holding a sure token would raise the tokens per second."""
+        sure = times.estimate(rows + 1)
+        assert sure is not None
+        return (tokens + 1) * seconds >= tokens * (sure + draft_cost(1))
+
     heap = [(-a, rid, 1) for rid, (most, a) in candidates.items() if most > 0]
     heapq.heapify(heap)
-    counts: dict[str, int] = {}
-    while heap:
-        worth, rid, j = heap[0]
+    # Every proposal worth MIN_WORTH, the most valuable first; the plan is the prefix of them
+    # with the most tokens per second. (Not the first prefix after which the rate falls:
+    # step times are measured, so a count may cost more than the next one, and stopping at
+    # the first dip would never try the rows past it again.)
+    added: list[tuple[str, int]] = []
+    best = (tokens / seconds, 0, sure_pays())
+    while heap and -heap[0][0] >= MIN_WORTH:
+        worth, rid, j = heapq.heappop(heap)
         verify = times.estimate(rows + 1)
         assert verify is not None
         with_draft = draft_cost(j)
-        after = verify + with_draft
-        if -worth < MIN_WORTH or (tokens - worth) * seconds < tokens * after:
-            sure = verify + draft_cost(1)
-            return counts, (tokens + 1) * seconds >= tokens * sure
-        heapq.heappop(heap)
-        rows, tokens, seconds, drafting = rows + 1, tokens - worth, after, with_draft
+        rows, tokens, seconds, drafting = rows + 1, tokens - worth, verify + with_draft, with_draft
         if j > len(depths):
             depths.append(0)
         depths[j - 1] += 1
-        counts[rid] = j
+        added.append((rid, j))
+        if tokens / seconds > best[0]:
+            best = (tokens / seconds, len(added), sure_pays())
         most, a = candidates[rid]
         if j < most:
             heapq.heappush(heap, (worth * a, rid, j + 1))
-    return counts, True
+    if not heap and best[1] == len(added):
+        return dict(added), True  # every proposal taken
+    return dict(added[: best[1]]), best[2]
 
 
 def can_speculate(p: SamplingParams) -> bool:
