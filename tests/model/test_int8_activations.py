@@ -11,6 +11,7 @@ import pytest
 from treadle import LLM, SamplingParams
 from treadle.model import cpu_kernels, linear_method
 from treadle.model.linear_method import GGUFLinear
+from treadle.model.quantized import KIND_Q4_G16, KIND_Q8_G16
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None or not linear_method.GGUF_MAX_ROWS.get(cpu_kernels.select_isa(), 0),
@@ -50,6 +51,8 @@ def test_int8_activations_generate_close_to_float32() -> None:
         m.method for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear)
     ]
     assert methods and all(m.kernels.activations == "int8" for m in methods)
+    # every layer (LM head included) on its blocks laid out 16 wide, for every row count
+    assert all(m.quant.kind in (KIND_Q4_G16, KIND_Q8_G16) and m.beyond is None for m in methods)
     assert model.fused is not None and model.fused._spec.int8_activations == 1
     llm.shutdown()
     firsts = [
