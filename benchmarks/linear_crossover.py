@@ -201,6 +201,8 @@ def measure_decode_steps(
     rows_list: list[int],
     variants: list[str],
     int8: bool = False,
+    context: int = 64,
+    one_request: bool = False,
 ) -> dict[str, dict[int, float]]:
     """In this process: {variant: {rows: ms}}, the fastest of `repeats` rounds (each round's
     median of 5 steps), the variants' models taking turns per step size."""
@@ -229,20 +231,28 @@ def measure_decode_steps(
                 source, arch, torch.float32, torch.device("cpu"), 2048, activations
             )
     first = next(iter(models.values()))
-    block, ctx = 16, 64  # each request: 64 tokens of context on its own 4 blocks
-    shape = (first.num_kv_heads, 4 * max(rows_list), block, first.head_dim)
+    block, ctx = 16, context  # each request: `context` tokens on its own blocks
+    per = -(-ctx // block)
+    shape = (first.num_kv_heads, per * max(rows_list), block, first.head_dim)
     caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(first.num_layers)]
 
     def step(model, m: int) -> float:  # type: ignore[no-untyped-def]
-        table = torch.arange(4 * m).view(m, 4)
+        if one_request:  # a speculative step: one request's last m positions, its blocks
+            table = torch.arange(per).expand(m, per)
+            last = torch.arange(ctx - m, ctx)
+            slots, lens = last, (last + 1).to(torch.int32)
+        else:
+            table = torch.arange(per * m).view(m, per)
+            slots = table[:, -1] * block + (ctx - 1) % block
+            lens, last = torch.full((m,), ctx, dtype=torch.int32), torch.full((m,), ctx - 1)
         meta = AttentionMetadata(
-            slot_mapping=table[:, 3] * block + (ctx - 1) % block,
+            slot_mapping=slots,
             num_decodes=m,
             decode_block_table=table,
-            decode_lens=torch.full((m,), ctx, dtype=torch.int32),
+            decode_lens=lens,
             decode_max_len=ctx,
         )
-        ids, positions = torch.arange(1000, 1000 + m), torch.full((m,), ctx - 1)
+        ids, positions = torch.arange(1000, 1000 + m), last
         start = time.perf_counter()
         with torch.inference_mode():
             model.compute_logits(model(ids, positions, caches, meta))
@@ -302,12 +312,27 @@ def main() -> int:
         "--int8", action="store_true", help="variants (and decode steps): int8 activations"
     )
     parser.add_argument("--decode-steps", action="store_true", help="variants: model steps")
+    parser.add_argument(
+        "--context", type=int, default=64, help="decode steps: each row's tokens of context"
+    )
+    parser.add_argument(
+        "--one-request",
+        action="store_true",
+        help="decode steps: the M rows are one request's last M positions (a speculative step)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child and args.decode_steps:
         rows_list = [int(r) for r in args.rows.split(",")]
         steps = measure_decode_steps(
-            args.isa, args.threads, args.repeats, rows_list, args.variant, args.int8
+            args.isa,
+            args.threads,
+            args.repeats,
+            rows_list,
+            args.variant,
+            args.int8,
+            args.context,
+            args.one_request,
         )
         print(json.dumps(steps))
         return 0
@@ -333,7 +358,9 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", "--isa", isa, "--threads", str(args.threads)]
         cmd += ["--rows", args.rows, "--stat", args.stat, "--clock", args.clock]
         cmd += [f"--variant={v}" for v in args.variant] + (["--int8"] if args.int8 else [])
-        cmd += ["--decode-steps"] if args.decode_steps else []
+        if args.decode_steps:
+            cmd += ["--decode-steps", "--context", str(args.context)]
+            cmd += ["--one-request"] if args.one_request else []
         out = subprocess.run(
             cmd + ["--repeats", str(args.repeats)], env=env, capture_output=True, text=True
         )

@@ -231,3 +231,28 @@ def test_the_plan_looks_past_a_row_count_that_measured_dear() -> None:
     assert plan({"a": (4, 0.85)}, 1, times(r1=3.93, r2=4.97, r3=5.78, r4=9.0, r5=9.5))[0] == {
         "a": 2
     }
+
+
+def test_int8_activations_speculate_to_their_own_plain_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `--cpu-activation-dtype int8` (blocks laid out 16 wide, `csrc/int8.h`) a row's
+    bits are its own too: the 1 + k rows of a verification give plain int8 decoding's tokens,
+    alone and batched."""
+    monkeypatch.setenv("TREADLE_ENABLE_MULTIPROCESSING", "0")
+    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    got = {}
+    for name, spec in (
+        ("plain", None),
+        ("ngram", {"method": "ngram", "num_speculative_tokens": 4}),
+    ):
+        llm = LLM(max_model_len=512, speculative_config=spec, cpu_activation_dtype="int8")
+        try:
+            alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS[:2]]
+            batch = llm.generate(PROMPTS, greedy, use_tqdm=False)
+            got[name] = [list(o.outputs[0].token_ids) for o in [*alone, *batch]]
+            if spec:
+                assert llm.engine_core.scheduler.spec_accepted_tokens > 0
+        finally:
+            llm.shutdown()
+    assert got["ngram"] == got["plain"]
