@@ -5,7 +5,8 @@
    - gguf_linear_f32: y = x W^T with W kept in its GGUF blocks (Q4_0, Q4_1, Q8_0) and expanded
      to float32 on the fly, so that a decode step reads 0.75-1.25 bytes per weight instead of 4;
    - gguf_linear_i8: the same product with x quantized to int8 blocks and integer dot products
-     (int8.h; `--cpu-activation-dtype int8`);
+     (int8.h; `--cpu-activation-dtype int8`), on the tiles up to I8_MAX_ROWS rows, or on the
+     blocks laid out 16 outputs wide (G16, common.h) at every row count;
    - the small per-layer operations (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write);
    - the structured-output token bitmask applied to the logits in place.
 
