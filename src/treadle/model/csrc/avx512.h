@@ -51,6 +51,25 @@ static inline void kv_store_row(char* dst, const float* x, int kvt, int64_t d) {
     for (; i < d; i++) ((uint16_t*)dst)[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
+/* The 16 lane sums of v[0..15] as one vector (lane i = the sum of v[i]), by a transposing
+   add tree: 45 operations where 16 separate reductions take about 140. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [v2i_01, v2i+1_01, v2i_23, v2i+1_23] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: that lane's sums of v4i .. v4i+3 */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0+1 and 2+3, of b2i then of b2i+1 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
 /* One (request, KV head) task for head size 64 and up to 4 query heads per KV head (the common
    shapes): the query heads and the output sums stay in registers, and the blocks are asked for
    two ahead (the K pass runs on into the first V blocks). Each cache row is widened to float32
@@ -68,22 +87,40 @@ static inline __attribute__((always_inline)) void attend_d64_t(
     #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * bb : vh + table[(i) - num_used] * bb)
     prefetch_bytes(D64_AHEAD(0), bb);
     if (1 < 2 * num_used) prefetch_bytes(D64_AHEAD(1), bb);
-    for (int64_t b = 0, t = 0; t < len; b++) {
+    /* The K pass a block (16 tokens) at a time: per query, each token's 16 lane products in
+       a register, and one transposing add tree (sum16) makes the block's 16 scores, where a
+       reduction per score costs about 3x the adds. A block's missing tokens are zeros, and a
+       lane's sum does not depend on the others, so a score's bits are the same in a whole
+       block and in a partial one. Rows not float32 are widened once into `kf`. */
+    float kf[D64_BLOCK * 64] __attribute__((aligned(64)));
+    float rs[D64_BLOCK] __attribute__((aligned(64)));
+    for (int64_t b = 0, t = 0; t < len; b++, t += D64_BLOCK) {
         const char* kb = kh + table[b] * bb;
         if (b + 2 < 2 * num_used) prefetch_bytes(D64_AHEAD(b + 2), bb);
         const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
-        for (int64_t o = 0; o < n; o++, t++) {
-            const char* kt = kb + o * rb;
-            const __m512 k0 = kv_load16(kt, kvt, 0), k1 = kv_load16(kt, kvt, 16);
-            const __m512 k2 = kv_load16(kt, kvt, 32), k3 = kv_load16(kt, kvt, 48);
-            const float s = scale * kv_row_scale(kt, kvt, 64);
-            for (int64_t j = 0; j < group; j++) {
-                __m512 d = _mm512_mul_ps(qv[j][0], k0);
-                d = _mm512_fmadd_ps(qv[j][1], k1, d);
-                d = _mm512_fmadd_ps(qv[j][2], k2, d);
-                d = _mm512_fmadd_ps(qv[j][3], k3, d);
-                scores[j * max_len + t] = _mm512_reduce_add_ps(d) * s;
+        const float* k = (const float*)kb;
+        if (kvt != KV_F32) {
+            for (int64_t o = 0; o < n; o++)
+                for (int i = 0; i < 4; i++)
+                    _mm512_store_ps(kf + o * 64 + 16 * i, kv_load16(kb + o * rb, kvt, 16 * i));
+            k = kf;
+        }
+        for (int64_t o = 0; o < D64_BLOCK; o++)
+            rs[o] = o < n ? scale * kv_row_scale(kb + o * rb, kvt, 64) : 0.f;
+        const __m512 row_scales = _mm512_load_ps(rs);
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        for (int64_t j = 0; j < group; j++) {
+            __m512 d[D64_BLOCK];
+            for (int64_t o = 0; o < D64_BLOCK; o++) {
+                if (o >= n) { d[o] = _mm512_setzero_ps(); continue; }
+                const float* kt = k + o * 64;
+                d[o] = _mm512_mul_ps(qv[j][0], _mm512_loadu_ps(kt));
+                d[o] = _mm512_fmadd_ps(qv[j][1], _mm512_loadu_ps(kt + 16), d[o]);
+                d[o] = _mm512_fmadd_ps(qv[j][2], _mm512_loadu_ps(kt + 32), d[o]);
+                d[o] = _mm512_fmadd_ps(qv[j][3], _mm512_loadu_ps(kt + 48), d[o]);
             }
+            _mm512_mask_storeu_ps(scores + j * max_len + t, valid,
+                                  _mm512_mul_ps(sum16(d), row_scales));
         }
     }
     softmax_rows(scores, group, len, max_len);
@@ -178,25 +215,6 @@ static void expand_tile(const char* tile, int kind, int64_t nb, int64_t K, float
             _mm512_storeu_ps(w + j * K + b * 32 + 16, v[1]);
         }
     }
-}
-
-/* The 16 lane sums of v[0..15] as one vector (lane i = the sum of v[i]), by a transposing
-   add tree: 45 operations where 16 separate reductions take about 140. */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [v2i_01, v2i+1_01, v2i_23, v2i+1_23] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: that lane's sums of v4i .. v4i+3 */
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0+1 and 2+3, of b2i then of b2i+1 */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
 /* y[r, n0 + j] for the M rows of x against one expanded tile (rows are read in whole groups
