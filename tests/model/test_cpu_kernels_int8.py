@@ -190,3 +190,19 @@ def test_g16_holds_the_same_weights(kind: str) -> None:
     assert torch.equal(a, torch.from_numpy(blocks.dequantize()))
     ids = torch.tensor([0, 5, 15, 16, 36, 5])
     assert torch.equal(g16.dequantize_rows(ids), tiled.dequantize_rows(ids))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_c_row_lookup_gives_gguf_s_values(kernels: Kernels, kind: str) -> None:
+    """`Kernels.gguf_rows` (an embedding kept only as blocks, looked up each step) gives the
+    rows `dequantize_rows` gives, to the bit (d q is exact in float32: fused or not), from the
+    tiles and from the 16-wide layout; an id outside the table gives zeros."""
+    blocks, g16 = g16_weight(kind, 37, 96, seed=4)
+    tiled = QuantizedWeight.build([blocks], 37, torch.device("cpu"))
+    assert tiled is not None
+    ids = torch.tensor([0, 5, 15, 16, 36, 5, 37, -1])
+    want = torch.from_numpy(blocks.dequantize())[ids[:6]]
+    for w in (tiled, g16):
+        got = kernels.gguf_rows(w.tiles, w.kind, 37, ids)
+        assert torch.equal(got[:6], want) and torch.equal(got[:6], w.dequantize_rows(ids[:6]))
+        assert not got[6:].any()

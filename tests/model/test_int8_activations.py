@@ -61,6 +61,8 @@ def test_int8_activations_generate_close_to_float32() -> None:
     ]
     same = sum(a == b for x, y in zip(exact, int8, strict=True) for a, b in zip(x, y, strict=True))
     # On a Zen 4 the first divergence per prompt ranged from token 1 to none in 32 (e.g.
-    # [32, 32, 16, 32, 9, 1] at avx2), and the first token always agreed.
-    assert all(f >= 1 for f in firsts), firsts
+    # [32, 32, 16, 32, 9, 1] at avx2) while prefill ran float32; with prefill in int8 too, a
+    # first token can flip where float32's top two are close ("def fibonacci(n):\n": 198 at
+    # -1.420 against 1604 at -1.489 in float32, 1604 by 0.004 in int8: [5, 0, 16, 8, 22, 1]).
+    assert sum(f >= 1 for f in firsts) >= len(PROMPTS) - 2, firsts
     assert same >= 0.3 * NEW_TOKENS * len(PROMPTS), (same, firsts)

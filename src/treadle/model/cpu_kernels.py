@@ -185,6 +185,7 @@ _SIGNATURES = {
     + [f32, i64, c_int, c_int],
     "gguf_linear_f32": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
     "gguf_dequantize_f32": [ptr, c_int, i64, i64, ptr, c_int],
+    "gguf_dequantize_rows_f32": [ptr, c_int, i64, i64, ptr, i64, ptr],
     "gguf_linear_i8": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
     "rms_norm_f32": [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int],
     "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
@@ -290,6 +291,20 @@ class Kernels:
             tiles.data_ptr(), kind, out_features, k, w.data_ptr(), torch.get_num_threads()
         )
         return w
+
+    def gguf_rows(
+        self, tiles: torch.Tensor, kind: int, out_features: int, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows `ids` of a weight in GGUF blocks (tiles or 16 wide) as float32 `[len(ids), K]`:
+        the values of `QuantizedWeight.dequantize_rows` (gguf's), in one call (an embedding
+        lookup per step). An id outside the weight gives zeros."""
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        k = tiles.shape[1] * 32
+        out = torch.empty(len(ids), k)
+        self._lib.gguf_dequantize_rows_f32(
+            tiles.data_ptr(), kind, out_features, k, ids.data_ptr(), len(ids), out.data_ptr()
+        )
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, n] (rows may be strided) -> RMSNorm(x) * weight, a new tensor."""

@@ -222,6 +222,7 @@ class VocabParallelEmbedding(nn.Module):
         self.method: linear_method.LinearMethod = linear_method.DenseLinear(self.weight, True)
         self._gguf: quantized.GGUFBlocks | None = None
         self._rows_from: quantized.QuantizedWeight | None = None  # where `weight` was freed
+        self._rows_kernels: Kernels | None = None  # (the C lookup of `_rows_from`'s rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Copies this rank's rows of `loaded`; from GGUF blocks, keeps the blocks instead."""
@@ -245,7 +246,12 @@ class VocabParallelEmbedding(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self._rows_from is None:
             return F.embedding(ids, self.weight)
-        rows = self._rows_from.dequantize_rows(ids)
+        q, kernels = self._rows_from, self._rows_kernels
+        rows = (
+            kernels.gguf_rows(q.tiles, q.kind, q.out_features, ids)
+            if kernels is not None
+            else q.dequantize_rows(ids)
+        )
         return rows.view(*ids.shape, rows.shape[-1])
 
     def drop_gguf_blocks(self) -> None:
@@ -272,6 +278,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.weight.numel() == 0:
             # (the method's copy: `choose` may have laid the blocks out anew)
             self._rows_from = getattr(self.method, "quant", quant)
+            self._rows_kernels = kernels
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.method.apply(hidden, None)

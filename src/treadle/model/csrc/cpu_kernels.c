@@ -252,6 +252,70 @@ void gguf_linear_f32(
 #endif
 }
 
+/* Rows ids[0..n) of a weight in tiles or laid out 16 wide, as float32 (out[i * K + k]): an
+   embedding table kept only as blocks (the tied LM head's), looked up per step. The values of
+   gguf's numpy dequantization, d q (+ m): d (a half: 11 significant bits) times q (at most 8)
+   is exact in float32, so a fused d q + m rounds as the separate sum does. An id outside
+   [0, N) gives zeros. */
+void gguf_dequantize_rows_f32(const void* w, int kind, int64_t N, int64_t K, const int64_t* ids,
+                              int64_t n, float* out)
+{
+    const int64_t nb = K / 32;
+    const uint8_t* base = (const uint8_t*)w;
+    for (int64_t i = 0; i < n; i++) {
+        float* row = out + i * K;
+        const int64_t id = ids[i];
+        if (id < 0 || id >= N) {
+            memset(row, 0, sizeof(float) * K);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            float* o = row + b * 32;
+            uint16_t dh, mh = 0;
+            uint8_t q[32];  /* Q4: 0..15; Q8: the int8 bits */
+            int q8 = 0;
+            if (kind == KIND_Q4 || kind == KIND_Q8) {
+                const uint8_t* blk = base + ((id / TILE_N * nb + b) * TILE_N + id % TILE_N)
+                                            * block_bytes(kind);
+                memcpy(&dh, blk, 2);
+                if (kind == KIND_Q4) {
+                    memcpy(&mh, blk + 2, 2);
+                    for (int k = 0; k < 16; k++) {
+                        q[k] = blk[4 + k] & 15;
+                        q[k + 16] = blk[4 + k] >> 4;
+                    }
+                } else {
+                    memcpy(q, blk + 2, 32);
+                    q8 = 1;
+                }
+            } else {
+                const int64_t oo = id % G16;
+                const uint8_t* blk = base + ((id / G16) * nb + b) * g16_block_bytes(kind);
+                memcpy(&dh, blk + 2 * oo, 2);
+                if (kind == KIND_Q4_G16) {
+                    memcpy(&mh, blk + 32 + 2 * oo, 2);
+                    for (int k = 0; k < 16; k++) {
+                        const uint8_t byte = blk[64 + (k / 4) * 64 + 4 * oo + k % 4];
+                        q[k] = byte & 15;
+                        q[k + 16] = byte >> 4;
+                    }
+                } else {
+                    for (int k = 0; k < 32; k++)
+                        q[k] = (uint8_t)(blk[32 + (k / 4) * 64 + 4 * oo + k % 4] ^ 0x80);
+                    q8 = 1;
+                }
+            }
+            const float d = half_to_float(dh);
+            if (q8) {
+                for (int k = 0; k < 32; k++) o[k] = d * (float)(int8_t)q[k];
+            } else {
+                const float m = half_to_float(mh);
+                for (int k = 0; k < 32; k++) o[k] = d * (float)q[k] + m;
+            }
+        }
+    }
+}
+
 /* W[N, K] in float32 (row-major) from its tiles, as the many-row path above expands them: for
    products of many rows, the weight expanded once into a scratch buffer for oneDNN's GEMM. */
 void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, float* w,
