@@ -7,7 +7,8 @@ the layer keeps them beside its float32 weight, rearranged for the C kernel
 (`csrc/cpu_kernels.c`, `gguf_linear_f32`), which expands each block to float32 in registers and
 multiplies in float32: the same weights, read at a fifth of the bytes. Products of many rows
 (prefill) are bound by arithmetic instead and go to oneDNN's GEMM (`linear_method.py` says
-where the line falls).
+where the line falls). With int8 activations (`--cpu-activation-dtype int8`) the blocks are
+laid out 16 outputs wide instead (`QuantizedWeight.to_g16`) and take every row count.
 
 Flow: for a tensor in such blocks the GGUF loader yields a tensor that carries only its
 blocks (`blocks_only`: a meta tensor of the weight's shape, so that no float32 copy is made
@@ -94,9 +95,11 @@ def values(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight `[N, K]` in the kernel's tiled layout (see `csrc/cpu_kernels.c`)."""
+    """A weight `[N, K]` in the kernel's tiled layout (`csrc/common.h`), or 16 wide."""
 
-    tiles: torch.Tensor  # uint8, [ceil(N / TILE_N), K / 32, TILE_N, 20 (Q4) or 34 (Q8) bytes]
+    # uint8, [ceil(N / TILE_N), K / 32, TILE_N, 20 (Q4) or 34 (Q8) bytes]; 16 wide (kinds
+    # KIND_Q4_G16, KIND_Q8_G16): [ceil(N / 16), K / 32, 320 or 544 bytes]
+    tiles: torch.Tensor
     kind: int
     out_features: int
     in_features: int

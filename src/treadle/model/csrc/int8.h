@@ -22,7 +22,8 @@
 #else
 #define I8_ROWS 2  /* 16 registers at AVX2 */
 #endif
-/* Beyond this many rows gguf_linear_i8 is gguf_linear_f32: the float32 path expands each tile
+/* (Tiles only: weights laid out 16 wide, below, take int8 at every row count.)
+   Beyond this many rows gguf_linear_i8 is gguf_linear_f32: the float32 path expands each tile
    once and multiplies every row by it, as fast from 16 rows and faster at 64 (one thread, CPU
    time, the default model's 30 layers + LM head per step: avx512vnni 8 rows 15.5 ms int8
    against 19.1, 16 rows 30.9 against 31.1, 64 rows 120 against 101; avx2 16 rows 53.9 against
