@@ -67,7 +67,7 @@ _LEVEL_CC_FLAGS = {
 }  # fmt: skip
 _COMMON_CC_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_kernels.c", "common.h", "avx512.h", "avx2.h", "portable.h", "int8.h")
+_SOURCES = ("cpu_kernels.c", "common.h", "avx512.h", "avx2.h", "portable.h", "int8.h", "int8_g16.h")
 
 
 def cpu_flags() -> set[str]:

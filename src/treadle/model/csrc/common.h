@@ -174,7 +174,7 @@ static inline void prefetch_bytes(const char* block, int64_t bytes) {
 
 #define TILE_N 4
 
-/* With int8 activations (int8.h) a weight may instead be laid out 16 outputs wide ("G16",
+/* With int8 activations (int8_g16.h) a weight may instead be laid out 16 outputs wide ("G16",
    made at load by quantized.py), so that one integer-dot instruction makes 16 outputs'
    partial sums and each block's scales are applied once per 16 outputs and row:
 

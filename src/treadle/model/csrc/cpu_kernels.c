@@ -6,7 +6,7 @@
      to float32 on the fly, so that a decode step reads 0.75-1.25 bytes per weight instead of 4;
    - gguf_linear_i8: the same product with x quantized to int8 blocks and integer dot products
      (int8.h; `--cpu-activation-dtype int8`), on the tiles up to I8_MAX_ROWS rows, or on the
-     blocks laid out 16 outputs wide (G16, common.h) at every row count;
+     blocks laid out 16 outputs wide (G16, common.h, int8_g16.h) at every row count;
    - the small per-layer operations (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write);
    - the structured-output token bitmask applied to the logits in place.
 
@@ -24,6 +24,7 @@
 #include "portable.h"
 #endif
 #include "int8.h"
+#include "int8_g16.h"
 
 #if FEW_MAX_ROWS > 0
 /* One tile (TILE_N outputs) for `rows` (1 .. FEW_ROWS: 1, 2, 4 or 8) rows of x: the level's few_rows_n,
@@ -370,7 +371,7 @@ void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, floa
     }
 }
 
-/* A G16 weight (common.h, int8.h) against int8 activations, for every row count: each group
+/* A G16 weight (common.h, int8_g16.h) against int8 activations, for every row count: each group
    of 16 outputs passes over G16_ROWS rows at a time while it stays in L1. A kind this level
    does not run 16 wide (Python never lays one out so) gives NaN. */
 static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int64_t K,

@@ -1,0 +1,238 @@
+/* int8 activations against weights laid out 16 outputs wide (G16, common.h). Included by
+   cpu_kernels.c after int8.h, whose activation quantization (quantize_rows_q8) it shares;
+   gguf_linear_i8 there calls it for such weights.
+
+   The 4 quants of one output and 4 inputs sit in one 32-bit lane, 16 outputs across a 512-bit
+   register (8 across 256 bits): one integer-dot instruction against 4 activations broadcast to
+   every lane gives 16 outputs' partial sums, 8 of them sum a block (exactly, in int32), and the
+   block's terms, d_w d_x (q . p) + m_w s_x, take one conversion, one multiply and two FMAs per
+   16 outputs and row. The tiled kernel (int8.h) pays that per 2 outputs (and more per
+   instruction of products): here ~3x less work per row, so that the k + 1 rows of a speculative step cost
+   little more than one. Per (row, output) the order of the terms is that of the blocks, with
+   every row its own accumulator: a row's bits do not depend on the rows beside it, nor on how
+   many rows the call has (G16_ROWS is only how many share a pass over the weights).
+
+   Levels: avx512vnni (vpdpbusd, Q4 and Q8); avx512 and avx2: maddubs (u8 x s8 -> s16 pairs)
+   and madd, for Q4 summed over a block's 8 groups in s16 (8 x 2 x 15 x 127 < 2^15); Q8's
+   u = q + 128 would saturate maddubs (2 x 255 x 127), so there each group takes q = u - 128
+   back and multiplies |q| by p with q's sign (2 x 128 x 127 < 2^15, as llama.cpp does), and
+   its term is d_w d_x (q . p) with no minimum; portable: none (it never runs the GGUF
+   kernels). */
+
+/* (numbers, not the enum: the preprocessor reads them) */
+#define G16_Q4 1  /* 1 << KIND_Q4 */
+#define G16_Q8 2  /* 1 << KIND_Q8 */
+
+#if defined(__AVX512F__)
+#define G16_ROWS 8
+#define G16_KINDS (G16_Q4 | G16_Q8)
+
+/* q . p of one row's block for 16 outputs: w[g] = the 16 outputs' quants of inputs 4g..4g+3,
+   xr = the row's 8 groups of 4 int8 activations. */
+static inline __attribute__((always_inline)) __m512i g16_dot(const __m512i w[8], const int32_t* xr) {
+#if defined(__AVX512VNNI__)
+    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xr[0]));
+    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(xr[1]));
+    for (int g = 2; g < 8; g += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(xr[g]));
+        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(xr[g + 1]));
+    }
+    return _mm512_add_epi32(s0, s1);
+#else
+    __m512i t0 = _mm512_maddubs_epi16(w[0], _mm512_set1_epi32(xr[0]));
+    __m512i t1 = _mm512_maddubs_epi16(w[1], _mm512_set1_epi32(xr[1]));
+    for (int g = 2; g < 8; g += 2) {
+        t0 = _mm512_add_epi16(t0, _mm512_maddubs_epi16(w[g], _mm512_set1_epi32(xr[g])));
+        t1 = _mm512_add_epi16(t1, _mm512_maddubs_epi16(w[g + 1], _mm512_set1_epi32(xr[g + 1])));
+    }
+    return _mm512_madd_epi16(_mm512_add_epi16(t0, t1), _mm512_set1_epi16(1));
+#endif
+}
+
+#if !defined(__AVX512VNNI__)
+/* Q8 without vpdpbusd: q . p of `rows` rows' block into s[r], a half of the 8 groups at a
+   time (|q| and q's sign mask for 4 groups in registers). */
+static inline __attribute__((always_inline)) void g16_dot_q8(
+    const char* blk, const int8_t* xq, int64_t K, int64_t b, const int rows, __m512i s[G16_ROWS]) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    for (int r = 0; r < rows; r++) s[r] = zero;
+    for (int gh = 0; gh < 8; gh += 4) {
+        __m512i aq[4];
+        __mmask64 neg[4];
+        for (int i = 0; i < 4; i++) {
+            const __m512i q = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + 64 * (gh + i)), bias);
+            aq[i] = _mm512_abs_epi8(q);
+            neg[i] = _mm512_movepi8_mask(q);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int32_t* xr = (const int32_t*)(xq + r * K + b * 32);
+            for (int i = 0; i < 4; i++) {
+                const __m512i x = _mm512_set1_epi32(xr[gh + i]);
+                const __m512i xs = _mm512_mask_sub_epi8(x, neg[i], zero, x);
+                s[r] = _mm512_add_epi32(s[r], _mm512_madd_epi16(_mm512_maddubs_epi16(aq[i], xs),
+                                                                _mm512_set1_epi16(1)));
+            }
+        }
+    }
+}
+#endif
+
+/* y[r, 16 outputs] of one group for `rows` rows of quantized x (out[r][o]). */
+static inline __attribute__((always_inline)) void g16_rows_n(
+    const char* grp, const int kind, int64_t nb, const int8_t* xq, int64_t K, const float* xds,
+    const int rows, float out[G16_ROWS][G16]) {
+    const int64_t gb = g16_block_bytes(kind);
+    __m512 acc[G16_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const char* blk = grp + b * gb;
+        for (int64_t off = 0; off < gb; off += 64) _mm_prefetch(blk + 4 * gb + off, _MM_HINT_T0);
+#if !defined(__AVX512VNNI__)
+        if (kind == KIND_Q8_G16) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+            __m512i sumi[G16_ROWS];
+            g16_dot_q8(blk, xq, K, b, rows, sumi);
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]),
+                                         _mm512_mul_ps(d, _mm512_set1_ps(xds[2 * (r * nb + b)])), acc[r]);
+            continue;
+        }
+#endif
+        __m512i w[8];
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+        __m512 m;
+        if (kind == KIND_Q4_G16) {
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
+            const __m512i low = _mm512_set1_epi8(15);
+            for (int h = 0; h < 4; h++) {
+                const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * h);
+                w[h] = _mm512_and_si512(v, low);
+                w[4 + h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(blk + 32 + 64 * g);
+        }
+        for (int r = 0; r < rows; r++) {
+            const float* ds = xds + 2 * (r * nb + b);
+            const __m512 f = _mm512_cvtepi32_ps(g16_dot(w, (const int32_t*)(xq + r * K + b * 32)));
+            acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(ds[0])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ds[1]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+#elif defined(__AVX2__)
+#define G16_ROWS 4
+#define G16_KINDS (G16_Q4 | G16_Q8)
+
+/* Q8: q . p of `rows` rows' block for 8 outputs (one half of the group) into s[r], 4 of the
+   8 groups at a time (q and |q| of 4 groups: 8 of the 16 registers). */
+static inline __attribute__((always_inline)) void g16_dot_q8_half(
+    const char* blk, int half, const int8_t* xq, int64_t K, int64_t b, const int rows,
+    __m256i s[G16_ROWS]) {
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
+    for (int gh = 0; gh < 8; gh += 4) {
+        __m256i q[4], aq[4];
+        for (int i = 0; i < 4; i++) {
+            q[i] = _mm256_xor_si256(
+                _mm256_loadu_si256((const __m256i*)(blk + 32 + 64 * (gh + i) + 32 * half)), bias);
+            aq[i] = _mm256_abs_epi8(q[i]);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int32_t* xr = (const int32_t*)(xq + r * K + b * 32);
+            for (int i = 0; i < 4; i++) {
+                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[gh + i]), q[i]);
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aq[i], xs),
+                                                                _mm256_set1_epi16(1)));
+            }
+        }
+    }
+}
+
+/* The same at 256 bits: the group's two halves of 8 outputs one after the other. */
+static inline __attribute__((always_inline)) void g16_rows_n(
+    const char* grp, const int kind, int64_t nb, const int8_t* xq, int64_t K, const float* xds,
+    const int rows, float out[G16_ROWS][G16]) {
+    const int64_t gb = g16_block_bytes(kind);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[G16_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const char* blk = grp + b * gb;
+            if (half == 0)
+                for (int64_t off = 0; off < gb; off += 64) _mm_prefetch(blk + 4 * gb + off, _MM_HINT_T0);
+            if (kind == KIND_Q8_G16) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * half)));
+                __m256i sumi[G16_ROWS];
+                g16_dot_q8_half(blk, half, xq, K, b, rows, sumi);
+                for (int r = 0; r < rows; r++)
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]),
+                                             _mm256_mul_ps(d, _mm256_set1_ps(xds[2 * (r * nb + b)])), acc[r]);
+                continue;
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * half)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * half)));
+            __m256i w[8];
+            const __m256i low = _mm256_set1_epi8(15);
+            for (int h = 0; h < 4; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 + 64 * h + 32 * half));
+                w[h] = _mm256_and_si256(v, low);
+                w[4 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (int r = 0; r < rows; r++) {
+                const int32_t* xr = (const int32_t*)(xq + r * K + b * 32);
+                __m256i t0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
+                __m256i t1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(xr[1]));
+                for (int g = 2; g < 8; g += 2) {
+                    t0 = _mm256_add_epi16(t0, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xr[g])));
+                    t1 = _mm256_add_epi16(t1, _mm256_maddubs_epi16(w[g + 1], _mm256_set1_epi32(xr[g + 1])));
+                }
+                const __m256i sumi = _mm256_madd_epi16(_mm256_add_epi16(t0, t1), _mm256_set1_epi16(1));
+                const float* ds = xds + 2 * (r * nb + b);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi),
+                                         _mm256_mul_ps(d, _mm256_set1_ps(ds[0])), acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(ds[1]), acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r] + 8 * half, acc[r]);
+    }
+}
+
+#else
+#define G16_ROWS 1
+#define G16_KINDS 0
+#endif
+
+#if G16_KINDS
+/* Specialized per block kind and row count, so that the inner loops have no branches. */
+#define G16_CASE(KIND, R) case R: g16_rows_n(grp, KIND, nb, xq, K, xds, R, out); break
+static void g16_rows(const char* grp, int kind, int64_t nb, const int8_t* xq, int64_t K,
+                     const float* xds, int64_t rows, float out[G16_ROWS][G16]) {
+    if (kind == KIND_Q4_G16) {
+        switch (rows) {
+            G16_CASE(KIND_Q4_G16, 1); G16_CASE(KIND_Q4_G16, 2);
+            G16_CASE(KIND_Q4_G16, 3); G16_CASE(KIND_Q4_G16, 4);
+#if G16_ROWS == 8
+            G16_CASE(KIND_Q4_G16, 5); G16_CASE(KIND_Q4_G16, 6);
+            G16_CASE(KIND_Q4_G16, 7); G16_CASE(KIND_Q4_G16, 8);
+#endif
+        }
+    }
+#if G16_KINDS & G16_Q8
+    else {
+        switch (rows) {
+            G16_CASE(KIND_Q8_G16, 1); G16_CASE(KIND_Q8_G16, 2);
+            G16_CASE(KIND_Q8_G16, 3); G16_CASE(KIND_Q8_G16, 4);
+#if G16_ROWS == 8
+            G16_CASE(KIND_Q8_G16, 5); G16_CASE(KIND_Q8_G16, 6);
+            G16_CASE(KIND_Q8_G16, 7); G16_CASE(KIND_Q8_G16, 8);
+#endif
+        }
+    }
+#endif
+}
+#undef G16_CASE
+#endif
