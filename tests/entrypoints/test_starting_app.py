@@ -27,6 +27,19 @@ def _full_app(engine: Any) -> FastAPI:
     return app
 
 
+def _starting(build: Any, progress: StartupProgress) -> StartingServer:
+    """The ASGI app of an API server whose engine client `build` makes (an object here: only
+    handed to `_full_app`)."""
+    return StartingServer(
+        EngineStart(build, progress),
+        _full_app,
+        FrontendArgs(),
+        None,
+        stop_serving=lambda: None,
+        on_engine=lambda engine: None,
+    )
+
+
 async def _scenario() -> dict[str, Any]:
     progress = StartupProgress(2)
     gate = threading.Event()
@@ -35,14 +48,7 @@ async def _scenario() -> dict[str, Any]:
         gate.wait(30)
         return object()  # (the engine client: only handed to `_full_app`)
 
-    server = StartingServer(
-        EngineStart(build, progress),  # type: ignore[arg-type]
-        _full_app,
-        FrontendArgs(),
-        None,
-        stop_serving=lambda: None,
-        on_engine=lambda engine: None,
-    )
+    server = _starting(build, progress)
     inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
     await inbox.put({"type": "lifespan.startup"})
     sent: list[dict[str, Any]] = []
@@ -88,14 +94,7 @@ async def _follower_scenario() -> dict[str, Any]:
     first copy came, then answers with it (not with its own `starting`)."""
     progress = StartupProgress(1, follows=True)
     gate = threading.Event()
-    server = StartingServer(
-        EngineStart(lambda: gate.wait(30) and object(), progress),  # type: ignore[arg-type]
-        _full_app,
-        FrontendArgs(),
-        None,
-        stop_serving=lambda: None,
-        on_engine=lambda engine: None,
-    )
+    server = _starting(lambda: gate.wait(30) and object(), progress)
     inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
     await inbox.put({"type": "lifespan.startup"})
     lifespan = asyncio.create_task(server({"type": "lifespan"}, inbox.get, _ignore))

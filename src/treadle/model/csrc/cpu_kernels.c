@@ -371,6 +371,16 @@ void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, floa
     }
 }
 
+/* x's M rows as int8 blocks (int8.h, quantize_rows_q8): the quants, and in *xds the pairs
+   (d, s); both malloc'ed, for the caller to free. */
+static int8_t* quantized_rows(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
+                              float** xds) {
+    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
+    *xds = (float*)malloc(sizeof(float) * 2 * M * (K / 32));
+    quantize_rows_q8(x, x_row_stride, M, K, xq, *xds);
+    return xq;
+}
+
 /* A G16 weight (common.h, int8_g16.h) against int8 activations, for every row count: each group
    of 16 outputs passes over G16_ROWS rows at a time while it stays in L1. A kind this level
    does not run 16 wide (Python never lays one out so) gives NaN. */
@@ -386,9 +396,8 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
 #if G16_KINDS
     const int64_t nb = K / 32, ngroups = (N + G16 - 1) / G16;
     const int64_t group_bytes = nb * g16_block_bytes(kind);
-    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
-    float* xds = (float*)malloc(sizeof(float) * 2 * M * nb);
-    quantize_rows_q8(x, x_row_stride, M, K, xq, xds);
+    float* xds;
+    int8_t* xq = quantized_rows(x, x_row_stride, M, K, &xds);
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t g = 0; g < ngroups; g++) {
         const char* grp = (const char*)w + g * group_bytes;
@@ -424,9 +433,8 @@ void gguf_linear_i8(
     const int64_t nb = K / 32;
     const int64_t ntiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = nb * TILE_N * block_bytes(kind);
-    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
-    float* xds = (float*)malloc(sizeof(float) * 2 * M * nb);
-    quantize_rows_q8(x, x_row_stride, M, K, xq, xds);
+    float* xds;
+    int8_t* xq = quantized_rows(x, x_row_stride, M, K, &xds);
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < ntiles; t++) {
         const char* tile = (const char*)tiles + t * tile_bytes;

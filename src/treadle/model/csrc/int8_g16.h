@@ -209,30 +209,19 @@ static inline __attribute__((always_inline)) void g16_rows_n(
 #if G16_KINDS
 /* Specialized per block kind and row count, so that the inner loops have no branches. */
 #define G16_CASE(KIND, R) case R: g16_rows_n(grp, KIND, nb, xq, K, xds, R, out); break
+#if G16_ROWS == 8
+#define G16_CASES(KIND) switch (rows) { \
+    G16_CASE(KIND, 1); G16_CASE(KIND, 2); G16_CASE(KIND, 3); G16_CASE(KIND, 4); \
+    G16_CASE(KIND, 5); G16_CASE(KIND, 6); G16_CASE(KIND, 7); G16_CASE(KIND, 8); }
+#else
+#define G16_CASES(KIND) switch (rows) { \
+    G16_CASE(KIND, 1); G16_CASE(KIND, 2); G16_CASE(KIND, 3); G16_CASE(KIND, 4); }
+#endif
 static void g16_rows(const char* grp, int kind, int64_t nb, const int8_t* xq, int64_t K,
                      const float* xds, int64_t rows, float out[G16_ROWS][G16]) {
-    if (kind == KIND_Q4_G16) {
-        switch (rows) {
-            G16_CASE(KIND_Q4_G16, 1); G16_CASE(KIND_Q4_G16, 2);
-            G16_CASE(KIND_Q4_G16, 3); G16_CASE(KIND_Q4_G16, 4);
-#if G16_ROWS == 8
-            G16_CASE(KIND_Q4_G16, 5); G16_CASE(KIND_Q4_G16, 6);
-            G16_CASE(KIND_Q4_G16, 7); G16_CASE(KIND_Q4_G16, 8);
-#endif
-        }
-    }
-#if G16_KINDS & G16_Q8
-    else {
-        switch (rows) {
-            G16_CASE(KIND_Q8_G16, 1); G16_CASE(KIND_Q8_G16, 2);
-            G16_CASE(KIND_Q8_G16, 3); G16_CASE(KIND_Q8_G16, 4);
-#if G16_ROWS == 8
-            G16_CASE(KIND_Q8_G16, 5); G16_CASE(KIND_Q8_G16, 6);
-            G16_CASE(KIND_Q8_G16, 7); G16_CASE(KIND_Q8_G16, 8);
-#endif
-        }
-    }
-#endif
+    if (kind == KIND_Q4_G16) G16_CASES(KIND_Q4_G16)
+    else G16_CASES(KIND_Q8_G16)
 }
+#undef G16_CASES
 #undef G16_CASE
 #endif
