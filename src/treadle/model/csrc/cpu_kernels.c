@@ -322,32 +322,11 @@ void gguf_dequantize_rows_f32(const void* w, int kind, int64_t N, int64_t K, con
 void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, float* w,
                          int num_threads)
 {
-    if (kind >= KIND_Q4_G16) {  /* 16 wide: w = d q + m (Q4), d (u - 128) (Q8) */
-        const int64_t nb = K / 32, gb = g16_block_bytes(kind);
-        #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const int64_t o = n % G16;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t* blk = (const uint8_t*)tiles + ((n / G16) * nb + b) * gb;
-                uint16_t dh;
-                memcpy(&dh, blk + 2 * o, 2);
-                const float d = half_to_float(dh);
-                float* out = w + n * K + b * 32;
-                if (kind == KIND_Q4_G16) {
-                    uint16_t mh;
-                    memcpy(&mh, blk + 32 + 2 * o, 2);
-                    const float m = half_to_float(mh);
-                    for (int k = 0; k < 16; k++) {
-                        const uint8_t q = blk[64 + (k / 4) * 64 + 4 * o + k % 4];
-                        out[k] = fmaf((float)(q & 15), d, m);
-                        out[k + 16] = fmaf((float)(q >> 4), d, m);
-                    }
-                } else {
-                    for (int k = 0; k < 32; k++)
-                        out[k] = d * (float)((int)blk[32 + (k / 4) * 64 + 4 * o + k % 4] - 128);
-                }
-            }
-        }
+    if (kind >= KIND_Q4_G16) {  /* 16 wide, row by row (no layer expands one: it runs all rows) */
+        int64_t* ids = (int64_t*)malloc(sizeof(int64_t) * N);
+        for (int64_t n = 0; n < N; n++) ids[n] = n;
+        gguf_dequantize_rows_f32(tiles, kind, N, K, ids, N, w);
+        free(ids);
         return;
     }
     const int64_t nb = K / 32;
