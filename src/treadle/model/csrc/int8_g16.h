@@ -7,10 +7,11 @@
    every lane gives 16 outputs' partial sums, 8 of them sum a block (exactly, in int32), and the
    block's terms, d_w d_x (q . p) + m_w s_x, take one conversion, one multiply and two FMAs per
    16 outputs and row. The tiled kernel (int8.h) pays that per 2 outputs (and more per
-   instruction of products): here ~3x less work per row, so that the k + 1 rows of a speculative step cost
-   little more than one. Per (row, output) the order of the terms is that of the blocks, with
-   every row its own accumulator: a row's bits do not depend on the rows beside it, nor on how
-   many rows the call has (G16_ROWS is only how many share a pass over the weights).
+   instruction of products): here ~3x less work per row, so that the k + 1 rows of a
+   speculative step cost little more than one. Per (row, output) the order of the terms is
+   that of the blocks, with every row its own accumulator: a row's bits do not depend on the
+   rows beside it, nor on how many rows the call has (G16_ROWS is only how many share a pass
+   over the weights).
 
    Levels: avx512vnni (vpdpbusd, Q4 and Q8); avx512 and avx2: maddubs (u8 x s8 -> s16 pairs)
    and madd, for Q4 summed over a block's 8 groups in s16 (8 x 2 x 15 x 127 < 2^15); Q8's
