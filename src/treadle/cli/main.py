@@ -9,6 +9,7 @@ from treadle.cli.bench import add_bench_parser
 from treadle.cli.serve import add_serve_parser, cli_docs
 from treadle.config import ModelConfig
 from treadle.engine_args import suggest
+from treadle.ipc.fast_exit import exit_now
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -92,5 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args))
 
 
+def run() -> None:
+    """The `treadle` command: `main`, then an exit without the interpreter's teardown (see
+    `exit_now`): a headless host or a stopped server is gone a second sooner."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's usage errors (printed already) and --help
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

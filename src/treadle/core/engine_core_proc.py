@@ -63,6 +63,7 @@ from treadle.core.engine_core_io import (
 )
 from treadle.executor.multiproc import ExecutorStoppedError
 from treadle.ipc.engine_auth import routing_id
+from treadle.ipc.fast_exit import exit_now
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ReadyPipe, at_parent_death
 from treadle.ipc.tensor_ring import remove_orphaned_rings
@@ -283,7 +284,7 @@ class EngineCoreProc:
         except FrontEndGone as e:
             logger.error("%s", e)  # nobody is left to tell
             self.engine.shutdown()
-            raise SystemExit(1) from e
+            exit_now(1)  # this host's CLI exits when this process has: seconds count
         except ExecutorStoppedError as e:
             logger.info("%s; shutting down", e)
             self._stop()
