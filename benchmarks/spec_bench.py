@@ -8,10 +8,14 @@ Side by side: every engine (plain, then n-gram at each k) is loaded once, and ea
 the same workload on all of them in turn, so that load from other processes falls on all
 alike; the ratios to plain are per round, and the medians are reported. Workloads: single
 stream (the prompts one after another) and concurrency C (C requests at once, the prompts
-repeated). Outputs are checked identical to plain. Also the acceptance rate.
+repeated; `--waves` x C requests, C at once: the one that ends first lets the next one in, as
+with C clients, where a request that speculation finishes early is worth as much as its
+tokens; in one batch of C, `--waves 1`, the batch takes as long as its slowest request).
+Outputs are checked identical to plain. Also the acceptance rate.
 `--always-propose` makes every speculating engine verify every proposal it can (its plan
 sees steps of any size cost the same and the draft cost nothing): what speculation costs
-where the plan would not propose.
+where the plan would not propose. `--control` adds a second plain engine, run last in each
+round: its ratio to plain is the noise of the comparison (and of a place in the round).
 
 Beside it, where `.peers/llama-server-native` exists (`make bench-peers`), llama.cpp's
 llama-server on the same prompts and model, single stream, without speculation and with its
@@ -72,15 +76,21 @@ class FlatTimes(StepTimes):
     def estimate(self, rows: int) -> float | None:
         return self.value
 
+    def table(self, first: int, last: int) -> list[float]:
+        return [self.value] * (last - first + 1)
 
-def timed(llm: LLM, prompts: list[str], tokens: int, concurrency: int) -> tuple[float, list]:
-    """Output tok/s and the outputs' tokens."""
+
+def timed(
+    llm: LLM, prompts: list[str], tokens: int, concurrency: int, waves: int
+) -> tuple[float, list]:
+    """Output tok/s and the outputs' tokens. Concurrency C > 1: `waves` x C requests, at
+    most C at once (the engines' max_num_seqs): one that ends lets the next one in."""
     greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
     if concurrency == 1:
         outs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
     else:
-        batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+        batch = [prompts[i % len(prompts)] for i in range(concurrency * waves)]
         outs = llm.generate(batch, greedy, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens_out = [list(o.outputs[0].token_ids) for o in outs]
@@ -131,6 +141,17 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="the draft model (default: the model itself)")
     ap.add_argument("--always-propose", action="store_true")
     ap.add_argument(
+        "--control",
+        action="store_true",
+        help="a second plain engine, run last in each round: the noise between two equals",
+    )
+    ap.add_argument(
+        "--waves",
+        type=int,
+        default=4,
+        help="concurrency C > 1 runs waves x C requests, C at once (1: one batch of C)",
+    )
+    ap.add_argument(
         "--cpu-activation-dtype", default="float32", help="treadle's, for every engine (int8)"
     )
     ap.add_argument("--llama-server", type=Path, default=ROOT / ".peers/llama-server-native")
@@ -154,7 +175,11 @@ def main() -> None:
         finally:
             server.stop()
 
-    common = {"max_model_len": 2048, "cpu_activation_dtype": args.cpu_activation_dtype}
+    common = {
+        "max_model_len": 2048,
+        "cpu_activation_dtype": args.cpu_activation_dtype,
+        "max_num_seqs": max(args.concurrency),
+    }
     engines: dict[str, LLM] = {"plain": LLM(**common)}  # type: ignore[arg-type]
     draft = args.draft or resolve_model(None).path
     for k in args.k:
@@ -162,6 +187,8 @@ def main() -> None:
             engines[f"ngram k={k}"] = LLM(**common, speculative_config=ngram(k))  # type: ignore[arg-type]
         if "draft" in args.methods:
             engines[f"draft k={k}"] = LLM(**common, speculative_config=draft_model(k, draft))  # type: ignore[arg-type]
+    if args.control:
+        engines["plain again"] = LLM(**common)  # type: ignore[arg-type]
     if args.always_propose:
         for name, llm in engines.items():
             scheduler = llm.engine_core.scheduler
@@ -182,7 +209,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     reference = None
                     for name, llm in engines.items():
-                        speed, out = timed(llm, prompts, args.tokens, c)
+                        speed, out = timed(llm, prompts, args.tokens, c, args.waves)
                         speeds[name].append(speed)
                         reference = out if reference is None else reference
                         identical &= out == reference
@@ -196,9 +223,10 @@ def main() -> None:
                     ratios = [s / p for s, p in zip(speeds[name], plain, strict=True)]
                     s = llm.engine_core.scheduler
                     rate = s.spec_accepted_tokens / max(1, s.spec_draft_tokens)
+                    acc = f", acc {rate:.0%} so far" if s.speculative is not None else ""
                     line.append(
                         f"{name} {statistics.median(speeds[name]):.1f} "
-                        f"({statistics.median(ratios):.2f}x, acc {rate:.0%} so far)"
+                        f"({statistics.median(ratios):.2f}x{acc})"
                     )
                 for name in with_peers:
                     ratios = [p / s for s, p in zip(speeds[name], plain, strict=True)]

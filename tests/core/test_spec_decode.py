@@ -78,8 +78,26 @@ def test_the_plan_adds_proposals_while_tokens_per_second_grow() -> None:
     assert plan({"a": (2, 0.2), "b": (2, 0.9)}, 16, flat)[0] == {"b": 2}
 
 
+def test_a_table_of_estimates_is_the_estimates() -> None:
+    steps = times(r3=1.0, r8=2.0, r9=2.5, r20=4.0)
+    for first in range(1, 25):
+        assert steps.table(first, first + 12) == [
+            steps.estimate(r) for r in range(first, first + 13)
+        ]
+
+
+def test_proposals_that_barely_pay_are_not_verified() -> None:
+    # one more row costs nothing, but 0.4 tokens on 16 is a 2.5% gain: under MIN_GAIN
+    steps = times(r16=1.0, r17=1.0)
+    assert plan({"a": (1, 0.4)}, 16, steps) == ({}, True)
+    assert plan({"a": (1, 0.6)}, 16, steps)[0] == {"a": 1}  # 3.75%
+
+
 def test_acceptance_counts_hits_and_the_first_miss() -> None:
     assert acceptance(0.0, 0.0) == 0.5  # before any proposal: cautious
+    # or at the engine's recent rate, worth PRIOR_TRIALS trials
+    assert acceptance(0.0, 0.0, prior=0.9) == 0.9
+    assert acceptance(2.0, 3.0, prior=0.9) == pytest.approx((2.0 + 1.8) / 5.0)
     hits, trials = tally(0.0, 0.0, proposed=4, accepted=2)  # 2 hits, 1 miss, 1 never tried
     assert (hits, trials) == (2.0, 3.0)
     hits, trials = tally(hits, trials, proposed=4, accepted=4)

@@ -35,6 +35,9 @@ class FlatTimes(StepTimes):
     def estimate(self, rows: int) -> float | None:
         return 1.0
 
+    def table(self, first: int, last: int) -> list[float]:
+        return [1.0] * (last - first + 1)
+
 
 class FreeDraft(FlatTimes):
     def estimate(self, rows: int) -> float | None:

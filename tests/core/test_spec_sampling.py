@@ -28,6 +28,9 @@ class FlatTimes(StepTimes):
     def estimate(self, rows: int) -> float | None:
         return 1.0
 
+    def table(self, first: int, last: int) -> list[float]:
+        return [1.0] * (last - first + 1)
+
 
 def two_sample_p(a: Counter[tuple[int, ...]], b: Counter[tuple[int, ...]]) -> float:
     """Chi-square test of homogeneity of two samples of categories (those expected under 5

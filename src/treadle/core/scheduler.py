@@ -20,6 +20,7 @@ from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.request import Request, RequestStatus
 from treadle.core.spec_decode import (
+    ENGINE_DECAY,
     PROBE_EVERY,
     StepTimes,
     acceptance,
@@ -71,6 +72,8 @@ class Scheduler:
         self.generation_tokens_total = 0
         # Speculative decoding's counters (vLLM's spec_decode_* metrics).
         self.spec_drafts = 0
+        # (hits, trials) over every request's verifying steps: a new request's prior
+        self.spec_engine_rate = (0.0, 0.0)
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         k = 0 if speculative is None else speculative.num_speculative_tokens
@@ -251,8 +254,9 @@ class Scheduler:
             return {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         draft = self.draft
+        prior = acceptance(*self.spec_engine_rate)
         candidates = {
-            r.request_id: (self._room(r, budget), acceptance(r.spec_hits, r.spec_trials))
+            r.request_id: (self._room(r, budget), acceptance(r.spec_hits, r.spec_trials, prior))
             for r in decoding
             if can_speculate(r.sampling_params)
             and (draft is None or r.prompt_embeds is None)  # the draft reads token ids
@@ -318,6 +322,9 @@ class Scheduler:
             self.spec_accepted_per_pos[pos] += 1
         req.spec_hits, req.spec_trials = tally(
             req.spec_hits, req.spec_trials, len(proposal), len(accepted)
+        )
+        self.spec_engine_rate = tally(
+            *self.spec_engine_rate, len(proposal), len(accepted), decay=ENGINE_DECAY
         )
         req.num_computed_tokens -= len(proposal) - len(accepted)
         new: list[int] = []

@@ -15,8 +15,8 @@ are given back (`Scheduler.update_from_output`).
 
 How many proposals a step verifies follows what they are worth on this machine: the
 scheduler times every step of decode rows (`StepTimes`, by its number of rows), and each
-request keeps its recent acceptance rate a (per proposed token, decayed, starting at
-`PRIOR_HITS / PRIOR_TRIALS`: cautiously). Its j-th proposal is worth a^j tokens; `plan` takes
+request keeps its recent acceptance rate a (per proposed token, decayed, starting at the
+engine's recent rate over every request, `PRIOR_HITS / PRIOR_TRIALS` before any: cautiously). Its j-th proposal is worth a^j tokens; `plan` takes
 proposals, the most valuable first (each worth at least `MIN_WORTH` tokens), as far as
 gives the step the most expected tokens per second. So a request whose proposals are mostly rejected proposes nothing, a
 middling one proposes fewer, and a batch whose step time grows with every row (many
@@ -44,20 +44,34 @@ from treadle.sampling_params import SamplingParams
 
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # a request's acceptance rate before any proposal: 0.5
 DECAY = 0.8  # per verifying step, the weight of what came before
+ENGINE_DECAY = 0.98  # the same over every request's verifying steps: the engine's prior
 PROBE_EVERY = 64
 MIN_WORTH = 0.05
+# Verifying proposals must promise this many times the tokens per second of a step without
+# them: where they barely pay (a big batch on a small CPU, whose every row costs what an
+# average one does) the estimates' noise would make them cost a little on average (the plan
+# follows a step time measured low by chance) and a row count tried costs its trial.
+MIN_GAIN = 1.03
 TIME_DECAY = 0.75  # moving average of a row count's step time
 
 
-def acceptance(hits: float, trials: float) -> float:
-    return (hits + PRIOR_HITS) / (trials + PRIOR_TRIALS)
+def acceptance(hits: float, trials: float, prior: float | None = None) -> float:
+    """A request's acceptance rate: its (decayed) hits over trials, with `PRIOR_TRIALS`
+    trials at the rate `prior` (the engine's recent rate over every request: a new request of
+    a workload whose proposals are mostly accepted starts high) before its own; without a
+    prior, at `PRIOR_HITS / PRIOR_TRIALS`."""
+    if prior is None:
+        return (hits + PRIOR_HITS) / (trials + PRIOR_TRIALS)
+    return (hits + PRIOR_TRIALS * prior) / (trials + PRIOR_TRIALS)
 
 
-def tally(hits: float, trials: float, proposed: int, accepted: int) -> tuple[float, float]:
+def tally(
+    hits: float, trials: float, proposed: int, accepted: int, decay: float = DECAY
+) -> tuple[float, float]:
     """(hits, trials) after a verifying step: each accepted proposal a hit, the first
     rejected one a miss; those after it were never tried."""
     tried = accepted + (accepted < proposed)
-    return DECAY * hits + accepted, DECAY * trials + tried
+    return decay * hits + accepted, decay * trials + tried
 
 
 class StepTimes:
@@ -86,6 +100,28 @@ class StepTimes:
             return self.seconds[below]
         return None if above is None else self.seconds[above]
 
+    def table(self, first: int, last: int) -> list[float]:
+        """`estimate(r)` for r in first..last in one pass (a plan reads dozens of them every
+        step); something must have been timed. (A subclass that changes `estimate` changes
+        this too.)"""
+        counts = sorted(self.seconds)
+        out: list[float] = []
+        i = 0  # counts[i] is the first count >= r
+        for r in range(first, last + 1):
+            while i < len(counts) and counts[i] < r:
+                i += 1
+            if i < len(counts) and counts[i] == r:
+                out.append(self.seconds[r])
+            elif i == 0:
+                out.append(self.seconds[counts[0]])
+            elif i == len(counts):
+                out.append(self.seconds[counts[-1]])
+            else:
+                below, above = counts[i - 1], counts[i]
+                lo, hi = self.seconds[below], self.seconds[above]
+                out.append(lo + (hi - lo) * (r - below) / (above - below))
+        return out
+
 
 def plan(
     candidates: dict[str, tuple[int, float]],
@@ -102,6 +138,7 @@ def plan(
     base = times.estimate(base_rows)
     if base is None:  # nothing timed yet
         return {rid: most for rid, (most, _) in candidates.items()}, True
+    est = times.table(base_rows, base_rows + sum(most for most, _ in candidates.values()) + 1)
     rows, tokens, seconds = base_rows, float(base_rows), base
     depths: list[int] = []  # requests making a j-th proposal, by j - 1
     drafting = 0.0  # the draft forwards' seconds
@@ -116,8 +153,7 @@ def plan(
 
     def sure_pays() -> bool:
         """Whether one more row holding a sure token would raise the tokens per second."""
-        sure = times.estimate(rows + 1)
-        assert sure is not None
+        sure = est[rows + 1 - base_rows]
         return (tokens + 1) * seconds >= tokens * (sure + draft_cost(1))
 
     heap = [(-a, rid, 1) for rid, (most, a) in candidates.items() if most > 0]
@@ -128,17 +164,17 @@ def plan(
     # the first dip would never try the rows past it again.)
     added: list[tuple[str, int]] = []
     best = (tokens / seconds, 0, sure_pays())
+    floor = MIN_GAIN * best[0]  # what proposals must promise to be verified at all
     while heap and -heap[0][0] >= MIN_WORTH:
         worth, rid, j = heapq.heappop(heap)
-        verify = times.estimate(rows + 1)
-        assert verify is not None
+        verify = est[rows + 1 - base_rows]
         with_draft = draft_cost(j)
         rows, tokens, seconds, drafting = rows + 1, tokens - worth, verify + with_draft, with_draft
         if j > len(depths):
             depths.append(0)
         depths[j - 1] += 1
         added.append((rid, j))
-        if tokens / seconds > best[0]:
+        if tokens / seconds > max(best[0], floor):
             best = (tokens / seconds, len(added), sure_pays())
         most, a = candidates[rid]
         if j < most:
