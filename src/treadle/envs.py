@@ -143,7 +143,8 @@ def packed_gguf_weights() -> bool:
 
 
 def cpu_isa() -> str | None:
-    """Force the CPU kernels' ISA level (avx512vnni, avx512, avx2, portable); unset: the CPU's best."""
+    """Force the CPU kernels' ISA level (avx512vnni, avx512, avx2vnni, avx2, portable); unset:
+    the CPU's best."""
     value = os.environ.get("TREADLE_CPU_ISA", "").strip().lower()
     return value or None
 
@@ -225,6 +226,11 @@ def cache_dir() -> Path:
 # What TREADLE_CPU_ISA also tells PyTorch's own kernels and oneDNN, so that a process forced to
 # a lower level behaves as it would on such a CPU (their own variables win where set).
 _ISA_CAPS = {
+    "avx2vnni": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
     "avx2": {
         "ATEN_CPU_CAPABILITY": "avx2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",

@@ -153,7 +153,8 @@ def test_start_up_facts_are_logged(loaded) -> None:  # type: ignore[no-untyped-d
         log,
     )
     assert re.search(
-        r"Model runs on .*(avx512vnni|avx512|avx2|portable|PyTorch).* with \d+ threads", log
+        r"Model runs on .*(avx512vnni|avx512|avx2vnni|avx2|portable|PyTorch).* with \d+ threads",
+        log,
     )
 
 

@@ -122,7 +122,7 @@ def test_offline_llm_raises_the_same_words_before_starting_anything(tiny: str) -
         (
             "TREADLE_CPU_ISA",
             "avx9",
-            "TREADLE_CPU_ISA='avx9': choose one of avx512vnni, avx512, avx2, portable",
+            "TREADLE_CPU_ISA='avx9': choose one of avx512vnni, avx512, avx2vnni, avx2, portable",
         ),
     ],
 )

@@ -5,6 +5,7 @@ side of the 8-token groups of the AVX2 path, scattered block tables, strided que
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -113,13 +114,29 @@ def test_isa_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TREADLE_CPU_ISA", "portable")
     assert cpu_kernels.select_isa() == "portable"
     monkeypatch.setenv("TREADLE_CPU_ISA", "avx9")
-    with pytest.raises(ValueError, match="avx512vnni, avx512, avx2, portable"):
+    with pytest.raises(ValueError, match="avx512vnni, avx512, avx2vnni, avx2, portable"):
         cpu_kernels.select_isa()
-    # a level above this CPU's is refused, never built and run
-    if best not in ("avx512", "avx512vnni"):
-        monkeypatch.setenv("TREADLE_CPU_ISA", "avx512")
-        with pytest.raises(ValueError, match="at most"):
+    # a level this CPU lacks is refused, never built and run
+    for level in set(cpu_kernels.ISA_LEVELS) - set(cpu_kernels.available_isas()):
+        monkeypatch.setenv("TREADLE_CPU_ISA", level)
+        with pytest.raises(ValueError, match="this CPU runs only"):
             cpu_kernels.select_isa()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 flags: only on x86-64")
+def test_levels_follow_the_flags_not_an_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    v3 = {"avx", "avx2", "fma", "f16c"}
+    v4 = v3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
+    for flags, want in (
+        (v4 | {"avx512_vnni"}, ["avx512vnni", "avx512", "avx2", "portable"]),  # Zen 4
+        (v4 | {"avx512_vnni", "avx_vnni"}, cpu_kernels.ISA_LEVELS),  # Sapphire Rapids
+        (v3 | {"avx_vnni"}, ["avx2vnni", "avx2", "portable"]),  # Alder Lake, Sierra Forest
+        (v3, ["avx2", "portable"]),
+        ({"sse4_2"}, ["portable"]),
+    ):
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+        assert cpu_kernels.available_isas() == list(want)
+        assert cpu_kernels.detect_isa() == want[0]
 
 
 def test_each_level_is_its_own_library_that_says_its_level() -> None:

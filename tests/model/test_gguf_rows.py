@@ -45,7 +45,7 @@ def weight(kind: str, n: int, k: int) -> tuple[QuantizedWeight, torch.Tensor]:
 
 # Levels where 1 and 2 rows take the sum way (`csrc/avx2.h`, SUM_MAX_ROWS): there a row of a 1-
 # or 2-row call has other bits (float rounding) than the same row in a call of 3 or more.
-SUM_MAX_ROWS = {"avx2": 2}
+SUM_MAX_ROWS = {"avx2": 2, "avx2vnni": 2}
 
 
 def each_row_alone(kernels: Kernels, x: torch.Tensor, quant: QuantizedWeight) -> torch.Tensor:

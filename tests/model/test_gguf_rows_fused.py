@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-SUM_WAY_ISAS = {"avx2"}  # 1 and 2 rows the sum way (`csrc/avx2.h`, SUM_MAX_ROWS)
+SUM_WAY_ISAS = {"avx2", "avx2vnni"}  # 1 and 2 rows the sum way (`csrc/avx2.h`, SUM_MAX_ROWS)
 BLOCK_SIZE, BLOCKS_EACH = 16, 16  # request i owns blocks 16 i .. 16 i + 15 of the cache
 
 

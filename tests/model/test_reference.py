@@ -114,6 +114,8 @@ def _check_against_hf(
 
 @pytest.mark.slow
 def test_default_gguf_model_matches_transformers(default_model_path: str, isa: str) -> None:
+    if isa == "avx2vnni":  # (28 s; passed on an Intel Xeon with AVX-VNNI, 2026-12-04)
+        pytest.skip("avx2vnni's float32 code is avx2's, tested there; the tiny models run here")
     path = default_model_path
     _check_against_hf(os.path.dirname(path), os.path.basename(path), isa)
 

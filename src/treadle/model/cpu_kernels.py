@@ -9,9 +9,12 @@ ones with integer dot products: `with_activations`) and the small per-layer ops
 bitmask applied to the logits, float32 throughout but for the int8 activations.
 
 ISA levels, best first: `avx512vnni` (x86-64-v4 and AVX512-VNNI, for the int8 dot products),
-`avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C), `portable` (no flags: any CPU the
-compiler targets). The level is chosen once per process from the CPU's
-flags (`detect_isa`), or forced with `TREADLE_CPU_ISA` (a level this CPU can run: a lower one
+`avx512` (x86-64-v4), `avx2vnni` (x86-64-v3 and AVX-VNNI, the 256-bit integer dot product of
+Intel's cores from Alder Lake and Sierra Forest on and AMD's from Zen 5), `avx2` (x86-64-v3:
+AVX2, FMA, F16C), `portable` (no flags: any CPU the compiler targets). A CPU runs the levels
+whose flags it has (an AVX-512 CPU may lack AVX-VNNI). The level is chosen once per process
+from the CPU's flags (`detect_isa`), or forced with `TREADLE_CPU_ISA` (a level this CPU can
+run: a lower one
 lets the AVX2 path be tested and measured on an AVX-512 machine; `treadle/__init__.py` then also
 caps PyTorch's and oneDNN's own kernels at that level, so the whole process behaves as on such
 a CPU). Each level is compiled with its own flags, never `-march=native`, into
@@ -46,12 +49,13 @@ from treadle.logger import init_logger
 
 logger = init_logger(__name__)
 
-ISA_LEVELS = ("avx512vnni", "avx512", "avx2", "portable")  # best first
+ISA_LEVELS = ("avx512vnni", "avx512", "avx2vnni", "avx2", "portable")  # best first
 _AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}
 # The CPU flags (as /proc/cpuinfo names them) each x86 level's code needs.
 _LEVEL_CPU_FLAGS = {
     "avx512vnni": _AVX512 | {"avx512_vnni"},
     "avx512": _AVX512,
+    "avx2vnni": {"avx2", "fma", "f16c", "avx_vnni"},
     "avx2": {"avx2", "fma", "f16c"},
 }
 # Compiler flags per level: the psABI level names (GCC >= 11, Clang >= 12), then the same
@@ -62,6 +66,7 @@ _LEVEL_CC_FLAGS = {
                     "-mavx2", "-mfma", "-mf16c"]),
     "avx512": (["-march=x86-64-v4"], ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
                                        "-mavx2", "-mfma", "-mf16c"]),
+    "avx2vnni": (["-march=x86-64-v3", "-mavxvnni"], ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
     "avx2": (["-march=x86-64-v3"], ["-mavx2", "-mfma", "-mf16c"]),
     "portable": ([], []),
 }  # fmt: skip
@@ -84,16 +89,7 @@ def cpu_flags() -> set[str]:
 
 def detect_isa() -> str:
     """The best level this CPU runs."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "portable"
-    flags = cpu_flags()
-    if not flags:  # no /proc/cpuinfo (e.g. macOS): PyTorch's own cpuid reading
-        capability = torch.backends.cpu.get_cpu_capability().lower()
-        return {"avx512": "avx512", "avx2": "avx2"}.get(capability, "portable")
-    for level in ("avx512vnni", "avx512", "avx2"):
-        if _LEVEL_CPU_FLAGS[level] <= flags:
-            return level
-    return "portable"
+    return available_isas()[0]
 
 
 def select_isa() -> str:
@@ -104,8 +100,10 @@ def select_isa() -> str:
         return best
     if forced not in ISA_LEVELS:
         raise ValueError(f"TREADLE_CPU_ISA={forced!r}: choose one of {', '.join(ISA_LEVELS)}")
-    if ISA_LEVELS.index(forced) < ISA_LEVELS.index(best):
-        raise ValueError(f"TREADLE_CPU_ISA={forced}, but this CPU runs at most the {best} level")
+    if forced not in available_isas():
+        raise ValueError(
+            f"TREADLE_CPU_ISA={forced}, but this CPU runs only {', '.join(available_isas())}"
+        )
     return forced
 
 
@@ -381,7 +379,17 @@ class Kernels:
 
 def available_isas() -> list[str]:
     """The levels this CPU runs, best first (`portable` always)."""
-    return list(ISA_LEVELS[ISA_LEVELS.index(detect_isa()) :])
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["portable"]
+    flags = cpu_flags()
+    if not flags:  # no /proc/cpuinfo (e.g. macOS): PyTorch's own cpuid reading
+        capability = torch.backends.cpu.get_cpu_capability().lower()
+        best = {"avx512": "avx512", "avx2": "avx2"}.get(capability, "portable")
+        levels = ISA_LEVELS[ISA_LEVELS.index(best) :]
+        return [level for level in levels if level != "avx2vnni"]
+    return [
+        level for level in ISA_LEVELS if level == "portable" or _LEVEL_CPU_FLAGS[level] <= flags
+    ]
 
 
 _lock = threading.Lock()

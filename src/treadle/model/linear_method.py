@@ -52,8 +52,8 @@ EXPAND_MIN_ROWS = 256  # from this many rows a layer kept only as blocks expands
 #   oneDNN streams 4x the bytes of the blocks, and every decode step stays fused.
 # - portable: the plain-C expansion (no byte-widening instruction in baseline x86-64) is 2-3x
 #   slower than oneDNN even at one row (0.53x for a layer's linears): never.
-# - avx512vnni: the avx512 level's float32 code, so its crossover.
-GGUF_MAX_ROWS = {"avx512vnni": 64, "avx512": 64, "avx2": 64, "portable": 0}
+# - avx512vnni: the avx512 level's float32 code, so its crossover; avx2vnni: the avx2 level's.
+GGUF_MAX_ROWS = {"avx512vnni": 64, "avx512": 64, "avx2vnni": 64, "avx2": 64, "portable": 0}
 
 
 class LinearMethod:

@@ -1,10 +1,15 @@
-/* treadle's CPU kernels at the AVX2 level (x86-64-v3: AVX2, FMA, F16C): 8-wide registers, 16
+/* treadle's CPU kernels at the AVX2 level (x86-64-v3: AVX2, FMA, F16C; and the avx2vnni level,
+   the same with AVX-VNNI, e.g. Intel's cores from Alder Lake on): 8-wide registers, 16
    of them. Included by cpu_kernels.c; it provides the KV rows' loads and stores, attend_d64,
    expand_tile, tile_gemm and few_rows_n, with the register tiles sized for 16 registers
    instead of AVX-512's 32. */
 #include <immintrin.h>
 
+#if defined(__AVXVNNI__)
+#define TREADLE_ISA "avx2vnni"  /* the same, and AVX-VNNI's 256-bit vpdpbusd for int8*.h */
+#else
 #define TREADLE_ISA "avx2"
+#endif
 #define half_to_float(h) _cvtsh_ss(h)
 #define HAVE_ATTEND_D64 1
 #define D64_BLOCK 16                 /* tokens per cache block this path expects */

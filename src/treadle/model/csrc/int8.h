@@ -10,7 +10,8 @@
 
    q . p is exact in 32-bit integers: AVX2 `maddubs` (u8 x s8 -> s16 pairs; never saturating
    here: 2 x 15 x 127 and 2 x 128 x 127 < 2^15) then `madd` with ones, on 256 bits (one block)
-   at avx2 and 512 (two blocks) at avx512; AVX512-VNNI `vpdpbusd` in one instruction; the
+   at avx2 and 512 (two blocks) at avx512; `vpdpbusd` in one instruction with AVX512-VNNI
+   (avx512vnni) or AVX-VNNI (avx2vnni: the same sums, so the same bits as avx2); the
    portable level plain integer loops. Q8 weights are signed: |q| .
    sign(p, q), as llama.cpp. A block costs one load of its quants and, per row, one product,
    one conversion and one FMA, where the float32 path widens every quant to a float.
@@ -74,6 +75,8 @@ static inline float hsum256(__m256 v) {
 static inline __m256i dot_u8i8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif

@@ -13,7 +13,8 @@
    rows beside it, nor on how many rows the call has (G16_ROWS is only how many share a pass
    over the weights).
 
-   Levels: avx512vnni (vpdpbusd, Q4 and Q8); avx512 and avx2: maddubs (u8 x s8 -> s16 pairs)
+   Levels: avx512vnni and avx2vnni (vpdpbusd, Q4 and Q8; AVX-VNNI's at 256 bits); avx512 and
+   avx2: maddubs (u8 x s8 -> s16 pairs)
    and madd, for Q4 summed over a block's 8 groups in s16 (8 x 2 x 15 x 127 < 2^15); Q8's
    u = q + 128 would saturate maddubs (2 x 255 x 127), so there each group takes q = u - 128
    back and multiplies |q| by p with q's sign (2 x 128 x 127 < 2^15, as llama.cpp does), and
@@ -128,6 +129,29 @@ static inline __attribute__((always_inline)) void g16_rows_n(
 #define G16_ROWS 4
 #define G16_KINDS (G16_Q4 | G16_Q8)
 
+/* q . p of one row's block for 8 outputs: w[g] = their quants of inputs 4g..4g+3 (Q4's, or
+   with AVX-VNNI Q8's u = q + 128 too), xr = the row's 8 groups of 4 int8 activations. */
+static inline __attribute__((always_inline)) __m256i g16_dot8(const __m256i w[8], const int32_t* xr) {
+#if defined(__AVXVNNI__)
+    __m256i s0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(xr[0]));
+    __m256i s1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[1], _mm256_set1_epi32(xr[1]));
+    for (int g = 2; g < 8; g += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, w[g], _mm256_set1_epi32(xr[g]));
+        s1 = _mm256_dpbusd_avx_epi32(s1, w[g + 1], _mm256_set1_epi32(xr[g + 1]));
+    }
+    return _mm256_add_epi32(s0, s1);
+#else
+    __m256i t0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
+    __m256i t1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(xr[1]));
+    for (int g = 2; g < 8; g += 2) {
+        t0 = _mm256_add_epi16(t0, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xr[g])));
+        t1 = _mm256_add_epi16(t1, _mm256_maddubs_epi16(w[g + 1], _mm256_set1_epi32(xr[g + 1])));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(t0, t1), _mm256_set1_epi16(1));
+#endif
+}
+
+#if !defined(__AVXVNNI__)
 /* Q8: q . p of `rows` rows' block for 8 outputs (one half of the group) into s[r], 4 of the
    8 groups at a time (q and |q| of 4 groups: 8 of the 16 registers). */
 static inline __attribute__((always_inline)) void g16_dot_q8_half(
@@ -153,6 +177,8 @@ static inline __attribute__((always_inline)) void g16_dot_q8_half(
     }
 }
 
+#endif
+
 /* The same at 256 bits: the group's two halves of 8 outputs one after the other. */
 static inline __attribute__((always_inline)) void g16_rows_n(
     const char* grp, const int kind, int64_t nb, const int8_t* xq, int64_t K, const float* xds,
@@ -165,6 +191,7 @@ static inline __attribute__((always_inline)) void g16_rows_n(
             const char* blk = grp + b * gb;
             if (half == 0)
                 for (int64_t off = 0; off < gb; off += 64) _mm_prefetch(blk + 4 * gb + off, _MM_HINT_T0);
+#if !defined(__AVXVNNI__)
             if (kind == KIND_Q8_G16) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * half)));
                 __m256i sumi[G16_ROWS];
@@ -174,24 +201,25 @@ static inline __attribute__((always_inline)) void g16_rows_n(
                                              _mm256_mul_ps(d, _mm256_set1_ps(xds[2 * (r * nb + b)])), acc[r]);
                 continue;
             }
+#endif
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * half)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * half)));
+            __m256 m;
             __m256i w[8];
-            const __m256i low = _mm256_set1_epi8(15);
-            for (int h = 0; h < 4; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 + 64 * h + 32 * half));
-                w[h] = _mm256_and_si256(v, low);
-                w[4 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (kind == KIND_Q4_G16) {
+                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * half)));
+                const __m256i low = _mm256_set1_epi8(15);
+                for (int h = 0; h < 4; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 + 64 * h + 32 * half));
+                    w[h] = _mm256_and_si256(v, low);
+                    w[4 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+            } else {  /* Q8 with AVX-VNNI: u . p = q . p + 128 sum(p), taken back by m s_x */
+                m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+                for (int g = 0; g < 8; g++)
+                    w[g] = _mm256_loadu_si256((const __m256i*)(blk + 32 + 64 * g + 32 * half));
             }
             for (int r = 0; r < rows; r++) {
-                const int32_t* xr = (const int32_t*)(xq + r * K + b * 32);
-                __m256i t0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
-                __m256i t1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(xr[1]));
-                for (int g = 2; g < 8; g += 2) {
-                    t0 = _mm256_add_epi16(t0, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xr[g])));
-                    t1 = _mm256_add_epi16(t1, _mm256_maddubs_epi16(w[g + 1], _mm256_set1_epi32(xr[g + 1])));
-                }
-                const __m256i sumi = _mm256_madd_epi16(_mm256_add_epi16(t0, t1), _mm256_set1_epi16(1));
+                const __m256i sumi = g16_dot8(w, (const int32_t*)(xq + r * K + b * 32));
                 const float* ds = xds + 2 * (r * nb + b);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi),
                                          _mm256_mul_ps(d, _mm256_set1_ps(ds[0])), acc[r]);
