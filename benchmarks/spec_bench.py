@@ -155,13 +155,20 @@ def main() -> None:
         "--cpu-activation-dtype", default="float32", help="treadle's, for every engine (int8)"
     )
     ap.add_argument("--llama-server", type=Path, default=ROOT / ".peers/llama-server-native")
+    ap.add_argument(
+        "--llama-extra",
+        default="",
+        help="more llama-server arguments for both of its runs (e.g. --no-repack: its AMX "
+        "repacking crashes on some Xeons)",
+    )
     args = ap.parse_args()
     peers: dict[str, list[str]] = {}  # name -> llama-server's extra arguments
     if args.llama_server.exists():
         k = max(args.k)
         ngram_args = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
         ngram_args += ["--spec-ngram-simple-size-m", str(k), "--spec-draft-n-max", str(k)]
-        peers = {"llama.cpp": [], f"llama.cpp ngram k={k}": ngram_args}
+        extra = args.llama_extra.split()
+        peers = {"llama.cpp": extra, f"llama.cpp ngram k={k}": [*extra, *ngram_args]}
     else:
         print(f"(no {args.llama_server}: `make bench-peers` builds llama.cpp's server)")
     logs = Path(tempfile.mkdtemp())
