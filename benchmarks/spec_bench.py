@@ -73,9 +73,6 @@ class FlatTimes(StepTimes):
     def record(self, rows: int, seconds: float) -> None:
         pass
 
-    def estimate(self, rows: int) -> float | None:
-        return self.value
-
     def table(self, first: int, last: int) -> list[float]:
         return [self.value] * (last - first + 1)
 

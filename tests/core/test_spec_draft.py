@@ -32,16 +32,13 @@ class FlatTimes(StepTimes):
     def record(self, rows: int, seconds: float) -> None:
         pass
 
-    def estimate(self, rows: int) -> float | None:
-        return 1.0
-
     def table(self, first: int, last: int) -> list[float]:
         return [1.0] * (last - first + 1)
 
 
 class FreeDraft(FlatTimes):
-    def estimate(self, rows: int) -> float | None:
-        return 0.0
+    def table(self, first: int, last: int) -> list[float]:
+        return [0.0] * (last - first + 1)
 
 
 @pytest.fixture(scope="module")

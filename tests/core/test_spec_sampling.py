@@ -25,9 +25,6 @@ class FlatTimes(StepTimes):
     def record(self, rows: int, seconds: float) -> None:
         pass
 
-    def estimate(self, rows: int) -> float | None:
-        return 1.0
-
     def table(self, first: int, last: int) -> list[float]:
         return [1.0] * (last - first + 1)
 

@@ -13,20 +13,20 @@ is processed as plain sampling would after the first j proposals (penalties, `mi
 bad words see them); logprobs are the target model's. The positions past the first rejection
 are given back (`Scheduler.update_from_output`).
 
-How many proposals a step verifies follows what they are worth on this machine: the
-scheduler times every step of decode rows (`StepTimes`, by its number of rows), and each
-request keeps its recent acceptance rate a (per proposed token, decayed, starting at the
-engine's recent rate over every request, `PRIOR_HITS / PRIOR_TRIALS` before any: cautiously). Its j-th proposal is worth a^j tokens; `plan` takes
-proposals, the most valuable first (each worth at least `MIN_WORTH` tokens), as far as
-gives the step the most expected tokens per second. So a request whose proposals are mostly rejected proposes nothing, a
-middling one proposes fewer, and a batch whose step time grows with every row (many
-requests on a small CPU) speculates only where acceptance is high. Row counts never timed
-are assumed to cost what the nearest count below costs (so they are tried once, and then
-known). With a draft model its forwards count in the step's time too (the j-th proposals
-of m requests cost a draft forward of m requests, as the draft has timed it), so a draft
-that costs more than its proposals save proposes nothing. A request the plan leaves out
-proposes one token every `PROBE_EVERY` steps, so that its rate can rise again, where a sure
-token would pay.
+How many proposals a step verifies follows what they are worth on this machine: the scheduler
+times every step of decode rows (`StepTimes`, by its number of rows), and each request keeps
+its recent acceptance rate a (per proposed token, decayed, starting at the engine's recent rate
+over every request, `PRIOR_HITS / PRIOR_TRIALS` before any: cautiously). Its j-th proposal is
+worth a^j tokens; `plan` takes proposals, the most valuable first (each worth at least
+`MIN_WORTH` tokens), as far as gives the step the most expected tokens per second. So a request
+whose proposals are mostly rejected proposes nothing, a middling one proposes fewer, and a
+batch whose step time grows with every row (many requests on a small CPU) speculates only where
+acceptance is high. Row counts never timed are assumed to cost what the nearest count below
+costs (so they are tried once, and then known). With a draft model its forwards count in the
+step's time too (the j-th proposals of m requests cost a draft forward of m requests, as the
+draft has timed it), so a draft that costs more than its proposals save proposes nothing. A
+request the plan leaves out proposes one token every `PROBE_EVERY` steps, so that its rate can
+rise again, where a sure token would pay.
 
 A request under a grammar (structured outputs) speculates too: its proposal is cut before the
 first token the grammar would reject (`Scheduler._proposals`, llguidance's `validate_tokens`),
@@ -88,22 +88,16 @@ class StepTimes:
 
     def estimate(self, rows: int) -> float | None:
         """Measured; else interpolated between the nearest counts timed below and above;
-        else the nearest below's (optimistic: it is then tried and timed) or above's."""
-        if rows in self.seconds:
-            return self.seconds[rows]
-        below = max((r for r in self.seconds if r < rows), default=None)
-        above = min((r for r in self.seconds if r > rows), default=None)
-        if below is not None and above is not None:
-            lo, hi = self.seconds[below], self.seconds[above]
-            return lo + (hi - lo) * (rows - below) / (above - below)
-        if below is not None:
-            return self.seconds[below]
-        return None if above is None else self.seconds[above]
+        else the nearest below's (optimistic: it is then tried and timed) or above's; None
+        before anything was timed."""
+        values = self.table(rows, rows)
+        return values[0] if values else None
 
     def table(self, first: int, last: int) -> list[float]:
         """`estimate(r)` for r in first..last in one pass (a plan reads dozens of them every
-        step); something must have been timed. (A subclass that changes `estimate` changes
-        this too.)"""
+        step); [] before anything was timed. (What a subclass changes.)"""
+        if not self.seconds:
+            return []
         counts = sorted(self.seconds)
         out: list[float] = []
         i = 0  # counts[i] is the first count >= r

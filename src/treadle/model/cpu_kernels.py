@@ -14,13 +14,12 @@ Intel's cores from Alder Lake and Sierra Forest on and AMD's from Zen 5), `avx2`
 AVX2, FMA, F16C), `portable` (no flags: any CPU the compiler targets). A CPU runs the levels
 whose flags it has (an AVX-512 CPU may lack AVX-VNNI). The level is chosen once per process
 from the CPU's flags (`detect_isa`), or forced with `TREADLE_CPU_ISA` (a level this CPU can
-run: a lower one
-lets the AVX2 path be tested and measured on an AVX-512 machine; `treadle/__init__.py` then also
-caps PyTorch's and oneDNN's own kernels at that level, so the whole process behaves as on such
-a CPU). Each level is compiled with its own flags, never `-march=native`, into
-`$TREADLE_CACHE_DIR/kernels` (default `~/.cache/treadle`), named by a hash of the sources, the
-level, the flags and the compiler: a cache shared between machines never hands one CPU a
-library built for another. The library says which level it was built for
+run: a lower one lets the AVX2 path be tested and measured on an AVX-512 machine;
+`treadle/__init__.py` then also caps PyTorch's and oneDNN's own kernels at that level, so the
+whole process behaves as on such a CPU). Each level is compiled with its own flags, never
+`-march=native`, into `$TREADLE_CACHE_DIR/kernels` (default `~/.cache/treadle`), named by a
+hash of the sources, the level, the flags and the compiler: a cache shared between machines
+never hands one CPU a library built for another. The library says which level it was built for
 (`treadle_kernel_isa`), and that is checked on load.
 
 The model asks once, at load time, whether it runs on these kernels (`for_model`: float32 on
