@@ -4,6 +4,7 @@
 # fetched), once per ISA level:
 #   $PEERS/llama-server-native  GGML_NATIVE=ON (what a user of this CPU would build)
 #   $PEERS/llama-server-avx2    AVX2 + FMA + F16C, no AVX-512: the peer of TREADLE_CPU_ISA=avx2
+#   $PEERS/llama-perplexity-native  the perplexity (and top-token) peer of benchmarks/quality.py
 # Usage: build_llama_server.sh PYTHON PEERS_DIR SDIST_SPEC
 set -euo pipefail
 python=$1 peers=$2 spec=$3
@@ -32,6 +33,12 @@ build() {  # name, cmake flags...
     cp "$peers/build-$name/bin/llama-server" "$peers/llama-server-$name"
 }
 build native -DGGML_NATIVE=ON
+if [ ! -x "$peers/llama-perplexity-native" ]; then
+    echo "== building llama-perplexity-native"
+    cmake --build "$peers/build-native" --target llama-perplexity -j "$(nproc)" 2>&1 \
+        | grep -E '^\[ *[0-9]+%\] (Built|Linking)' || true
+    cp "$peers/build-native/bin/llama-perplexity" "$peers/llama-perplexity-native"
+fi
 build avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
     -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
     -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF

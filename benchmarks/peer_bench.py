@@ -77,14 +77,16 @@ class LlamaServer:
         log_path: Path,
         ctx: int | None = None,
         request_len: int = INPUT_LEN + OUTPUT_LEN,
+        extra: list[str] | None = None,
     ) -> None:
-        """`ctx`: llama-server's -c; by default room for `slots` requests of `request_len`."""
+        """`ctx`: llama-server's -c; by default room for `slots` requests of `request_len`;
+        `extra`: more llama-server arguments."""
         self.port = free_port()  # llama-server cannot report an OS-chosen port back
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         ctx = ctx or slots * (request_len + 64)
         cmd = [str(binary), "-m", gguf, "-t", "2", "-np", str(slots), "-c", str(ctx)]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *(extra or [])]
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -144,12 +146,14 @@ def warm_up(url: str, model: str) -> None:
     asyncio.run(run_benchmark(url, model, prompts, 4, disable_tqdm=True, fresh_connections=True))
 
 
-def bench_llama(binary: Path, gguf: str, names: list[str], tmp: Path) -> dict[str, Any]:
+def bench_llama(
+    binary: Path, gguf: str, names: list[str], tmp: Path, extra: list[str]
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
         log = tmp / f"llama-{name}.log"
         _, slots, input_len, output_len = WORKLOADS[name]
-        server = LlamaServer(binary, gguf, slots, log, request_len=input_len + output_len)
+        server = LlamaServer(binary, gguf, slots, log, None, input_len + output_len, extra)
         try:
             out[f"{name}_startup_s"] = server.wait_healthy()
             warm_up(server.url, "model")
@@ -162,10 +166,10 @@ def bench_llama(binary: Path, gguf: str, names: list[str], tmp: Path) -> dict[st
     return out
 
 
-def bench_treadle(isa: str, names: list[str], tmp: Path) -> dict[str, Any]:
+def bench_treadle(isa: str, names: list[str], tmp: Path, args: list[str]) -> dict[str, Any]:
     if isa != "native":
         os.environ["TREADLE_CPU_ISA"] = isa
-    server = Server(tmp / "treadle.log")
+    server = Server(tmp / "treadle.log", args)
     out: dict[str, Any] = {}
     try:
         out["startup_s"] = server.wait_healthy()
@@ -194,6 +198,17 @@ def main() -> int:
     parser.add_argument("--workloads", default="single,c16,c64,ttft512")
     parser.add_argument("--peers", default=str(ROOT / ".peers"), help="where llama-server-* are")
     parser.add_argument("--result-file", default=None)
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="more `treadle serve` flags (e.g. --cpu-activation-dtype int8)",
+    )
+    parser.add_argument(
+        "--llama-extra",
+        default="",
+        help="more llama-server arguments (e.g. --no-repack: its AMX repacking crashes on some "
+        "Xeons, in ggml_backend_amx_mul_mat at the first decode)",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     names = args.workloads.split(",")
@@ -213,6 +228,7 @@ def main() -> int:
 
     level = detect_isa() if args.isa == "native" else args.isa
     print(f"CPU: {cpu} ({detect_isa()}); treadle at {level} beside {binary.name}; {gguf}")
+    print(f"treadle serve {args.serve_args}; llama-server -t 2 {args.llama_extra}")
     bandwidth, peak = read_bandwidth(2), float32_peak(2)  # both servers run on 2 threads
     nbytes, params = model_bytes_and_params(gguf)
     print(
@@ -231,8 +247,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="treadle-peer-bench-") as tmp_dir:
         tmp = Path(tmp_dir)
-        llama = bench_llama(binary, gguf, names, tmp)
-        ours = bench_treadle(args.isa, names, tmp)
+        llama = bench_llama(binary, gguf, names, tmp, args.llama_extra.split())
+        ours = bench_treadle(args.isa, names, tmp, args.serve_args.split())
     print(
         f"\n{'workload':10s} {'treadle':>10s} {'llama.cpp':>10s} {'ratio':>7s}  target"
         f"   {'treadle':>6s} {'llama':>6s} of the limit"
