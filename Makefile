@@ -84,6 +84,7 @@ bench: install bench-peers
 	$(BIN)/python benchmarks/spec_bench.py
 	$(BIN)/python benchmarks/kv_dtype_bench.py
 	$(BIN)/python benchmarks/quality.py
+	$(BIN)/python benchmarks/quality.py --activations int8
 	$(BIN)/python benchmarks/quality.py --kv-cache-dtype int8
 	$(BIN)/python benchmarks/restart_bench.py --serve-args "-tp 3 --dtype float32" --victim Worker_TP1 --streams 16 --rounds 2
 

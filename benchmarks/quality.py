@@ -1,11 +1,11 @@
-"""Numerics of `--cpu-activation-dtype int8`, or of `--kv-cache-dtype float16|bfloat16|int8`,
-against the exact float32 path (issue 24 items 2 and 3): greedy agreement on the reference
-prompts of tests/model/test_reference.py, and perplexity on a fixed text, per ISA level,
-beside llama.cpp's `llama-perplexity` on the same text and GGUF where it is built.
+"""Numerics of `--cpu-activation-dtype int8x2` (the default) or `int8`, or of
+`--kv-cache-dtype float16|bfloat16|int8`, against the exact float32 path (issue 24 items 2
+and 3): greedy agreement on the reference prompts of tests/model/test_reference.py, and
+perplexity on a fixed text, per ISA level, beside llama.cpp's `llama-perplexity` on the same text and GGUF where it is built.
 
 For each level this CPU runs where the GGUF blocks are used (each in its own process with
 TREADLE_CPU_ISA set), the default model runs both paths (exact: float32 activations and KV
-cache; other: int8 activations by default, or float32 activations and the given KV cache
+cache; other: --activations (int8x2 by default), or float32 activations and the given KV cache
 dtype with --kv-cache-dtype). Printed per level:
 
 - greedy agreement, teacher-forced: the exact path's greedy continuation of each prompt
@@ -19,8 +19,8 @@ dtype with --kv-cache-dtype). Printed per level:
   `llama-perplexity -c CTX` computes it (chunks of CTX tokens, each scored on its second
   half), beside that program's figure.
 
-    .venv/bin/python benchmarks/quality.py [--isa avx2] [--new-tokens 64] [--kv-cache-dtype int8]
-        [--ctx 256] [--llama-perplexity .peers/llama-perplexity-native]
+    .venv/bin/python benchmarks/quality.py [--isa avx2] [--new-tokens 64] [--activations int8]
+        [--kv-cache-dtype int8] [--ctx 256] [--llama-perplexity .peers/llama-perplexity-native]
 """
 
 from __future__ import annotations
@@ -123,9 +123,11 @@ def teacher_forced(exact: list[list[int]], other: list[list[int]]) -> dict[str, 
     return {"same": total - sum(flips), "total": total, "flips_per_prompt": flips}
 
 
-def measure(new_tokens: int, kv_cache_dtype: str | None, ctx: int) -> dict[str, Any]:
+def measure(
+    new_tokens: int, activations: str, kv_cache_dtype: str | None, ctx: int
+) -> dict[str, Any]:
     exact_path = ("float32", "auto")
-    other_path = ("int8", "auto") if kv_cache_dtype is None else ("float32", kv_cache_dtype)
+    other_path = (activations, "auto") if kv_cache_dtype is None else ("float32", kv_cache_dtype)
     exact = run_path(exact_path, new_tokens, ctx, None)
     other = run_path(other_path, new_tokens, ctx, exact["forced"])
     # The exact path's own prefill against its decode: both read the same bits unless a
@@ -225,18 +227,26 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=256, help="llama-perplexity's -c")
     parser.add_argument("--llama-perplexity", type=Path, default=PEER)
     parser.add_argument(
+        "--activations",
+        choices=("int8x2", "int8"),
+        default="int8x2",
+        help="the activations to compare with float32's (int8x2: the default path)",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         choices=("float16", "bfloat16", "int8"),
         default=None,
-        help="compare this KV cache (float32 activations) instead of int8 activations",
+        help="compare this KV cache (float32 activations) instead of --activations",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.new_tokens, args.kv_cache_dtype, args.ctx)))
+        print(json.dumps(measure(args.new_tokens, args.activations, args.kv_cache_dtype, args.ctx)))
         return 0
     other = (
-        "int8 activations" if args.kv_cache_dtype is None else f"the {args.kv_cache_dtype} KV cache"
+        f"{args.activations} activations"
+        if args.kv_cache_dtype is None
+        else f"the {args.kv_cache_dtype} KV cache"
     )
     from treadle.model.cpu_kernels import available_isas
     from treadle.model.linear_method import GGUF_MAX_ROWS
@@ -249,7 +259,7 @@ def main() -> int:
         env = dict(os.environ, TREADLE_CPU_ISA=isa, TREADLE_LOGGING_LEVEL="WARNING")
         env.setdefault("TREADLE_ENABLE_MULTIPROCESSING", "0")
         cmd = [sys.executable, __file__, "--child", "--new-tokens", str(args.new_tokens)]
-        cmd += ["--ctx", str(args.ctx)]
+        cmd += ["--ctx", str(args.ctx), "--activations", args.activations]
         if args.kv_cache_dtype:
             cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)

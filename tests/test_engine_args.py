@@ -219,9 +219,10 @@ def test_chat_template_file_or_inline(tmp_path: Path, default_model_path: str) -
 
 def test_cpu_activation_dtype_flag(capsys: pytest.CaptureFixture[str]) -> None:
     """float32 by default; int8 as a flag or a kwarg; another value is refused naming the flag."""
-    assert EngineArgs().create_engine_config().model.cpu_activation_dtype == "float32"
-    args = EngineArgs.from_cli_args(parse("--cpu-activation-dtype", "int8"))
-    assert args.create_engine_config().model.cpu_activation_dtype == "int8"
+    assert EngineArgs().create_engine_config().model.cpu_activation_dtype == "int8x2"
+    for dtype in ("float32", "int8"):
+        args = EngineArgs.from_cli_args(parse("--cpu-activation-dtype", dtype))
+        assert args.create_engine_config().model.cpu_activation_dtype == dtype
     kwargs, _ = EngineArgs.from_kwargs(cpu_activation_dtype="int8")
     assert kwargs.create_engine_config().model.cpu_activation_dtype == "int8"
     with pytest.raises(SystemExit) as info:

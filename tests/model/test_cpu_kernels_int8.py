@@ -166,6 +166,38 @@ def test_g16_matches_the_exact_integer_reference_at_every_row_count(
         )
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_int8x2_takes_each_row_as_its_blocks_and_their_rounding(
+    kernels: Kernels, kind: str, rows: int
+) -> None:
+    """int8x2: each row quantized, then what the rounding left quantized again, both products
+    added (`quantized_rows_x2`): the exact integer reference of those two rows, each row's
+    bits its own, and ~1e-5 of float32's product where int8 alone is ~1e-2 away."""
+    x2 = kernels.with_activations("int8x2")
+    if not kernels.g16_kinds >> KINDS[kind] & 1:  # no 16-wide layout: the float32 product
+        return
+    blocks, weight = g16_weight(kind, 203, 576, seed=rows)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 700)[:, 50:626]  # strided rows
+    x[0, :32] = 0.0  # a block of zeros (d = 0): its rest is zero too
+    got = GGUFLinear(x2, weight, None, max_rows=1 << 20).apply(x, None)
+    p, d, _ = quantize_activations(x.contiguous())
+    rest = x.reshape(rows, -1, 32) - d[..., None] * p.to(torch.float32)
+    first, magnitude = reference(x.contiguous(), blocks)
+    second, _ = reference(rest.reshape(rows, -1), blocks)
+    # (the C may fuse x - d p into one rounding, which can move a quant of the rest by one)
+    assert ((got.double() - (first + second)).abs() <= 1e-5 * magnitude).all()
+    for r in range(rows):
+        assert torch.equal(got[r], x2.gguf_linear(x[r : r + 1], weight.tiles, weight.kind, 203)[0])
+    tiled = QuantizedWeight.build([blocks], 203, torch.device("cpu"))
+    assert tiled is not None
+    exact = cpu_kernels.kernels_for(kernels.isa).gguf_linear(x, tiled.tiles, tiled.kind, 203)
+    one = GGUFLinear(kernels, weight, None, max_rows=1 << 20).apply(x, None)
+    assert (got - exact).norm() <= 1e-4 * exact.norm()
+    assert (got - exact).norm() * 30 <= (one - exact).norm()
+
+
 def test_a_kind_the_level_does_not_run_16_wide_gives_nan(kernels: Kernels) -> None:
     missing = [k for k in ("Q4_1", "Q8_0") if not kernels.g16_kinds >> KINDS[k] & 1]
     if not missing:

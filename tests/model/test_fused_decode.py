@@ -45,7 +45,7 @@ def decode_step(
 @pytest.mark.parametrize(
     ("isa", "activations"),
     [(isa, "float32") for isa in cpu_kernels.available_isas()]
-    + [(cpu_kernels.available_isas()[0], "int8")],
+    + [(cpu_kernels.available_isas()[0], a) for a in ("int8", "int8x2")],
 )
 def test_fused_decode_matches_the_modules(
     default_model_path: str, isa: str, activations: str, monkeypatch: pytest.MonkeyPatch

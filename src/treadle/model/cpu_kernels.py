@@ -184,6 +184,7 @@ _SIGNATURES = {
     "gguf_dequantize_f32": [ptr, c_int, i64, i64, ptr, c_int],
     "gguf_dequantize_rows_f32": [ptr, c_int, i64, i64, ptr, i64, ptr],
     "gguf_linear_i8": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
+    "gguf_linear_i8x2": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
     "rms_norm_f32": [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int],
     "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
     "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
@@ -192,6 +193,12 @@ _SIGNATURES = {
     "decode_layers_f32": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int],
     "apply_token_bitmask_f32": [ptr, i64, ptr, i64, ptr, i64, i64, c_int],
 }
+
+
+# The GGUF-block product of each integer activation dtype: int8 blocks of 32 (`csrc/int8.h`), or
+# each row as two int8 rows, its blocks and what their rounding left (`int8x2`: nearly
+# float32's product).
+INT8_LINEAR = {"int8": "gguf_linear_i8", "int8x2": "gguf_linear_i8x2"}
 
 
 class Kernels:
@@ -235,9 +242,7 @@ class Kernels:
             return self
         other = copy.copy(self)
         other.activations = dtype
-        other._gguf_linear = (
-            self._lib.gguf_linear_i8 if dtype == "int8" else self._lib.gguf_linear_f32
-        )
+        other._gguf_linear = getattr(self._lib, INT8_LINEAR.get(dtype, "gguf_linear_f32"))
         return other
 
     def paged_decode_attention(
@@ -436,7 +441,11 @@ def for_model(device: torch.device, dtype: torch.dtype) -> Kernels | None:
 def describe(kernels: Kernels | None, device: torch.device, dtype: torch.dtype) -> str:
     """For the start-up log: which kernels a model runs on, and why not treadle's."""
     if kernels is not None:
-        int8 = ", int8 activations on GGUF blocks" if kernels.activations == "int8" else ""
+        int8 = (
+            f", {kernels.activations} activations on GGUF blocks"
+            if kernels.activations in INT8_LINEAR
+            else ""
+        )
         return f"treadle's {kernels.isa} CPU kernels ({kernels.path.name}{int8})"
     if device.type != "cpu" or dtype != torch.float32:
         return f"PyTorch ({device.type}, {str(dtype).removeprefix('torch.')})"

@@ -122,7 +122,7 @@ class FusedDecoder:
             eps=first.input_layernorm.eps,
             scale=first.self_attn.scale,
             final_norm=m.model.norm.weight.data_ptr(),
-            int8_activations=int(self.kernels.activations == "int8"),
+            int8_activations={"int8": 1, "int8x2": 2}.get(self.kernels.activations, 0),
             kv_type=kv_type(k_cache),
         )
         self._layers, self._bound_to = layers, kv_caches

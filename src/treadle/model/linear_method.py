@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from treadle import envs
 from treadle.logger import init_logger
-from treadle.model.cpu_kernels import Kernels
+from treadle.model.cpu_kernels import INT8_LINEAR, Kernels
 from treadle.model.quantized import KIND_Q4_G16, QuantizedWeight
 
 logger = init_logger(__name__)
@@ -223,7 +223,7 @@ def for_activations(quant: QuantizedWeight, kernels: Kernels) -> QuantizedWeight
     wide where this level runs that (`QuantizedWeight.to_g16`: ~3x less work per row than
     the tiles, so a speculative step's k + 1 rows cost little more than one; the same bytes,
     so the tiles are not kept); else as they are."""
-    if kernels.activations == "int8" and kernels.g16_kinds >> quant.kind & 1:
+    if kernels.activations in INT8_LINEAR and kernels.g16_kinds >> quant.kind & 1:
         return quant.to_g16()
     return quant
 

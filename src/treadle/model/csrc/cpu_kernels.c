@@ -360,12 +360,35 @@ static int8_t* quantized_rows(const float* x, int64_t x_row_stride, int64_t M, i
     return xq;
 }
 
+/* x's M rows each as two int8 rows (rows 2r and 2r + 1): the row's blocks, then the blocks of
+   what their rounding left, x - d q (at most d / 2 an element), so that a row is the sum of
+   the two to ~1 / 32,000 of its block's largest value instead of ~1 / 254: the products of
+   both, added, are nearly float32's (int8's cost on rows that share one pass over the
+   weights). */
+static int8_t* quantized_rows_x2(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
+                                 float** xds) {
+    const int64_t nb = K / 32;
+    int8_t* xq = (int8_t*)malloc((size_t)(2 * M * K));
+    *xds = (float*)malloc(sizeof(float) * 2 * 2 * M * nb);
+    float* rest = (float*)malloc(sizeof(float) * K);
+    for (int64_t r = 0; r < M; r++) {
+        int8_t* q = xq + 2 * r * K;
+        float* ds = *xds + 2 * 2 * r * nb;
+        quantize_rows_q8(x + r * x_row_stride, x_row_stride, 1, K, q, ds);
+        for (int64_t k = 0; k < K; k++) rest[k] = x[r * x_row_stride + k] - ds[2 * (k / 32)] * q[k];
+        quantize_rows_q8(rest, K, 1, K, q + K, ds + 2 * nb);
+    }
+    free(rest);
+    return xq;
+}
+
 /* A G16 weight (common.h, int8_g16.h) against int8 activations, for every row count: each group
    of 16 outputs passes over G16_ROWS rows at a time while it stays in L1. A kind this level
-   does not run 16 wide (Python never lays one out so) gives NaN. */
+   does not run 16 wide (Python never lays one out so) gives NaN. `parts`: 1, or 2 for each row
+   as two int8 rows (quantized_rows_x2), whose products are added. */
 static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
                             const void* w, int kind, int64_t N, float* y, int64_t y_row_stride,
-                            int num_threads)
+                            int num_threads, int parts)
 {
     if (!(G16_KINDS & (1 << (kind - KIND_Q4_G16)))) {
         for (int64_t r = 0; r < M; r++)
@@ -376,17 +399,26 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
     const int64_t nb = K / 32, ngroups = (N + G16 - 1) / G16;
     const int64_t group_bytes = nb * g16_block_bytes(kind);
     float* xds;
-    int8_t* xq = quantized_rows(x, x_row_stride, M, K, &xds);
+    int8_t* xq = parts == 2 ? quantized_rows_x2(x, x_row_stride, M, K, &xds)
+                            : quantized_rows(x, x_row_stride, M, K, &xds);
+    const int64_t R = parts * M;  /* G16_ROWS is even: a row's two parts share a pass */
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t g = 0; g < ngroups; g++) {
         const char* grp = (const char*)w + g * group_bytes;
         const int64_t valid = N - g * G16 < G16 ? N - g * G16 : G16;
-        for (int64_t r0 = 0; r0 < M; r0 += G16_ROWS) {
-            const int64_t rows = M - r0 < G16_ROWS ? M - r0 : G16_ROWS;
+        for (int64_t r0 = 0; r0 < R; r0 += G16_ROWS) {
+            const int64_t rows = R - r0 < G16_ROWS ? R - r0 : G16_ROWS;
             float out[G16_ROWS][G16];
             g16_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows, out);
-            for (int64_t r = 0; r < rows; r++)
-                memcpy(y + (r0 + r) * y_row_stride + g * G16, out[r], sizeof(float) * valid);
+            if (parts == 1) {
+                for (int64_t r = 0; r < rows; r++)
+                    memcpy(y + (r0 + r) * y_row_stride + g * G16, out[r], sizeof(float) * valid);
+            } else {
+                for (int64_t r = 0; r < rows; r += 2) {
+                    float* yr = y + (r0 + r) / 2 * y_row_stride + g * G16;
+                    for (int64_t n = 0; n < valid; n++) yr[n] = out[r][n] + out[r + 1][n];
+                }
+            }
         }
     }
     free(xq);
@@ -402,7 +434,7 @@ void gguf_linear_i8(
     float* y, int64_t y_row_stride, int num_threads)
 {
     if (kind >= KIND_Q4_G16) {
-        gguf_linear_g16(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads);
+        gguf_linear_g16(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads, 1);
         return;
     }
     if (M > I8_MAX_ROWS) {
@@ -427,6 +459,20 @@ void gguf_linear_i8(
     }
     free(xq);
     free(xds);
+}
+
+/* The same with each row as two int8 rows, its blocks and their rounding's (quantized_rows_x2):
+   nearly float32's products at int8's speed on few rows. Weights not laid out 16 wide take the
+   float32 product. */
+void gguf_linear_i8x2(
+    const float* x, int64_t x_row_stride, int64_t M, int64_t K,
+    const void* tiles, int kind, int64_t N,
+    float* y, int64_t y_row_stride, int num_threads)
+{
+    if (kind >= KIND_Q4_G16)
+        gguf_linear_g16(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads, 2);
+    else
+        gguf_linear_f32(x, x_row_stride, M, K, tiles, kind, N, y, y_row_stride, num_threads);
 }
 
 /* ---- The small per-layer operations -------------------------------------------------------
@@ -597,7 +643,7 @@ typedef struct {
     int64_t num_blocks, block_size;
     float eps, scale;
     const float* final_norm;
-    int32_t int8_activations;  /* the linear layers on gguf_linear_i8, not _f32 */
+    int32_t int8_activations;  /* the linear layers on gguf_linear_i8 (1), _i8x2 (2), or _f32 */
     int32_t kv_type;           /* the KV cache's rows (common.h's KV_*) */
 } decode_model;
 
@@ -621,7 +667,8 @@ void decode_layers_f32(
     float* act = (float*)malloc(sizeof(float) * M * I);
     void (*const linear)(const float*, int64_t, int64_t, int64_t, const void*, int, int64_t,
                          float*, int64_t, int) =
-        m->int8_activations ? gguf_linear_i8 : gguf_linear_f32;
+        m->int8_activations == 2 ? gguf_linear_i8x2
+        : m->int8_activations ? gguf_linear_i8 : gguf_linear_f32;
     memcpy(residual, emb, sizeof(float) * M * H);
     for (int64_t l = 0; l < m->num_layers; l++) {
         const decode_layer* L = layers + l;
