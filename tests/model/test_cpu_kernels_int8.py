@@ -198,6 +198,31 @@ def test_int8x2_takes_each_row_as_its_blocks_and_their_rounding(
     assert (got - exact).norm() * 30 <= (one - exact).norm()
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_int8x2_expands_its_blocks_for_many_rows(kernels: Kernels) -> None:
+    """A prefill's products (256 rows or more, whole multiples of 64) are faster as oneDNN's
+    float32 GEMM on the blocks expanded than as twice the rows in integers: float32's product
+    there, int8x2's on the rows past the last multiple of 64 and on fewer rows."""
+    x2 = kernels.with_activations("int8x2")
+    if not kernels.g16_kinds >> KINDS["Q4_1"] & 1:
+        return
+    blocks, _ = g16_weight("Q4_1", 96, 576, seed=0)
+    tiled = QuantizedWeight.build([blocks], 96, torch.device("cpu"))
+    assert tiled is not None
+    method = linear_method.choose(torch.nn.Parameter(torch.empty(96, 576)), tiled, x2)
+    assert isinstance(method, GGUFLinear) and isinstance(
+        method.beyond, linear_method.ExpandedLinear
+    )
+    x = torch.randn(300, 576)
+    got = method.apply(x, None)
+    exact = cpu_kernels.kernels_for(kernels.isa).gguf_linear(x, tiled.tiles, tiled.kind, 96)
+    blocks_alone = x2.gguf_linear(x, method.quant.tiles, method.quant.kind, 96)
+    assert torch.allclose(got[:256], exact[:256], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got[:256], blocks_alone[:256])
+    assert torch.equal(got[256:], blocks_alone[256:])
+    assert torch.equal(method.apply(x[:40], None), blocks_alone[:40])
+
+
 def test_a_kind_the_level_does_not_run_16_wide_gives_nan(kernels: Kernels) -> None:
     missing = [k for k in ("Q4_1", "Q8_0") if not kernels.g16_kinds >> KINDS[k] & 1]
     if not missing:

@@ -251,8 +251,15 @@ def choose(
         # default model): its many-row products (prompt logprobs) stay on the blocks. So do
         # blocks laid out 16 wide for int8 activations: faster than oneDNN's float32 GEMM at
         # every row count (a layer's linears at 512 rows, avx512vnni, 2 threads: 6.2 ms
-        # against 8.3 for the packed copy; the LM head 57 against 94).
-        expand = not lm_head and torch.backends.mkldnn.is_available() and quant.kind < KIND_Q4_G16
+        # against 8.3 for the packed copy; the LM head 57 against 94). int8x2's two rows a
+        # row are not: TTFT of a 512-token prompt 748 ms against float32's 645 at avx512vnni,
+        # 1,334 against 860 at avx2 (an Intel Xeon, 2026-12-04), so its many-row products
+        # expand the blocks too.
+        expand = (
+            not lm_head
+            and torch.backends.mkldnn.is_available()
+            and (quant.kind < KIND_Q4_G16 or kernels.activations == "int8x2")
+        )
         beyond = ExpandedLinear(kernels, quant) if expand else None
         return GGUFLinear(kernels, quant, beyond, max_rows)
     packed = pack_weight(weight)

@@ -322,10 +322,14 @@ void gguf_dequantize_rows_f32(const void* w, int kind, int64_t N, int64_t K, con
 void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, float* w,
                          int num_threads)
 {
-    if (kind >= KIND_Q4_G16) {  /* 16 wide, row by row (no layer expands one: it runs all rows) */
+    if (kind >= KIND_Q4_G16) {  /* 16 wide (int8x2's many-row products): row by row */
         int64_t* ids = (int64_t*)malloc(sizeof(int64_t) * N);
         for (int64_t n = 0; n < N; n++) ids[n] = n;
-        gguf_dequantize_rows_f32(tiles, kind, N, K, ids, N, w);
+        const int64_t chunk = 64;
+        #pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += chunk)
+            gguf_dequantize_rows_f32(tiles, kind, N, K, ids + n0, N - n0 < chunk ? N - n0 : chunk,
+                                     w + n0 * K);
         free(ids);
         return;
     }
