@@ -80,7 +80,7 @@ def load_model(
     )
     model.load_weights(weights)
     kernels = cpu_kernels.for_model(device, dtype)
-    if kernels is not None:
+    if kernels is not None and source.is_gguf:  # (only GGUF-block layers read it)
         kernels = kernels.with_activations(cpu_activation_dtype)
     for module in model.modules():
         prepare = getattr(module, "prepare", None)
