@@ -93,7 +93,8 @@ def measure_treadle(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def measure_llama(binary: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     gguf = resolve_model(None).path
-    server = LlamaServer(binary, gguf, 1, tmp / "llama.log", ctx=args.max_model_len)
+    extra = args.llama_extra.split()
+    server = LlamaServer(binary, gguf, 1, tmp / "llama.log", args.max_model_len, extra=extra)
     try:
         server.wait_healthy()
         tokens = complete(server.url, args.new_tokens)
@@ -110,6 +111,9 @@ def main() -> None:
     parser.add_argument("--serve-args", default="", help="extra `treadle serve` flags")
     parser.add_argument("--peers", default=str(ROOT / ".peers"), help="where llama-server-* are")
     parser.add_argument("--result-file", default=None, help="the figures as JSON")
+    parser.add_argument(
+        "--llama-extra", default="", help="more llama-server arguments (e.g. --no-repack)"
+    )
     args = parser.parse_args()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="treadle-memory-") as tmp:

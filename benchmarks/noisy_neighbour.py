@@ -117,8 +117,10 @@ def served_name(url: str) -> str:
         return str(json.load(resp)["data"][0]["id"])
 
 
-def bench_llama(binary: Path, gguf: str, requests: int, tmp: Path) -> dict[str, float]:
-    server = LlamaServer(binary, gguf, 1, tmp / "llama.log")
+def bench_llama(
+    binary: Path, gguf: str, requests: int, tmp: Path, extra: list[str]
+) -> dict[str, float]:
+    server = LlamaServer(binary, gguf, 1, tmp / "llama.log", extra=extra)
     try:
         server.wait_healthy()
         return phases(server.url, "model", requests)
@@ -130,6 +132,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=3, help="requests per phase (median)")
     parser.add_argument("--llama-server", type=Path, default=ROOT / ".peers/llama-server-native")
+    parser.add_argument(
+        "--llama-extra", default="", help="more llama-server arguments (e.g. --no-repack)"
+    )
     args = parser.parse_args()
     gguf = resolve_model(None).path
     results: dict[str, Any] = {}
@@ -139,7 +144,9 @@ def main() -> int:
         results["treadle"] = bench_treadle(gguf, args.requests, tmp)
         if args.llama_server.exists():
             print("llama.cpp ...", flush=True)
-            results["llama.cpp"] = bench_llama(args.llama_server, gguf, args.requests, tmp)
+            results["llama.cpp"] = bench_llama(
+                args.llama_server, gguf, args.requests, tmp, args.llama_extra.split()
+            )
         else:
             print(f"(no {args.llama_server}: `make bench-peers` builds llama.cpp's server)")
     print(f"\nsingle-stream TPOT, ms (cpu: {os.cpu_count()} cores)")

@@ -209,13 +209,14 @@ def test_int8x2_expands_its_blocks_for_many_rows(kernels: Kernels) -> None:
     blocks, _ = g16_weight("Q4_1", 96, 576, seed=0)
     tiled = QuantizedWeight.build([blocks], 96, torch.device("cpu"))
     assert tiled is not None
+    x = torch.randn(300, 576)
+    exact = cpu_kernels.kernels_for(kernels.isa).gguf_linear(x, tiled.tiles, tiled.kind, 96)
     method = linear_method.choose(torch.nn.Parameter(torch.empty(96, 576)), tiled, x2)
     assert isinstance(method, GGUFLinear) and isinstance(
         method.beyond, linear_method.ExpandedLinear
     )
-    x = torch.randn(300, 576)
+    assert tiled.tiles.numel() == 0  # laid out anew in its own memory: no copy kept
     got = method.apply(x, None)
-    exact = cpu_kernels.kernels_for(kernels.isa).gguf_linear(x, tiled.tiles, tiled.kind, 96)
     blocks_alone = x2.gguf_linear(x, method.quant.tiles, method.quant.kind, 96)
     assert torch.allclose(got[:256], exact[:256], rtol=1e-4, atol=1e-4)
     assert not torch.equal(got[:256], blocks_alone[:256])

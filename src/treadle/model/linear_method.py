@@ -224,7 +224,7 @@ def for_activations(quant: QuantizedWeight, kernels: Kernels) -> QuantizedWeight
     the tiles, so a speculative step's k + 1 rows cost little more than one; the same bytes,
     so the tiles are not kept); else as they are."""
     if kernels.activations in INT8_LINEAR and kernels.g16_kinds >> quant.kind & 1:
-        return quant.to_g16()
+        return quant.to_g16(in_place=True)
     return quant
 
 

@@ -87,6 +87,7 @@ def load_model(
         if module is not model and callable(prepare):
             prepare(kernels)  # each layer picks its implementation, once
     model.prepare(kernels)  # then the model, which looks at its layers' choices
+    _release_freed_memory()
     fused = model.fused
     logger.info(
         "Model runs on %s%s%s",
@@ -95,6 +96,23 @@ def load_model(
         f"; decode steps of up to {fused.max_rows} requests in one fused call" if fused else "",
     )
     return model.eval()
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's malloc_trim): the blocks a layer
+    laid out anew (`QuantizedWeight.to_g16`) leave their old copies free but resident in the
+    heap's middle, ~20 MiB of the default model's. Elsewhere (no glibc) nothing happens."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def _safetensors_weights(

@@ -146,32 +146,51 @@ class QuantizedWeight:
                     part.release()
         return cls(torch.from_numpy(tiles), kernel_kind, out_features, nb * BLOCK)
 
-    def to_g16(self) -> QuantizedWeight:
+    def to_g16(self, in_place: bool = False) -> QuantizedWeight:
         """The same blocks laid out 16 outputs wide, for int8 activations (`csrc/common.h`:
         per group of 16 outputs and block, the 16 scales (and minimums), then the quants with
         one output's 4 consecutive inputs in each 32-bit lane; Q8's as q + 128). The tiles
-        `[ceil(N / 4), K / 32, 4, bytes]` become `[ceil(N / 16), K / 32, 320 or 544]`."""
+        `[ceil(N / 4), K / 32, 4, bytes]` become `[ceil(N / 16), K / 32, 320 or 544]`: a
+        group's bytes are its 4 tiles' bytes, rearranged. `in_place`: where N is a whole
+        number of groups, in this weight's own memory, which then holds only the new layout
+        (a load's blocks: no second copy of them, even for a moment)."""
         if self.kind not in (KIND_Q4, KIND_Q8):
             raise ValueError(f"block kind {self.kind} is not tiled")
         t = self.tiles
         ntiles, nb, _, width = t.shape
-        groups = -(-ntiles // (G16 // TILE_N))
-        if groups * (G16 // TILE_N) != ntiles:  # zero blocks up to a whole group
-            t = torch.cat([t, t.new_zeros(groups * (G16 // TILE_N) - ntiles, nb, TILE_N, width)])
-        # output o = 4 * (its tile in the group) + its slot in the tile
-        a = t.view(groups, G16 // TILE_N, nb, TILE_N, width).permute(0, 2, 1, 3, 4)
-        a = a.reshape(groups, nb, G16, width)
-        d = a[..., 0:2].reshape(groups, nb, 2 * G16)
-        if self.kind == KIND_Q4:
-            m = a[..., 2:4].reshape(groups, nb, 2 * G16)
-            qs = a[..., 4:20].reshape(groups, nb, G16, 4, 4).permute(0, 1, 3, 2, 4)
-            packed = torch.cat([d, m, qs.reshape(groups, nb, 256)], dim=-1)
-        else:
-            q = a[..., 2:34].reshape(groups, nb, G16, 8, 4).permute(0, 1, 3, 2, 4)
-            packed = torch.cat([d, q.reshape(groups, nb, 512) ^ 0x80], dim=-1)
-        return QuantizedWeight(
-            packed.contiguous(), self.kind + KIND_Q4_G16, self.out_features, self.in_features
+        per = G16 // TILE_N  # tiles a group
+        groups = -(-ntiles // per)
+        group_bytes = 320 if self.kind == KIND_Q4 else 544
+        in_place = in_place and groups * per == ntiles and t.is_contiguous()
+        packed = (
+            t.view(groups, nb, group_bytes) if in_place else t.new_empty(groups, nb, group_bytes)
         )
+        # A few groups at a time (~1 MiB): a whole LM head's copies (30 MB for the default
+        # model, one per step below) had raised the load's peak RSS by ~90 MiB.
+        step = max(1, (1 << 20) // (nb * group_bytes))
+        for g0 in range(0, groups, step):
+            n = min(step, groups - g0)
+            chunk = t[g0 * per : (g0 + n) * per]
+            if chunk.shape[0] != n * per:  # zero blocks up to a whole group
+                pad = chunk.new_zeros(n * per - chunk.shape[0], nb, TILE_N, width)
+                chunk = torch.cat([chunk, pad])
+            elif in_place:
+                chunk = chunk.clone()  # (its memory is about to be written)
+            # output o = 4 * (its tile in the group) + its slot in the tile
+            a = chunk.view(n, per, nb, TILE_N, width).permute(0, 2, 1, 3, 4)
+            a = a.reshape(n, nb, G16, width)
+            out = packed[g0 : g0 + n]
+            out[..., 0:32] = a[..., 0:2].reshape(n, nb, 2 * G16)
+            if self.kind == KIND_Q4:
+                out[..., 32:64] = a[..., 2:4].reshape(n, nb, 2 * G16)
+                qs = a[..., 4:20].reshape(n, nb, G16, 4, 4).permute(0, 1, 3, 2, 4)
+                out[..., 64:] = qs.reshape(n, nb, 256)
+            else:
+                q = a[..., 2:34].reshape(n, nb, G16, 8, 4).permute(0, 1, 3, 2, 4)
+                out[..., 32:] = q.reshape(n, nb, 512) ^ 0x80
+        if in_place:  # this weight no longer holds tiles: any later use of it fails at once
+            object.__setattr__(self, "tiles", t.new_empty(0, nb, TILE_N, width))
+        return QuantizedWeight(packed, self.kind + KIND_Q4_G16, self.out_features, self.in_features)
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in float32, `[len(ids), K]`: the same values as gguf's
