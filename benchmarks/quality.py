@@ -62,7 +62,14 @@ def run_path(
     from treadle import LLM, SamplingParams
 
     activations, kv_cache_dtype = path
-    llm = LLM(dtype="float32", cpu_activation_dtype=activations, kv_cache_dtype=kv_cache_dtype)
+    # Steps of at most 64 tokens: int8x2's products of 256 rows or more would run on float32
+    # (`linear_method.ExpandedLinear`), and its perplexity then measure float32's.
+    llm = LLM(
+        dtype="float32",
+        cpu_activation_dtype=activations,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=64,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     single = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
