@@ -374,15 +374,8 @@ static int8_t* quantized_rows_x2(const float* x, int64_t x_row_stride, int64_t M
     const int64_t nb = K / 32;
     int8_t* xq = (int8_t*)malloc((size_t)(2 * M * K));
     *xds = (float*)malloc(sizeof(float) * 2 * 2 * M * nb);
-    float* rest = (float*)malloc(sizeof(float) * K);
-    for (int64_t r = 0; r < M; r++) {
-        int8_t* q = xq + 2 * r * K;
-        float* ds = *xds + 2 * 2 * r * nb;
-        quantize_rows_q8(x + r * x_row_stride, x_row_stride, 1, K, q, ds);
-        for (int64_t k = 0; k < K; k++) rest[k] = x[r * x_row_stride + k] - ds[2 * (k / 32)] * q[k];
-        quantize_rows_q8(rest, K, 1, K, q + K, ds + 2 * nb);
-    }
-    free(rest);
+    for (int64_t r = 0; r < M; r++)
+        quantize_row_q8_x2(x + r * x_row_stride, K, xq + 2 * r * K, *xds + 2 * 2 * r * nb);
     return xq;
 }
 

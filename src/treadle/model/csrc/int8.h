@@ -38,28 +38,87 @@
 #define I8_MAX_ROWS 8
 #endif
 
+/* One block of 32 values as int8: q = rint(v / d) with d = max|v| / 127 (half to even, as
+   torch.round), ds = (d, d sum(q)); with AVX2 8 at a time, the same bits (a NaN counts as 0 in
+   the maximum either way). `rest` (or NULL): what the rounding left, v - d q (each a product,
+   then a difference, as torch computes it). */
+static inline void quantize_block_q8(const float* v, int8_t* q, float* ds, float* rest) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 x[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        mx = _mm256_max_ps(_mm256_andnot_ps(sign, x[i]), mx);  /* (a NaN x gives mx) */
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 t = _mm256_round_ps(_mm256_mul_ps(x[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, lo), hi));
+    }
+    /* 32 int32 -> 32 int8 in order: the packs interleave 128-bit lanes, the permute restores */
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                              _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    ds[0] = d;
+    ds[1] = d * (float)_mm_cvtsi128_si32(s4);
+    if (rest) {
+        const __m256 vd = _mm256_set1_ps(d);
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(rest + 8 * i, _mm256_sub_ps(x[i], _mm256_mul_ps(vd, _mm256_cvtepi32_ps(qi[i]))));
+    }
+#else
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; i++) {
+        float t = rintf(v[i] * id);
+        t = t > 127.f ? 127.f : (t < -127.f ? -127.f : t);
+        q[i] = (int8_t)t;
+        sum += q[i];
+    }
+    ds[0] = d;
+    ds[1] = d * (float)sum;
+    if (rest) {
+        for (int i = 0; i < 32; i++) {
+            const float p = d * (float)q[i];
+            rest[i] = v[i] - p;
+        }
+    }
+#endif
+}
+
 /* x's rows (`x_stride` apart) as int8 blocks: xq[r * K + k], xds[2 * (r * nb + b)] = d and
-   [... + 1] = s. The rounding is rint's (half to even), as torch.round. */
+   [... + 1] = s. */
 static void quantize_rows_q8(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* xq,
                              float* xds) {
     const int64_t nb = K / 32;
     for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float* v = x + r * x_stride + b * 32;
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-            int8_t* q = xq + r * K + b * 32;
-            int32_t sum = 0;
-            for (int i = 0; i < 32; i++) {
-                float t = rintf(v[i] * id);
-                t = t > 127.f ? 127.f : (t < -127.f ? -127.f : t);
-                q[i] = (int8_t)t;
-                sum += q[i];
-            }
-            xds[2 * (r * nb + b)] = d;
-            xds[2 * (r * nb + b) + 1] = d * (float)sum;
-        }
+        for (int64_t b = 0; b < nb; b++)
+            quantize_block_q8(x + r * x_stride + b * 32, xq + r * K + b * 32, xds + 2 * (r * nb + b), NULL);
+}
+
+/* One row as two int8 rows (q, then q + K; their pairs ds, then ds + 2 K / 32): its blocks, then
+   the blocks of what their rounding left. */
+static void quantize_row_q8_x2(const float* x, int64_t K, int8_t* q, float* ds) {
+    const int64_t nb = K / 32;
+    float rest[32];
+    for (int64_t b = 0; b < nb; b++) {
+        quantize_block_q8(x + b * 32, q + b * 32, ds + 2 * b, rest);
+        quantize_block_q8(rest, q + K + b * 32, ds + 2 * (nb + b), NULL);
+    }
 }
 
 #if defined(__AVX2__)

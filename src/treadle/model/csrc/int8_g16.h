@@ -129,99 +129,94 @@ static inline __attribute__((always_inline)) void g16_rows_n(
 #define G16_ROWS 4
 #define G16_KINDS (G16_Q4 | G16_Q8)
 
-/* q . p of one row's block for 8 outputs: w[g] = their quants of inputs 4g..4g+3 (Q4's, or
-   with AVX-VNNI Q8's u = q + 128 too), xr = the row's 8 groups of 4 int8 activations. */
-static inline __attribute__((always_inline)) __m256i g16_dot8(const __m256i w[8], const int32_t* xr) {
+/* A sum as it stands, in a register: GCC otherwise reorders a row's additions into a tree of
+   every product of the block, which spills them all (16 registers). */
+#define G16_KEEP(t) __asm__("" : "+x"(t))
+
+/* t += the products of 8 outputs' quants (4 inputs each, w) with 4 activations (x) broadcast:
+   AVX-VNNI's vpdpbusd sums them in int32; maddubs sums pairs in s16, which G16_SUM adds up
+   once a block (Q4: 8 x 2 x 15 x 127 < 2^15). */
 #if defined(__AVXVNNI__)
-    __m256i s0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(xr[0]));
-    __m256i s1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[1], _mm256_set1_epi32(xr[1]));
-    for (int g = 2; g < 8; g += 2) {
-        s0 = _mm256_dpbusd_avx_epi32(s0, w[g], _mm256_set1_epi32(xr[g]));
-        s1 = _mm256_dpbusd_avx_epi32(s1, w[g + 1], _mm256_set1_epi32(xr[g + 1]));
-    }
-    return _mm256_add_epi32(s0, s1);
+#define G16_ACC(t, w, x) do { (t) = _mm256_dpbusd_avx_epi32((t), (w), (x)); G16_KEEP(t); } while (0)
+#define G16_SUM(t) (t)
 #else
-    __m256i t0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
-    __m256i t1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(xr[1]));
-    for (int g = 2; g < 8; g += 2) {
-        t0 = _mm256_add_epi16(t0, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xr[g])));
-        t1 = _mm256_add_epi16(t1, _mm256_maddubs_epi16(w[g + 1], _mm256_set1_epi32(xr[g + 1])));
-    }
-    return _mm256_madd_epi16(_mm256_add_epi16(t0, t1), _mm256_set1_epi16(1));
-#endif
-}
-
-#if !defined(__AVXVNNI__)
-/* Q8: q . p of `rows` rows' block for 8 outputs (one half of the group) into s[r], 4 of the
-   8 groups at a time (q and |q| of 4 groups: 8 of the 16 registers). */
-static inline __attribute__((always_inline)) void g16_dot_q8_half(
-    const char* blk, int half, const int8_t* xq, int64_t K, int64_t b, const int rows,
-    __m256i s[G16_ROWS]) {
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
-    for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
-    for (int gh = 0; gh < 8; gh += 4) {
-        __m256i q[4], aq[4];
-        for (int i = 0; i < 4; i++) {
-            q[i] = _mm256_xor_si256(
-                _mm256_loadu_si256((const __m256i*)(blk + 32 + 64 * (gh + i) + 32 * half)), bias);
-            aq[i] = _mm256_abs_epi8(q[i]);
-        }
-        for (int r = 0; r < rows; r++) {
-            const int32_t* xr = (const int32_t*)(xq + r * K + b * 32);
-            for (int i = 0; i < 4; i++) {
-                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[gh + i]), q[i]);
-                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aq[i], xs),
-                                                                _mm256_set1_epi16(1)));
-            }
-        }
-    }
-}
-
+#define G16_ACC(t, w, x) do { (t) = _mm256_add_epi16((t), _mm256_maddubs_epi16((w), (x))); G16_KEEP(t); } while (0)
+#define G16_SUM(t) _mm256_madd_epi16((t), _mm256_set1_epi16(1))
 #endif
 
-/* The same at 256 bits: the group's two halves of 8 outputs one after the other. */
+/* 16 registers: a row's float and integer sums (2 x 4 rows) stay in them only if the weights
+   take 4 (the quants of 4 groups: a block's 8 in two steps, Q8 without vpdpbusd 2 groups at a
+   time with their magnitudes), not 8; spilled sums had cost ~40%. */
 static inline __attribute__((always_inline)) void g16_rows_n(
     const char* grp, const int kind, int64_t nb, const int8_t* xq, int64_t K, const float* xds,
     const int rows, float out[G16_ROWS][G16]) {
     const int64_t gb = g16_block_bytes(kind);
-    for (int half = 0; half < 2; half++) {
+    for (int half = 0; half < 2; half++) {  /* the group's two halves of 8 outputs */
         __m256 acc[G16_ROWS];
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const char* blk = grp + b * gb;
             if (half == 0)
                 for (int64_t off = 0; off < gb; off += 64) _mm_prefetch(blk + 4 * gb + off, _MM_HINT_T0);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * half)));
+            __m256i t[G16_ROWS];
+            for (int r = 0; r < rows; r++) t[r] = _mm256_setzero_si256();
 #if !defined(__AVXVNNI__)
-            if (kind == KIND_Q8_G16) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * half)));
-                __m256i sumi[G16_ROWS];
-                g16_dot_q8_half(blk, half, xq, K, b, rows, sumi);
+            if (kind == KIND_Q8_G16) {  /* |q| . (p with q's sign), summed in int32 a group */
+                const __m256i bias = _mm256_set1_epi8((char)0x80);
+                for (int g = 0; g < 8; g += 2) {
+                    __m256i q[2], aq[2];
+                    for (int i = 0; i < 2; i++) {
+                        q[i] = _mm256_xor_si256(
+                            _mm256_loadu_si256((const __m256i*)(blk + 32 + 64 * (g + i) + 32 * half)), bias);
+                        aq[i] = _mm256_abs_epi8(q[i]);
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        const int32_t* xr = (const int32_t*)(xq + r * K + b * 32);
+                        for (int i = 0; i < 2; i++) {
+                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[g + i]), q[i]);
+                            t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aq[i], xs),
+                                                                            _mm256_set1_epi16(1)));
+                            G16_KEEP(t[r]);
+                        }
+                    }
+                }
                 for (int r = 0; r < rows; r++)
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]),
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r]),
                                              _mm256_mul_ps(d, _mm256_set1_ps(xds[2 * (r * nb + b)])), acc[r]);
                 continue;
             }
 #endif
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * half)));
             __m256 m;
-            __m256i w[8];
             if (kind == KIND_Q4_G16) {
-                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * half)));
                 const __m256i low = _mm256_set1_epi8(15);
-                for (int h = 0; h < 4; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 + 64 * h + 32 * half));
-                    w[h] = _mm256_and_si256(v, low);
-                    w[4 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int hi = 0; hi < 2; hi++) {  /* low nibbles: groups 0-3; high: 4-7 */
+                    __m256i w[4];
+                    for (int h = 0; h < 4; h++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 + 64 * h + 32 * half));
+                        w[h] = _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, low);
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        const int32_t* xr = (const int32_t*)(xq + r * K + b * 32) + 4 * hi;
+                        for (int h = 0; h < 4; h++) G16_ACC(t[r], w[h], _mm256_set1_epi32(xr[h]));
+                    }
                 }
+                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * half)));
             } else {  /* Q8 with AVX-VNNI: u . p = q . p + 128 sum(p), taken back by m s_x */
+                for (int g = 0; g < 8; g += 4) {
+                    __m256i w[4];
+                    for (int i = 0; i < 4; i++)
+                        w[i] = _mm256_loadu_si256((const __m256i*)(blk + 32 + 64 * (g + i) + 32 * half));
+                    for (int r = 0; r < rows; r++) {
+                        const int32_t* xr = (const int32_t*)(xq + r * K + b * 32) + g;
+                        for (int i = 0; i < 4; i++) G16_ACC(t[r], w[i], _mm256_set1_epi32(xr[i]));
+                    }
+                }
                 m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
-                for (int g = 0; g < 8; g++)
-                    w[g] = _mm256_loadu_si256((const __m256i*)(blk + 32 + 64 * g + 32 * half));
             }
             for (int r = 0; r < rows; r++) {
-                const __m256i sumi = g16_dot8(w, (const int32_t*)(xq + r * K + b * 32));
                 const float* ds = xds + 2 * (r * nb + b);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi),
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(G16_SUM(t[r])),
                                          _mm256_mul_ps(d, _mm256_set1_ps(ds[0])), acc[r]);
                 acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(ds[1]), acc[r]);
             }
@@ -229,6 +224,9 @@ static inline __attribute__((always_inline)) void g16_rows_n(
         for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r] + 8 * half, acc[r]);
     }
 }
+#undef G16_ACC
+#undef G16_SUM
+#undef G16_KEEP
 
 #else
 #define G16_ROWS 1
