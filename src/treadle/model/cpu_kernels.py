@@ -69,7 +69,9 @@ _LEVEL_CC_FLAGS = {
     "avx2": (["-march=x86-64-v3"], ["-mavx2", "-mfma", "-mf16c"]),
     "portable": ([], []),
 }  # fmt: skip
-_COMMON_CC_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+# -fno-trapping-math: no code here reads the floating-point exception flags, and without it GCC
+# keeps every loop with a comparison in it (the clamps of exp_nonpositive: SiLU, softmax) scalar.
+_COMMON_CC_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_kernels.c", "common.h", "avx512.h", "avx2.h", "portable.h", "int8.h", "int8_g16.h")
 
@@ -140,7 +142,14 @@ def _build(isa: str) -> Path:
     last_error: subprocess.CalledProcessError | None = None
     for flags in _LEVEL_CC_FLAGS[isa]:
         key = hashlib.sha256(
-            b"\0".join([sources, isa.encode(), " ".join(flags).encode(), version.encode()])
+            b"\0".join(
+                [
+                    sources,
+                    isa.encode(),
+                    " ".join(_COMMON_CC_FLAGS + flags).encode(),
+                    version.encode(),
+                ]
+            )
         ).hexdigest()[:16]
         target = _kernel_dir() / f"cpu_kernels_{isa}_{key}.so"
         if target.exists():
