@@ -200,16 +200,19 @@ def test_int8x2_takes_each_row_as_its_blocks_and_their_rounding(
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 def test_int8x2_expands_its_blocks_for_many_rows(kernels: Kernels) -> None:
-    """A prefill's products (256 rows or more, whole multiples of 64) are faster as oneDNN's
-    float32 GEMM on the blocks expanded than as twice the rows in integers: float32's product
-    there, int8x2's on the rows past the last multiple of 64 and on fewer rows."""
+    """A prefill's products (from the level's `EXPAND_MIN_ROWS_INT8X2` rows, whole multiples of
+    64) are faster as oneDNN's float32 GEMM on the blocks expanded than as twice the rows in
+    integers: float32's product there, int8x2's on the rows past the last multiple of 64 and
+    on fewer rows."""
     x2 = kernels.with_activations("int8x2")
     if not kernels.g16_kinds >> KINDS["Q4_1"] & 1:
         return
     blocks, _ = g16_weight("Q4_1", 96, 576, seed=0)
     tiled = QuantizedWeight.build([blocks], 96, torch.device("cpu"))
     assert tiled is not None
-    x = torch.randn(300, 576)
+    expand = linear_method.expand_min_rows(x2, g16_weight("Q4_1", 16, 64, seed=0)[1])
+    assert expand % linear_method.ROW_BUCKET == 0
+    x = torch.randn(expand + 44, 576)
     exact = cpu_kernels.kernels_for(kernels.isa).gguf_linear(x, tiled.tiles, tiled.kind, 96)
     method = linear_method.choose(torch.nn.Parameter(torch.empty(96, 576)), tiled, x2)
     assert isinstance(method, GGUFLinear) and isinstance(
@@ -218,9 +221,9 @@ def test_int8x2_expands_its_blocks_for_many_rows(kernels: Kernels) -> None:
     assert tiled.tiles.numel() == 0  # laid out anew in its own memory: no copy kept
     got = method.apply(x, None)
     blocks_alone = x2.gguf_linear(x, method.quant.tiles, method.quant.kind, 96)
-    assert torch.allclose(got[:256], exact[:256], rtol=1e-4, atol=1e-4)
-    assert not torch.equal(got[:256], blocks_alone[:256])
-    assert torch.equal(got[256:], blocks_alone[256:])
+    assert torch.allclose(got[:expand], exact[:expand], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got[:expand], blocks_alone[:expand])
+    assert torch.equal(got[expand:], blocks_alone[expand:])
     assert torch.equal(method.apply(x[:40], None), blocks_alone[:40])
 
 

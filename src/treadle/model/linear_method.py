@@ -39,6 +39,12 @@ PACKED_MIN_ROWS = 3  # below this, float32 stays on PyTorch's GEMV (faster at 1-
 ROW_BUCKET = 64  # oneDNN runs whole multiples of this many rows, and padded remainders
 SMALL_ROW_STEP = 8  # a remainder (or a batch) below ROW_BUCKET is padded to a multiple of this
 EXPAND_MIN_ROWS = 256  # from this many rows a layer kept only as blocks expands them for oneDNN
+# The same for int8x2 on blocks laid out 16 wide, per ISA level: where its kernel stops being
+# the faster. A layer's four linears (default model, 2 threads, an Intel Xeon, 2026-12-04),
+# blocks against expansion: avx512vnni 0.79 at 256 rows, 0.93 at 512, 0.99 at 768, 1.07 at
+# 1024; avx2vnni 0.80, 0.94, 0.96; avx2 0.94 at 256, 1.01 at 320, 1.16 at 1024; avx512 (512-bit
+# maddubs: no more products a cycle than 256-bit on Intel) 1.09 at 256.
+EXPAND_MIN_ROWS_INT8X2 = {"avx512vnni": 768, "avx512": 256, "avx2vnni": 768, "avx2": 320}
 
 # Up to this many float32 rows the GGUF-block kernel is faster than oneDNN's packed float32
 # GEMM (or PyTorch's GEMV at 1-2 rows), per ISA level: measured on the default model's shapes
@@ -120,7 +126,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class ExpandedLinear(LinearMethod):
-    """A layer kept only as GGUF blocks, for products of `EXPAND_MIN_ROWS` rows or more: the
+    """A layer kept only as GGUF blocks, for products of `expand_min_rows` rows or more: the
     blocks expanded to float32 into a scratch buffer shared by every layer of the process (the
     largest layer's size: 7 MB for the default model), then oneDNN's GEMM on it
     (`onednn_bucketed`); fewer rows on the blocks' own kernel. A layer's four linears, side by
@@ -131,15 +137,23 @@ class ExpandedLinear(LinearMethod):
     def __init__(self, kernels: Kernels, quant: QuantizedWeight) -> None:
         self.kernels = kernels
         self.quant = quant
+        self.min_rows = expand_min_rows(kernels, quant)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q = self.quant
-        if x.shape[0] < EXPAND_MIN_ROWS:
+        if x.shape[0] < self.min_rows:
             return on_blocks(self.kernels, q, x, bias)
         weight = self.kernels.gguf_dequantize(
             q.tiles, q.kind, q.out_features, _scratch(q.out_features * q.in_features)
         )
         return onednn_bucketed(x, weight, bias)
+
+
+def expand_min_rows(kernels: Kernels, quant: QuantizedWeight) -> int:
+    """From how many rows `ExpandedLinear` expands this weight's blocks."""
+    if quant.kind >= KIND_Q4_G16 and kernels.activations == "int8x2":
+        return EXPAND_MIN_ROWS_INT8X2.get(kernels.isa, EXPAND_MIN_ROWS)
+    return EXPAND_MIN_ROWS
 
 
 _SCRATCH = [torch.empty(0)]
