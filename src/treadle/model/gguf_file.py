@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _SCALARS = {  # GGUF value type -> struct format
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
@@ -33,6 +32,24 @@ _SCALARS = {  # GGUF value type -> struct format
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?",
           10: "<u8", 11: "<i8", 12: "<f8"}  # fmt: skip
 _STRING, _ARRAY = 8, 9
+# GGML type id -> (name, values a block, bytes a block) for the types treadle reads itself; any
+# other comes from the gguf package's tables (imported then: with numpy's and yaml's modules it
+# is ~3 MiB of every engine core's memory).
+_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34), 30: ("BF16", 1, 2),
+}  # fmt: skip
+
+
+def _type(kind: int) -> tuple[str, int, int]:
+    """A GGML type id's name, values a block and bytes a block; ValueError for an unknown id."""
+    known = _TYPES.get(kind)
+    if known is not None:
+        return known
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    t = GGMLQuantizationType(kind)
+    return (t.name, *GGML_QUANT_SIZES[t])
 
 
 class GGUFFormatError(ValueError):
@@ -58,6 +75,7 @@ class GGUFTensor:
         elif self.kind in ("Q4_0", "Q4_1", "Q8_0"):
             out = dequantize_blocks(self.kind, raw)
         else:
+            from gguf.constants import GGMLQuantizationType
             from gguf.quants import dequantize
 
             out = np.asarray(dequantize(self.data, GGMLQuantizationType[self.kind]), np.float32)
@@ -66,7 +84,7 @@ class GGUFTensor:
 
 def dequantize_blocks(kind: str, raw: np.ndarray) -> np.ndarray:
     """gguf.quants' formulas for Q4_0 (d (q - 8)), Q4_1 (d q + m) and Q8_0 (d q), vectorized."""
-    nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    nbytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
     blocks = raw.reshape(-1, nbytes)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     if kind == "Q8_0":
@@ -154,18 +172,17 @@ class GGUFFile:
             dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
-            infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(kind), offset))
+            infos.append((name, tuple(reversed(dims)), _type(kind), offset))
         alignment = int(fields.get("general.alignment", 32))
         start = -(-pos // alignment) * alignment
         whole = np.frombuffer(self._map, dtype=np.uint8)
         tensors = []
-        for name, shape, kind, offset in infos:
-            block, nbytes = GGML_QUANT_SIZES[kind]
+        for name, shape, (kind, block, nbytes), offset in infos:
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             row_bytes = shape[-1] // block * nbytes
             begin = start + offset
             if shape[-1] % block or begin + rows * row_bytes > len(whole):
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
             data = whole[begin : begin + rows * row_bytes].reshape(rows, row_bytes)
-            tensors.append(GGUFTensor(name, shape, kind.name, data))
+            tensors.append(GGUFTensor(name, shape, kind, data))
         return fields, tensors

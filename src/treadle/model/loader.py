@@ -54,6 +54,9 @@ def read_arch(source: ModelSource) -> ModelArch:
     return ModelArch.from_hf_dir(source.path)
 
 
+TRIM_EVERY = 16  # tensors read, or modules prepared, between two `_release_freed_memory`
+
+
 def load_model(
     source: ModelSource,
     arch: ModelArch,
@@ -82,10 +85,12 @@ def load_model(
     kernels = cpu_kernels.for_model(device, dtype)
     if kernels is not None and source.is_gguf:  # (only GGUF-block layers read it)
         kernels = kernels.with_activations(cpu_activation_dtype)
-    for module in model.modules():
+    for i, module in enumerate(model.modules()):
         prepare = getattr(module, "prepare", None)
         if module is not model and callable(prepare):
             prepare(kernels)  # each layer picks its implementation, once
+        if i % TRIM_EVERY == TRIM_EVERY - 1:
+            _release_freed_memory()
     model.prepare(kernels)  # then the model, which looks at its layers' choices
     _release_freed_memory()
     fused = model.fused
@@ -102,7 +107,10 @@ def _release_freed_memory() -> None:
     """Hand the heap's freed pages back to the OS (glibc's malloc_trim): what the load read and
     let go (the blocks as the file held them, the copies made while laying them out) stays
     resident in the heap's middle otherwise, ~15 MiB of the default model's with int8x2
-    (engine core 361 against 347 MiB). Without glibc nothing happens."""
+    (engine core 361 against 347 MiB). Called every `TRIM_EVERY` tensors and layers of the
+    load too, not only at its end: the freed pages no longer pile up to a peak (the default
+    model's engine core 357 -> 346 MiB at start, ~0.1 ms a call). Without glibc nothing
+    happens."""
     import ctypes
 
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # this process's own symbols
@@ -147,7 +155,9 @@ def _gguf_weights(
     blocks (`quantized.blocks_only`), which unmap the file's pages once copied out. Tensors
     that `wants` refuses (another pipeline stage's) are never read: their pages stay on disk."""
     gguf = open_gguf(path)
-    for tensor in tqdm(gguf.tensors, desc="Loading GGUF", leave=False):
+    for i, tensor in enumerate(tqdm(gguf.tensors, desc="Loading GGUF", leave=False)):
+        if i % TRIM_EVERY == TRIM_EVERY - 1:
+            _release_freed_memory()
         kind = tensor.kind
         if kind not in GGUF_SUPPORTED_TYPES:
             raise UnsupportedModelError(
