@@ -41,7 +41,20 @@ def test_same_fields_tensors_and_floats_as_the_gguf_package(default_model_path: 
     assert {"Q4_1", "Q8_0", "F32"} <= kinds
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16"])
+def test_own_type_table_agrees_with_the_gguf_package() -> None:
+    """The block sizes treadle keeps itself (so that an engine core never imports gguf) are
+    gguf's: the same names, values and bytes a block."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from treadle.model.gguf_file import _TYPES
+
+    for kind, (name, block, nbytes) in _TYPES.items():
+        t = GGMLQuantizationType(kind)
+        assert (t.name, *GGML_QUANT_SIZES[t]) == (name, block, nbytes)
+
+
+# Q5_0: a type outside treadle's own table, whose sizes come from the gguf package
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q5_0"])
 def test_each_dequantized_type_matches_gguf(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import gguf
     from gguf.quants import dequantize, quantize
