@@ -8,8 +8,8 @@ the copies of its weight it has and the row counts at which each is the fastest 
 - `GGUFLinear`: the layer's GGUF blocks through the C kernel (`quantized.py`) up to
   `GGUF_MAX_ROWS[isa]` rows: at decode sizes a step is bound by reading the weights, and the
   blocks are a fifth of the bytes of float32. Beyond, by default `ExpandedLinear` (the blocks
-  expanded into a scratch buffer for oneDNN, from `EXPAND_MIN_ROWS` rows; the LM head stays on
-  its blocks), and the layer keeps no float32 weight at all (issue 24: the default model's
+  expanded into a scratch buffer for oneDNN, from `EXPAND_MIN_ROWS` rows, for int8x2 from its
+  level's `EXPAND_MIN_ROWS_INT8X2`; the LM head stays on its blocks), and the layer keeps no float32 weight at all (issue 24: the default model's
   engine core 1,017 -> 345 MiB peak); with TREADLE_PACKED_GGUF_WEIGHTS=1 the packed (or dense)
   method: 4 bytes a weight more (~520 MB for the default model, its LM head included) for a
   512-token prefill ~1.02-1.05x faster (1.15-1.2x against the blocks alone).
@@ -268,7 +268,7 @@ def choose(
         # against 8.3 for the packed copy; the LM head 57 against 94). int8x2's two rows a
         # row are not: TTFT of a 512-token prompt 748 ms against float32's 645 at avx512vnni,
         # 1,334 against 860 at avx2 (an Intel Xeon, 2026-12-04), so its many-row products
-        # expand the blocks too.
+        # expand the blocks too, from where that is the faster (`expand_min_rows`).
         expand = (
             not lm_head
             and torch.backends.mkldnn.is_available()
