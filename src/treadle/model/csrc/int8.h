@@ -40,8 +40,8 @@
 
 /* One block of 32 values as int8: q = rint(v / d) with d = max|v| / 127 (half to even, as
    torch.round), ds = (d, d sum(q)); with AVX2 8 at a time, the same bits (a NaN counts as 0 in
-   the maximum either way). `rest` (or NULL): what the rounding left, v - d q (each a product,
-   then a difference, as torch computes it). */
+   the maximum either way). `rest` (or NULL): what the rounding left, v - d q (where the level has FMA
+   the compiler fuses it into one rounding, which can move a quant of the rest by one). */
 static inline void quantize_block_q8(const float* v, int8_t* q, float* ds, float* rest) {
 #if defined(__AVX2__)
     const __m256 sign = _mm256_set1_ps(-0.f);
