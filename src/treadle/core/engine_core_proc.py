@@ -65,7 +65,7 @@ from treadle.executor.multiproc import ExecutorStoppedError
 from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.fast_exit import exit_now
 from treadle.ipc.inbound import inbound_options
-from treadle.ipc.process import ReadyPipe, at_parent_death
+from treadle.ipc.process import ReadyPipe, at_parent_death, freeze_startup_heap
 from treadle.ipc.tensor_ring import remove_orphaned_rings
 from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
 from treadle.logger import LogTail, init_logger, set_process_name
@@ -278,6 +278,9 @@ class EngineCoreProc:
         self.output_thread.start()
         self.input_thread.start()
         self.reader.ready.wait()
+        # (this process is treadle's own; the front ends already know it is ready: the first
+        # requests wait the ~0.1 s this takes in their socket, not the start)
+        freeze_startup_heap()
         try:
             self.shutdown.running = True
             self._busy_loop()

@@ -90,6 +90,25 @@ def set_process_title(name: str) -> None:
     set_process_name(name)
 
 
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive now out of the garbage collector's sight
+    (`gc.freeze`), as vLLM does once a process has started: a serving process's start-up
+    leaves ~230,000 tracked objects (PyTorch's modules, the model, FastAPI's app), each full
+    collection walked them all (~85 ms of the engine core on a 2-core Xeon: a token stalled
+    10x its time), and they live as long as the process. Only for the processes treadle
+    starts itself: in a user's own process (`LLM`) their objects are theirs to collect."""
+    import gc
+
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    logger.debug(
+        "Start-up heap frozen: %d objects out of the collector's sight (%.0f ms)",
+        gc.get_freeze_count(),
+        (time.perf_counter() - start) * 1e3,
+    )
+
+
 def describe_exit(exitcode: int | None) -> str:
     """`exit code 1`, `killed by signal 9 (SIGKILL)`, or `still running`."""
     if exitcode is None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.config import EngineConfig
-from treadle.ipc.process import ReadyPipe, at_parent_death, parent_gone
+from treadle.ipc.process import ReadyPipe, at_parent_death, freeze_startup_heap, parent_gone
 from treadle.ipc.secure_store import SecureStore
 from treadle.ipc.shm_broadcast import (
     Handle,
@@ -96,6 +96,7 @@ def run_worker(
             remove_orphaned_queue(handle)
 
     at_parent_death(remove_orphans)
+    freeze_startup_heap()  # (the model is loaded)
     ready.send_ready(replies.export_handle())
     requests = MessageQueue.create_from_handle(
         broadcast_handle, rank, reader_codec(broadcast_handle.codec)

@@ -57,7 +57,7 @@ from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import AttachTo
 from treadle.frontend.metrics import render_metrics
 from treadle.frontend.startup import StartupProgress, follow_phases, startup_address
-from treadle.ipc.process import ReadyPipe
+from treadle.ipc.process import ReadyPipe, freeze_startup_heap
 from treadle.logger import init_logger
 
 logger = init_logger(__name__)
@@ -69,8 +69,11 @@ def build_app(
     model_path: str,
     server: FrontendArgs | None = None,
     announce: str | None = None,
+    own_process: bool = False,
 ) -> FastAPI:
-    """The HTTP app. `model_path` (resolved) is only logged; clients see the served names."""
+    """The HTTP app. `model_path` (resolved) is only logged; clients see the served names.
+    `own_process`: this is treadle's API server process (`run_server`), whose start-up heap
+    is frozen once it serves (`freeze_startup_heap`)."""
     server = server or FrontendArgs()
     api_key = server.api_key
     serving = OpenAIServing(engine, model_name)
@@ -79,6 +82,8 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if own_process:  # once serving (off the start-up's path)
+            asyncio.get_running_loop().call_soon(freeze_startup_heap)
         logger.info("Serving %s as %r", model_path, model_name)
         if announce:  # uvicorn says where it listens only when it opened the socket itself
             say_listening(announce)
@@ -279,12 +284,12 @@ def run_server(
     starting = None
     if built is not None:
         built.when_dead(on_dead)
-        app = build_app(built, model_name, model_path, server, announce)
+        app = build_app(built, model_name, model_path, server, announce, own_process=True)
     else:
         assert isinstance(engine, EngineStart)
         app = starting = StartingServer(
             engine,
-            lambda e: build_app(e, model_name, model_path, server),
+            lambda e: build_app(e, model_name, model_path, server, own_process=True),
             server,
             announce,
             stop_serving=lambda: setattr(http_server, "should_exit", True),
