@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from treadle.config import EngineConfig
 from treadle.model.arch import ModelArch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
@@ -12,6 +14,11 @@ from treadle.worker.worker import Worker
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.threads_pinned():
+            # The engine core's own process has set it already; in a user's process (`LLM`
+            # with TREADLE_ENABLE_MULTIPROCESSING=0) nothing else would, and `cpu_threads` /
+            # TREADLE_CPU_THREADS would go unheard.
+            torch.set_num_threads(config.parallel.model_threads())
         self.worker = Worker(config)
         self.worker.load_model()
 
