@@ -39,6 +39,7 @@ _TYPES = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
     8: ("Q8_0", 32, 34), 30: ("BF16", 1, 2),
 }  # fmt: skip
+_BLOCK_BYTES = {name: nbytes for name, _, nbytes in _TYPES.values()}
 
 
 def _type(kind: int) -> tuple[str, int, int]:
@@ -84,7 +85,7 @@ class GGUFTensor:
 
 def dequantize_blocks(kind: str, raw: np.ndarray) -> np.ndarray:
     """gguf.quants' formulas for Q4_0 (d (q - 8)), Q4_1 (d q + m) and Q8_0 (d q), vectorized."""
-    nbytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    nbytes = _BLOCK_BYTES[kind]
     blocks = raw.reshape(-1, nbytes)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     if kind == "Q8_0":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from collections.abc import Callable, Iterator
@@ -111,11 +112,17 @@ def _release_freed_memory() -> None:
     load too, not only at its end: the freed pages no longer pile up to a peak (the default
     model's engine core 357 -> 346 MiB at start, ~0.1 ms a call). Without glibc nothing
     happens."""
-    import ctypes
-
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # this process's own symbols
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, looked up once in this process's own symbols (None without it)."""
+    import ctypes
+
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 def _safetensors_weights(
