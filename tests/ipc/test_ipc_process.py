@@ -212,6 +212,53 @@ def test_monitor_reports_which_child_died(children: list[ChildProcess]) -> None:
         monitor.stop()
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_the_monitor_reports_the_exit_code_while_another_thread_reads_it(
+    children: list[ChildProcess], method: str
+) -> None:
+    # The event loop reads the engines' exit codes when a socket peer leaves, while the
+    # monitor reaps the dead one: a read that reaped made the monitor's `waitpid` find no
+    # child, and a raise (exit 1) was reported as "still running". A child whose sentinel
+    # fires 0.3 s before its exit, read in a loop meanwhile, in each of 5 rounds:
+    ctx = multiprocessing.get_context(method)
+    for i in range(5):
+        child = start_process(ipc_children.slow_exit, f"Slow_{i}", (1, 0.3), ctx=ctx)
+        children.append(child)
+        wait_for_ready([child], timeout=60)
+        died, seen = _monitor_while_reading(child)
+        assert died == ["exit code 1"]
+        ended = seen.index(1) if 1 in seen else len(seen)
+        assert set(seen[:ended]) <= {None} and set(seen[ended:]) <= {1}, seen
+        assert child.exitcode == 1
+
+
+def _monitor_while_reading(child: ChildProcess) -> tuple[list[str], list[int | None]]:
+    """What the monitor reported of `child`'s death, and what a thread reading its exit code
+    in a loop until then saw."""
+    seen: list[int | None] = []
+    died: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            seen.append(child.exitcode)
+
+    def on_death(c: ChildProcess) -> None:
+        died.append(describe_exit(c.exitcode))
+        done.set()
+
+    reader = threading.Thread(target=read)
+    monitor = ProcessMonitor([child], on_death)
+    reader.start()
+    try:
+        assert done.wait(30)
+    finally:
+        done.set()
+        reader.join()
+        monitor.stop()
+    return died, seen
+
+
 def test_shutdown_escalates_to_sigkill(children: list[ChildProcess]) -> None:
     polite = start_process(ipc_children.sleeper, "Polite", ctx=FORK)
     stubborn = start_process(ipc_children.stubborn_sleeper, "Stubborn", ctx=FORK)

@@ -109,6 +109,25 @@ def freeze_startup_heap() -> None:
     )
 
 
+def _exit_status(process: BaseProcess) -> int | None:
+    """`process.exitcode`, without reaping a child that exited (`ChildProcess.exitcode`)."""
+    popen: Any = getattr(process, "_popen", None)
+    if popen is None or popen.returncode is not None:  # not started, or reaped
+        return process.exitcode
+    if popen.method == "forkserver":  # not this process's child: multiprocessing reads a pipe
+        return process.exitcode
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped this moment by another thread, which sets returncode
+        deadline = time.monotonic() + 1.0
+        while popen.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return process.exitcode
+    if info is None:
+        return None  # it runs
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def describe_exit(exitcode: int | None) -> str:
     """`exit code 1`, `killed by signal 9 (SIGKILL)`, or `still running`."""
     if exitcode is None:
@@ -223,7 +242,13 @@ class ChildProcess:
 
     @property
     def exitcode(self) -> int | None:
-        return self.process.exitcode
+        """How the child ended (negative: by that signal), or None while it runs. Read
+        without reaping it (`waitid` with WNOWAIT): a child is reaped by one thread only,
+        the process monitor's `join` (or a stop's). Two threads reaping one child race: the
+        loser's `waitpid` finds no child, and multiprocessing then says None, so a child
+        that raised and exited 1 was reported as "still running" (the event loop looks at
+        the engines' exit codes when a socket peer leaves, as the engine core dies)."""
+        return _exit_status(self.process)
 
     def describe(self) -> str:
         return f"{self.name} (pid {self.pid})"
