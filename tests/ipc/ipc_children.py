@@ -159,16 +159,6 @@ def exit_before_ready(ready: ReadyPipe, code: int) -> None:
     os._exit(code)
 
 
-def slow_exit(ready: ReadyPipe, code: int, seconds: float) -> None:
-    """Says READY, closes every file it has (its sentinel fires), then exits `code` only
-    `seconds` later: a dying process that frees a large heap before it can be reaped."""
-    ready.send_ready(os.getpid())
-    time.sleep(0.2)
-    os.closerange(0, 65536)
-    time.sleep(seconds)
-    os._exit(code)
-
-
 def noop(ready: ReadyPipe) -> None:
     ready.send_ready("ok")
 
