@@ -32,7 +32,7 @@ def kernel_backend(request: pytest.FixtureRequest) -> CpuKernelAttention:
 
 def run(heads: int, kv_heads: int, lengths: list[int], backend: AttentionBackend) -> torch.Tensor:
     torch.manual_seed(0)
-    head_dim, block_size, num_blocks = 64, 16, 512
+    head_dim, block_size, num_blocks = 64, 16, 1024
     k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim)
     v_cache = torch.randn_like(k_cache)
     d = len(lengths)
@@ -65,10 +65,36 @@ def run(heads: int, kv_heads: int, lengths: list[int], backend: AttentionBackend
 def test_the_kernel_matches_the_pytorch_path(
     heads: int, kv_heads: int, kernel_backend: CpuKernelAttention
 ) -> None:
-    lengths = [1, 15, 16, 17, 100, 333, 40, 2, 7, 8, 9, 23, 24, 25]
+    # (past 256 tokens the hand-tiled path splits a context in parts of 256, then combines them)
+    lengths = [1, 15, 16, 17, 100, 333, 40, 2, 7, 8, 9, 23, 24, 25, 256, 257, 512, 700]
     expected = run(heads, kv_heads, lengths, TorchAttention())
     got = run(heads, kv_heads, lengths, kernel_backend)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(
+    kernel_backend: CpuKernelAttention,
+) -> None:
+    """A long context is split by its own length only, whether its parts run as tasks of their
+    own (few rows: one request's 3 KV heads on 2 threads) or in turn in one task (many): alone
+    or beside 7 others, a row's output has the same bits."""
+    torch.manual_seed(2)
+    heads, kv_heads, d, bs, num_blocks = 9, 3, 64, 16, 512
+    k_cache = torch.randn(kv_heads, num_blocks, bs, d)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.tensor([700, 40, 257, 1, 513, 256, 300, 90], dtype=torch.int32)
+    table = torch.randperm(num_blocks)[: 8 * 44].view(8, 44)
+    q = torch.randn(8, heads, d)
+    together = torch.empty(8, heads * d)
+    kernels = kernel_backend.kernels
+    kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 700, together, 0.125)
+    for r in range(8):
+        alone = torch.empty(1, heads * d)
+        n = int(lens[r])
+        kernels.paged_decode_attention(
+            q[r : r + 1], k_cache, v_cache, table[r : r + 1], lens[r : r + 1], n, alone, 0.125
+        )
+        assert torch.equal(alone[0], together[r]), (r, n)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (4, 2, 32)])

@@ -77,7 +77,8 @@ static inline void kv_store_row(char* dst, const float* x, int kvt, int64_t d) {
    multiplies its score (K) or its probability (V). `kvt` is a constant where inlined. */
 static inline __attribute__((always_inline)) void attend_d64_t(
     const float* qh, int64_t group, const char* kh, const char* vh, const int64_t* table,
-    int64_t len, float scale, float* scores, int64_t max_len, float* out, const int kvt) {
+    int64_t len, float scale, float* scores, int64_t max_len, float* out, const int kvt,
+    float* ml) {
     const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
     const int64_t rb = kv_row_bytes(kvt, 64), bb = D64_BLOCK * rb;
     #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * bb : vh + table[(i) - num_used] * bb)
@@ -118,7 +119,8 @@ static inline __attribute__((always_inline)) void attend_d64_t(
             }
         }
     }
-    softmax_rows(scores, group, len, max_len);
+    if (ml) softmax_rows_part(scores, group, len, max_len, ml);  /* a part: not normalized */
+    else softmax_rows(scores, group, len, max_len);
     memset(out, 0, sizeof(float) * group * 64);
     for (int64_t b = 0, t = 0; t < len; b++) {
         const char* vb = vh + table[b] * bb;
@@ -146,18 +148,18 @@ static inline __attribute__((always_inline)) void attend_d64_t(
 
 static void attend_d64(const float* qh, int64_t group, const char* kh, const char* vh,
                        const int64_t* table, int64_t len, float scale, float* scores,
-                       int64_t max_len, float* out, int kvt) {
+                       int64_t max_len, float* out, int kvt, float* ml) {
     switch (kvt) {
     case KV_F16:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16);
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16, ml);
         break;
     case KV_BF16:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16);
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16, ml);
         break;
     case KV_I8:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8);
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8, ml);
         break;
-    default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32);
+    default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32, ml);
     }
 }
 

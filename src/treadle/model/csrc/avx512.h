@@ -77,7 +77,8 @@ static inline __m512 sum16(const __m512 v[16]) {
    (V). `kvt` is a constant where this is inlined (attend_d64 below). */
 static inline __attribute__((always_inline)) void attend_d64_t(
     const float* qh, int64_t group, const char* kh, const char* vh, const int64_t* table,
-    int64_t len, float scale, float* scores, int64_t max_len, float* out, const int kvt) {
+    int64_t len, float scale, float* scores, int64_t max_len, float* out, const int kvt,
+    float* ml) {
     const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
     const int64_t rb = kv_row_bytes(kvt, 64), bb = D64_BLOCK * rb;
     __m512 qv[D64_MAX_GROUP][4];
@@ -123,7 +124,8 @@ static inline __attribute__((always_inline)) void attend_d64_t(
                                   _mm512_mul_ps(sum16(d), row_scales));
         }
     }
-    softmax_rows(scores, group, len, max_len);
+    if (ml) softmax_rows_part(scores, group, len, max_len, ml);  /* a part: not normalized */
+    else softmax_rows(scores, group, len, max_len);
     __m512 acc[D64_MAX_GROUP][4];
     for (int64_t j = 0; j < group; j++)
         for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
@@ -153,18 +155,18 @@ static inline __attribute__((always_inline)) void attend_d64_t(
 
 static void attend_d64(const float* qh, int64_t group, const char* kh, const char* vh,
                        const int64_t* table, int64_t len, float scale, float* scores,
-                       int64_t max_len, float* out, int kvt) {
+                       int64_t max_len, float* out, int kvt, float* ml) {
     switch (kvt) {
     case KV_F16:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16);
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16, ml);
         break;
     case KV_BF16:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16);
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16, ml);
         break;
     case KV_I8:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8);
+        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8, ml);
         break;
-    default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32);
+    default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32, ml);
     }
 }
 

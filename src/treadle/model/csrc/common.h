@@ -54,6 +54,26 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t strid
     }
 }
 
+/* The same for a part of a context (paged_decode_attention_f32's split): exp(s - m) left
+   unnormalized, and each row's m and sum in ml[2 j], ml[2 j + 1] (the same operations as
+   softmax_rows up to its division). */
+static void softmax_rows_part(float* scores, int64_t rows, int64_t len, int64_t stride,
+                              float* ml) {
+    for (int64_t j = 0; j < rows; j++) {
+        float* s = scores + j * stride;
+        float m = s[0];
+        for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+        float total = 0.f;
+        #pragma omp simd reduction(+:total)
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = exp_nonpositive(s[t] - m);
+            total += s[t];
+        }
+        ml[2 * j] = m;
+        ml[2 * j + 1] = total;
+    }
+}
+
 /* ---- The KV cache's element types (`--kv-cache-dtype`) ------------------------------------
 
    A cache row is one token's K (or V) of one KV head, head_dim values. The attention kernel and
