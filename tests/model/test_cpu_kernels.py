@@ -30,9 +30,11 @@ def kernel_backend(request: pytest.FixtureRequest) -> CpuKernelAttention:
     return CpuKernelAttention(cpu_kernels.kernels_for(request.param))
 
 
-def run(heads: int, kv_heads: int, lengths: list[int], backend: AttentionBackend) -> torch.Tensor:
+def run(
+    heads: int, kv_heads: int, lengths: list[int], backend: AttentionBackend, head_dim: int = 64
+) -> torch.Tensor:
     torch.manual_seed(0)
-    head_dim, block_size, num_blocks = 64, 16, 1024
+    block_size, num_blocks = 16, 1024
     k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim)
     v_cache = torch.randn_like(k_cache)
     d = len(lengths)
@@ -72,14 +74,24 @@ def test_the_kernel_matches_the_pytorch_path(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_generic_loop_splits_long_contexts_too(kernel_backend: CpuKernelAttention) -> None:
+    """Head size 128 (the generic loop at every level), one long request and a few."""
+    for lengths in ([700], [300, 5, 513]):
+        expected = run(4, 2, lengths, TorchAttention(), head_dim=128)
+        got = run(4, 2, lengths, kernel_backend, head_dim=128)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (8, 1, 64), (4, 2, 128)])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(
-    kernel_backend: CpuKernelAttention,
+    kernel_backend: CpuKernelAttention, heads: int, kv_heads: int, d: int
 ) -> None:
     """A long context is split by its own length only, whether its parts run as tasks of their
-    own (few rows: one request's 3 KV heads on 2 threads) or in turn in one task (many): alone
-    or beside 7 others, a row's output has the same bits."""
+    own (few rows: one request's KV heads on 2 threads) or in turn in one task (many): alone
+    or beside 7 others, a row's output has the same bits (the hand-tiled path, and the generic
+    loop: 8 query heads a KV head, head size 128)."""
     torch.manual_seed(2)
-    heads, kv_heads, d, bs, num_blocks = 9, 3, 64, 16, 512
+    bs, num_blocks = 16, 512
     k_cache = torch.randn(kv_heads, num_blocks, bs, d)
     v_cache = torch.randn_like(k_cache)
     lens = torch.tensor([700, 40, 257, 1, 513, 256, 300, 90], dtype=torch.int32)

@@ -85,23 +85,26 @@ int gguf_g16_kinds(void) { return G16_KINDS; }
 
 /* Attention of float32 queries over the paged KV cache, whose rows are of type kv_type
    (common.h: float32, float16, bfloat16 or int8 with a scale per row). The hand-tiled path
-   (attend_d64) widens each row in registers; the generic loop widens one row at a time into
-   an L1 buffer of head_dim floats.
+   (attend_d64: head size 64, up to 4 query heads per KV head, blocks of 16) widens each row in
+   registers; the generic loop widens one row at a time into an L1 buffer of head_dim floats.
 
-   Tasks are (request, KV head) pairs; on the hand-tiled path a context longer than
-   ATTN_PART tokens is also split in parts of that many (flash-decoding), each attended
-   alone (its scores' max m, the sum l of exp(s - m), and the unnormalized sum of V), then
-   combined: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c. One request
-   has only num_kv (3) tasks, which left a thread of two idle a third of the time (single
-   stream, ~1,600 tokens of context: 13.4-14.2 -> 9.3-10.1 ms a token). The parts depend only
-   on the request's own length, so a row's bits do not depend on the rows beside it (and a
-   context of up to ATTN_PART tokens gives the bits of the whole-context loop). */
-#define ATTN_PART 256  /* tokens (a multiple of D64_BLOCK) */
+   Tasks are (request, KV head) pairs, and a context longer than ATTN_PART tokens is split in
+   parts of that many (flash-decoding), each attended alone (its scores' max m, the sum l of
+   exp(s - m), and the unnormalized sum of V), then combined: out = sum_c e^(m_c - M) acc_c /
+   sum_c e^(m_c - M) l_c, M = max_c m_c. One request has only num_kv (3) tasks, which left a
+   thread of two idle a third of the time (single stream, ~1,600 tokens of context: 13.4-14.2
+   -> 9.3-10.1 ms a token). The parts depend only on the request's own length, so a row's bits
+   do not depend on the rows beside it (and a context of up to ATTN_PART tokens gives the bits
+   of the whole-context loop). */
+#define ATTN_PART 256  /* tokens; contexts are split only where the cache blocks divide it */
 
+/* The generic loop over `len` tokens of the blocks in `table`: into out[group x head_dim],
+   normalized, or with `ml` (a part) unnormalized and each query head's (m, l) in ml. */
 static void attend_generic(const float* qh, int64_t group, const char* kh, const char* vh,
                            const int64_t* table, int64_t len, float scale, float* scores,
                            int64_t max_len, float* acc, float* row, float* out,
-                           int64_t head_dim, int64_t block_size, int64_t rb, int kv_type) {
+                           int64_t head_dim, int64_t block_size, int64_t rb, int kv_type,
+                           float* ml) {
     const int64_t block_bytes_kv = block_size * rb;
     const int64_t num_used = (len + block_size - 1) / block_size;
     prefetch_bytes(kh + table[0] * block_bytes_kv, block_bytes_kv);
@@ -120,7 +123,8 @@ static void attend_generic(const float* qh, int64_t group, const char* kh, const
                 scores[j * max_len + t] = dot(qh + j * head_dim, ktf, head_dim) * s;
         }
     }
-    softmax_rows(scores, group, len, max_len);
+    if (ml) softmax_rows_part(scores, group, len, max_len, ml);
+    else softmax_rows(scores, group, len, max_len);
     memset(acc, 0, sizeof(float) * group * head_dim);
     for (int64_t b = 0, t = 0; t < len; b++) {
         const char* vb = vh + table[b] * block_bytes_kv;
@@ -141,40 +145,61 @@ static void attend_generic(const float* qh, int64_t group, const char* kh, const
     memcpy(out, acc, sizeof(float) * group * head_dim);
 }
 
+/* What one task of paged_decode_attention_f32 reads and where it works. */
+typedef struct {
+    int64_t group, head_dim, block_size, rb, max_len;
+    float scale;
+    int kv_type, d64;
+    float *scores, *acc, *row;  /* the thread's buffers */
+} attend_ctx;
+
+/* One (request, KV head) pair's attention over `len` tokens of the blocks in `table` (see
+   attend_generic for `ml`). */
+static void attend_span(const attend_ctx* c, const float* qh, const char* kh, const char* vh,
+                        const int64_t* table, int64_t len, float* out, float* ml) {
 #if HAVE_ATTEND_D64
-/* Part c of a split context (attend_d64 on its ATTN_PART tokens): into `part`, its
-   unnormalized sums (group x head_dim) and then each query head's (m, l). */
-static void attend_part(const float* qh, int64_t group, const char* kh, const char* vh,
-                        const int64_t* table, int64_t len, int64_t c, float scale, float* scores,
-                        int64_t max_len, float* part, int kv_type) {
-    const int64_t t0 = c * ATTN_PART, n = len - t0 < ATTN_PART ? len - t0 : ATTN_PART;
-    attend_d64(qh, group, kh, vh, table + t0 / D64_BLOCK, n, scale, scores, max_len, part,
-               kv_type, part + group * 64);
+    if (c->d64) {
+        attend_d64(qh, c->group, kh, vh, table, len, c->scale, c->scores, c->max_len, out,
+                   c->kv_type, ml);
+        return;
+    }
+#endif
+    attend_generic(qh, c->group, kh, vh, table, len, c->scale, c->scores, c->max_len, c->acc,
+                   c->row, out, c->head_dim, c->block_size, c->rb, c->kv_type, ml);
 }
 
-/* The parts' results (`parts` slots of `slot` floats, in order) combined into dst[group x 64]
-   (o: 64 floats of scratch). */
+/* Part p of a split context into `part`: its unnormalized sums (group x head_dim), then each
+   query head's (m, l). */
+static void attend_part(const attend_ctx* c, const float* qh, const char* kh, const char* vh,
+                        const int64_t* table, int64_t len, int64_t p, float* part) {
+    const int64_t t0 = p * ATTN_PART, n = len - t0 < ATTN_PART ? len - t0 : ATTN_PART;
+    attend_span(c, qh, kh, vh, table + t0 / c->block_size, n, part,
+                part + c->group * c->head_dim);
+}
+
+/* The parts' results (`parts` slots of `slot` floats, in order) combined into
+   dst[group x head_dim] (o: head_dim floats of scratch). */
 static void combine_parts(const float* base, int64_t parts, int64_t slot, int64_t group,
-                          float* o, float* dst) {
+                          int64_t head_dim, float* o, float* dst) {
+    const int64_t at = group * head_dim;  /* where a slot's (m, l) pairs start */
     for (int64_t j = 0; j < group; j++) {
-        float m = base[group * 64 + 2 * j];
+        float m = base[at + 2 * j];
         for (int64_t c = 1; c < parts; c++) {
-            const float mc = base[c * slot + group * 64 + 2 * j];
+            const float mc = base[c * slot + at + 2 * j];
             m = mc > m ? mc : m;
         }
         float total = 0.f;
-        memset(o, 0, sizeof(float) * 64);
+        memset(o, 0, sizeof(float) * head_dim);
         for (int64_t c = 0; c < parts; c++) {
             const float* part = base + c * slot;
-            const float w = exp_nonpositive(part[group * 64 + 2 * j] - m);
-            total += w * part[group * 64 + 2 * j + 1];
-            for (int64_t i = 0; i < 64; i++) o[i] += w * part[j * 64 + i];
+            const float w = exp_nonpositive(part[at + 2 * j] - m);
+            total += w * part[at + 2 * j + 1];
+            for (int64_t i = 0; i < head_dim; i++) o[i] += w * part[j * head_dim + i];
         }
         const float inv = 1.f / total;
-        for (int64_t i = 0; i < 64; i++) dst[j * 64 + i] = o[i] * inv;
+        for (int64_t i = 0; i < head_dim; i++) dst[j * head_dim + i] = o[i] * inv;
     }
 }
-#endif
 
 void paged_decode_attention_f32(
     const float* q, int64_t q_row_stride,          /* q[r, head, :] at q + r*stride + head*d */
@@ -194,7 +219,9 @@ void paged_decode_attention_f32(
 #else
     const int d64 = 0;
 #endif
-    const int64_t max_parts = d64 ? (max_len + ATTN_PART - 1) / ATTN_PART : 1;
+    const int splits = ATTN_PART % block_size == 0;
+#define ATTN_PARTS(len) (splits && (len) > ATTN_PART ? ((len) + ATTN_PART - 1) / ATTN_PART : 1)
+    const int64_t max_parts = ATTN_PARTS(max_len);
     const int64_t slot = group * (head_dim + 2);  /* a part's unnormalized sums, then its (m, l) */
     /* Where (request, KV head) pairs are few (decode of a few requests), each part is a task
        of its own and the parts are combined after them (`first[r]`: request r's first task;
@@ -204,17 +231,16 @@ void paged_decode_attention_f32(
     const int by_part = max_parts > 1 && num_reqs * num_kv < 4 * num_threads;
     int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (num_reqs + 1));
     first[0] = 0;
-    for (int64_t r = 0; r < num_reqs; r++) {
-        const int64_t parts = d64 && by_part ? (lens[r] + ATTN_PART - 1) / ATTN_PART : 1;
-        first[r + 1] = first[r] + num_kv * (parts > 1 ? parts : 1);
-    }
+    for (int64_t r = 0; r < num_reqs; r++)
+        first[r + 1] = first[r] + num_kv * (by_part ? ATTN_PARTS(lens[r]) : 1);
     const int64_t num_tasks = first[num_reqs];
     float* parts_buf = by_part ? (float*)malloc(sizeof(float) * num_tasks * slot) : NULL;
     #pragma omp parallel num_threads(num_threads)
     {
-        float* scores = (float*)malloc(sizeof(float) * group * max_len);
-        float* acc = (float*)malloc(sizeof(float) * group * head_dim);
-        float* row = (float*)malloc(sizeof(float) * head_dim);
+        attend_ctx c = {group, head_dim, block_size, rb, max_len, scale, kv_type, d64,
+                        (float*)malloc(sizeof(float) * group * max_len),
+                        (float*)malloc(sizeof(float) * group * head_dim),
+                        (float*)malloc(sizeof(float) * head_dim)};
         float* mine = !by_part && max_parts > 1 ? (float*)malloc(sizeof(float) * max_parts * slot)
                                                 : NULL;
         #pragma omp for schedule(dynamic, 4)
@@ -225,35 +251,23 @@ void paged_decode_attention_f32(
                 if (first[mid] <= task) lo = mid; else hi = mid;
             }
             const int64_t r = lo, tasks_r = (first[r + 1] - first[r]) / num_kv;
-            const int64_t h = (task - first[r]) / tasks_r, c = (task - first[r]) % tasks_r;
-            const int64_t len = lens[r];
+            const int64_t h = (task - first[r]) / tasks_r, p = (task - first[r]) % tasks_r;
+            const int64_t len = lens[r], parts = ATTN_PARTS(len);
             const int64_t* table = block_table + r * table_stride;
             const float* qh = q + r * q_row_stride + h * group * head_dim;
             const char* kh = (const char*)k_cache + h * head_stride;
             const char* vh = (const char*)v_cache + h * head_stride;
             float* dst = out + r * out_row_stride + h * group * head_dim;
-#if HAVE_ATTEND_D64
-            if (d64) {
-                const int64_t parts = (len + ATTN_PART - 1) / ATTN_PART;
-                if (parts <= 1) {
-                    attend_d64(qh, group, kh, vh, table, len, scale, scores, max_len, dst, kv_type,
-                               NULL);
-                } else if (by_part) {
-                    attend_part(qh, group, kh, vh, table, len, c, scale, scores, max_len,
-                                parts_buf + task * slot, kv_type);
-                } else {
-                    for (int64_t p = 0; p < parts; p++)
-                        attend_part(qh, group, kh, vh, table, len, p, scale, scores, max_len,
-                                    mine + p * slot, kv_type);
-                    combine_parts(mine, parts, slot, group, acc, dst);
-                }
-                continue;
+            if (parts == 1) {
+                attend_span(&c, qh, kh, vh, table, len, dst, NULL);
+            } else if (by_part) {
+                attend_part(&c, qh, kh, vh, table, len, p, parts_buf + task * slot);
+            } else {
+                for (int64_t i = 0; i < parts; i++)
+                    attend_part(&c, qh, kh, vh, table, len, i, mine + i * slot);
+                combine_parts(mine, parts, slot, group, head_dim, c.acc, dst);
             }
-#endif
-            attend_generic(qh, group, kh, vh, table, len, scale, scores, max_len, acc, row, dst,
-                           head_dim, block_size, rb, kv_type);
         }
-#if HAVE_ATTEND_D64
         if (by_part) {
             #pragma omp for schedule(static)
             for (int64_t rh = 0; rh < num_reqs * num_kv; rh++) {
@@ -261,15 +275,16 @@ void paged_decode_attention_f32(
                 const int64_t parts = (first[r + 1] - first[r]) / num_kv;
                 if (parts > 1)
                     combine_parts(parts_buf + (first[r] + h * parts) * slot, parts, slot, group,
-                                  acc, out + r * out_row_stride + h * group * head_dim);
+                                  head_dim, c.acc,
+                                  out + r * out_row_stride + h * group * head_dim);
             }
         }
-#endif
-        free(scores);
-        free(acc);
-        free(row);
+        free(c.scores);
+        free(c.acc);
+        free(c.row);
         free(mine);
     }
+#undef ATTN_PARTS
     free(parts_buf);
     free(first);
 }
