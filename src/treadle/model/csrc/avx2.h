@@ -119,8 +119,7 @@ static inline __attribute__((always_inline)) void attend_d64_t(
             }
         }
     }
-    if (ml) softmax_rows_part(scores, group, len, max_len, ml);  /* a part: not normalized */
-    else softmax_rows(scores, group, len, max_len);
+    softmax_rows(scores, group, len, max_len, ml);  /* a part (ml): not normalized */
     memset(out, 0, sizeof(float) * group * 64);
     for (int64_t b = 0, t = 0; t < len; b++) {
         const char* vb = vh + table[b] * bb;

@@ -124,8 +124,7 @@ static inline __attribute__((always_inline)) void attend_d64_t(
                                   _mm512_mul_ps(sum16(d), row_scales));
         }
     }
-    if (ml) softmax_rows_part(scores, group, len, max_len, ml);  /* a part: not normalized */
-    else softmax_rows(scores, group, len, max_len);
+    softmax_rows(scores, group, len, max_len, ml);  /* a part (ml): not normalized */
     __m512 acc[D64_MAX_GROUP][4];
     for (int64_t j = 0; j < group; j++)
         for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();

@@ -37,8 +37,10 @@ static inline float dot(const float* a, const float* b, int64_t n) {
     return s;
 }
 
-/* Softmax in place over the first `len` scores of each of `rows` rows, `stride` apart. */
-static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t stride) {
+/* Each of `rows` rows of `len` scores (`stride` apart) replaced by exp(s - m), m its max; with
+   `ml`, each row's m and sum in ml[2 j], ml[2 j + 1] and no more (a part of a split context,
+   paged_decode_attention_f32), else divided by the sum: the softmax. */
+static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t stride, float* ml) {
     for (int64_t j = 0; j < rows; j++) {
         float* s = scores + j * stride;
         float m = s[0];
@@ -48,29 +50,14 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t strid
         for (int64_t t = 0; t < len; t++) {
             s[t] = exp_nonpositive(s[t] - m);
             total += s[t];
+        }
+        if (ml) {
+            ml[2 * j] = m;
+            ml[2 * j + 1] = total;
+            continue;
         }
         const float inv = 1.f / total;
         for (int64_t t = 0; t < len; t++) s[t] *= inv;
-    }
-}
-
-/* The same for a part of a context (paged_decode_attention_f32's split): exp(s - m) left
-   unnormalized, and each row's m and sum in ml[2 j], ml[2 j + 1] (the same operations as
-   softmax_rows up to its division). */
-static void softmax_rows_part(float* scores, int64_t rows, int64_t len, int64_t stride,
-                              float* ml) {
-    for (int64_t j = 0; j < rows; j++) {
-        float* s = scores + j * stride;
-        float m = s[0];
-        for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-        float total = 0.f;
-        #pragma omp simd reduction(+:total)
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = exp_nonpositive(s[t] - m);
-            total += s[t];
-        }
-        ml[2 * j] = m;
-        ml[2 * j + 1] = total;
     }
 }
 

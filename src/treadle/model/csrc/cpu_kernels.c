@@ -123,8 +123,7 @@ static void attend_generic(const float* qh, int64_t group, const char* kh, const
                 scores[j * max_len + t] = dot(qh + j * head_dim, ktf, head_dim) * s;
         }
     }
-    if (ml) softmax_rows_part(scores, group, len, max_len, ml);
-    else softmax_rows(scores, group, len, max_len);
+    softmax_rows(scores, group, len, max_len, ml);
     memset(acc, 0, sizeof(float) * group * head_dim);
     for (int64_t b = 0, t = 0; t < len; b++) {
         const char* vb = vh + table[b] * block_bytes_kv;
