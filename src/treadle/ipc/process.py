@@ -119,7 +119,7 @@ def _exit_status(process: BaseProcess) -> int | None:
     try:
         info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped this moment by another thread, which sets returncode
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + 0.2
         while popen.returncode is None and time.monotonic() < deadline:
             time.sleep(0.001)
         return process.exitcode

@@ -98,6 +98,11 @@ int gguf_g16_kinds(void) { return G16_KINDS; }
    of the whole-context loop). */
 #define ATTN_PART 256  /* tokens; contexts are split only where the cache blocks divide it */
 
+/* How many parts a context of `len` tokens is attended in. */
+static inline int64_t attn_parts(int64_t len, int64_t block_size) {
+    return ATTN_PART % block_size == 0 && len > ATTN_PART ? (len + ATTN_PART - 1) / ATTN_PART : 1;
+}
+
 /* The generic loop over `len` tokens of the blocks in `table`: into out[group x head_dim],
    normalized, or with `ml` (a part) unnormalized and each query head's (m, l) in ml. */
 static void attend_generic(const float* qh, int64_t group, const char* kh, const char* vh,
@@ -218,9 +223,7 @@ void paged_decode_attention_f32(
 #else
     const int d64 = 0;
 #endif
-    const int splits = ATTN_PART % block_size == 0;
-#define ATTN_PARTS(len) (splits && (len) > ATTN_PART ? ((len) + ATTN_PART - 1) / ATTN_PART : 1)
-    const int64_t max_parts = ATTN_PARTS(max_len);
+    const int64_t max_parts = attn_parts(max_len, block_size);
     const int64_t slot = group * (head_dim + 2);  /* a part's unnormalized sums, then its (m, l) */
     /* Where (request, KV head) pairs are few (decode of a few requests), each part is a task
        of its own and the parts are combined after them (`first[r]`: request r's first task;
@@ -231,7 +234,7 @@ void paged_decode_attention_f32(
     int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (num_reqs + 1));
     first[0] = 0;
     for (int64_t r = 0; r < num_reqs; r++)
-        first[r + 1] = first[r] + num_kv * (by_part ? ATTN_PARTS(lens[r]) : 1);
+        first[r + 1] = first[r] + num_kv * (by_part ? attn_parts(lens[r], block_size) : 1);
     const int64_t num_tasks = first[num_reqs];
     float* parts_buf = by_part ? (float*)malloc(sizeof(float) * num_tasks * slot) : NULL;
     #pragma omp parallel num_threads(num_threads)
@@ -251,7 +254,7 @@ void paged_decode_attention_f32(
             }
             const int64_t r = lo, tasks_r = (first[r + 1] - first[r]) / num_kv;
             const int64_t h = (task - first[r]) / tasks_r, p = (task - first[r]) % tasks_r;
-            const int64_t len = lens[r], parts = ATTN_PARTS(len);
+            const int64_t len = lens[r], parts = attn_parts(len, block_size);
             const int64_t* table = block_table + r * table_stride;
             const float* qh = q + r * q_row_stride + h * group * head_dim;
             const char* kh = (const char*)k_cache + h * head_stride;
@@ -283,7 +286,6 @@ void paged_decode_attention_f32(
         free(c.row);
         free(mine);
     }
-#undef ATTN_PARTS
     free(parts_buf);
     free(first);
 }
