@@ -219,3 +219,24 @@ def test_a_reader_that_fails_is_logged_and_makes_the_engine_dead(
     ]
     failed = [r for r in records if r.getMessage() == "The engine output reader failed"]
     assert failed and failed[0].exc_info is not None  # with its traceback
+
+
+def test_an_end_seen_after_the_loop_closed_is_kept_not_raised(tiny_model_factory: Any) -> None:
+    """The process monitor can see an engine core's exit after the server's loop has closed
+    (a stop during shutdown): the client keeps the reason and raises nothing (it used to log
+    "on_death failed ... Event loop is closed")."""
+    config = EngineConfig(
+        ModelConfig(str(tiny_model_factory("llama")), max_model_len=128),
+        CacheConfig(kv_cache_memory=1 << 20),
+    )
+    client = AsyncMPClient(config, None)  # type: ignore[arg-type]  # (never told: no loop)
+    try:
+        client.loop = asyncio.new_event_loop()
+        client.loop.close()
+        client._mark_stopped("the EngineCore_DP0 process stopped")
+        assert client.dead_reason == "the EngineCore_DP0 process stopped"
+        client._mark_dead("a later death")
+        assert client.dead_reason == "the EngineCore_DP0 process stopped"  # (the first kept)
+    finally:
+        client.loop = None
+        client.shutdown()

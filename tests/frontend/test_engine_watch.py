@@ -3,6 +3,9 @@ ends (restarts off), and is kept for the death that follows (restarts on)."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -51,3 +54,18 @@ def test_restarts_on_the_report_waits_for_the_death() -> None:
     w, client, _ = watch(RestartMode.OWN)
     assert w.on_control_frame(REPORT) is True
     assert client.failed == [] and w.reports == {1: REPORT}
+
+
+def test_a_death_seen_after_the_loop_closed_restarts_nothing() -> None:
+    """(The process monitor's thread, after the server's loop has closed.) No restart is
+    scheduled on the closed loop, no coroutine is left unawaited: the client ends."""
+    w, client, _ = watch(RestartMode.OWN)
+    engine = SimpleNamespace(name="EngineCore_DP1", exitcode=-9, describe=lambda: "EngineCore_DP1")
+    client.launcher = SimpleNamespace(coordinator=None, engines=[None, engine], start_rank=0)  # type: ignore[assignment]
+    loop = asyncio.new_event_loop()
+    loop.close()
+    w.loop, w.tasks = loop, SimpleNamespace(spawn=None)  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ("coroutine ... was never awaited" fails the test)
+        assert w.on_child_death(engine) is False  # type: ignore[arg-type]
+        gc.collect()

@@ -247,9 +247,14 @@ class AsyncMPClient(MPClient):
         self._end_threadsafe(reason, stopped=True)
 
     def _end_threadsafe(self, reason: str, stopped: bool) -> None:
-        """`_end` from the process monitor's thread (or before the loop runs: at `start`)."""
+        """`_end` from the process monitor's thread (or before the loop runs: at `start`).
+        After the loop has closed (the server is down and a child's exit is seen late) there
+        is no one left to tell: the reason is kept, nothing else."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._end, reason, stopped)
+            try:
+                self.loop.call_soon_threadsafe(self._end, reason, stopped)
+            except RuntimeError:  # the event loop is closed
+                self.dead_reason = self.dead_reason or reason
         elif self._pending_end is None:
             self.dead_reason, self._pending_end = reason, (reason, stopped)
 

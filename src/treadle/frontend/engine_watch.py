@@ -163,13 +163,21 @@ class EngineWatch:
         if launcher is None or loop is None or self.tasks is None:  # (before the loop runs)
             return False
         cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
+        # (A death seen after the loop has closed, the server down, restarts nothing.)
         if child is launcher.coordinator:
-            loop.call_soon_threadsafe(self._guarded, self.restarts.coordinator_died, cause)
+            try:
+                loop.call_soon_threadsafe(self._guarded, self.restarts.coordinator_died, cause)
+            except RuntimeError:  # the event loop is closed
+                return False
             return True
         for i, engine in enumerate(launcher.engines):
             if engine is child:
                 death = self._died(launcher.start_rank + i, cause, child.exitcode)
-                loop.call_soon_threadsafe(self.tasks.spawn, death, "engine death report")
+                try:
+                    loop.call_soon_threadsafe(self.tasks.spawn, death, "engine death report")
+                except RuntimeError:  # the event loop is closed
+                    death.close()
+                    return False
                 return True
         return False
 
