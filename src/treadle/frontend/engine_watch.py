@@ -163,23 +163,18 @@ class EngineWatch:
         if launcher is None or loop is None or self.tasks is None:  # (before the loop runs)
             return False
         cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
-        # (A death seen after the loop has closed, the server down, restarts nothing.)
         if child is launcher.coordinator:
-            try:
-                loop.call_soon_threadsafe(self._guarded, self.restarts.coordinator_died, cause)
-            except RuntimeError:  # the event loop is closed
-                return False
-            return True
+            return _in_loop(loop, self._guarded, self.restarts.coordinator_died, cause)
         for i, engine in enumerate(launcher.engines):
             if engine is child:
-                death = self._died(launcher.start_rank + i, cause, child.exitcode)
-                try:
-                    loop.call_soon_threadsafe(self.tasks.spawn, death, "engine death report")
-                except RuntimeError:  # the event loop is closed
-                    death.close()
-                    return False
-                return True
+                rank = launcher.start_rank + i
+                return _in_loop(loop, self._report_death, rank, cause, child.exitcode)
         return False
+
+    def _report_death(self, rank: int, cause: str, exitcode: int | None) -> None:
+        """(In the loop.)"""
+        assert self.tasks is not None
+        self.tasks.spawn(self._died(rank, cause, exitcode), "engine death report")
 
     def note_exit(self, child: ChildProcess) -> None:
         """A process of this host exited: it explains a peer that leaves a socket."""
@@ -415,6 +410,16 @@ class EngineWatch:
         ranks = [e for e in self.unwatched if states[e].serves]
         replies = await asyncio.gather(*(self.answers(e) for e in ranks))
         return [e for e, ok in zip(ranks, replies, strict=True) if not ok]
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:
+    """Run `fn(*args)` in `loop` (from another thread); False when the loop has closed (the
+    server is down: a death seen that late restarts nothing)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed
+        return False
+    return True
 
 
 def process_of(pid: int) -> psutil.Process | None:
