@@ -1,10 +1,12 @@
-"""The shape of `src/treadle`'s imports (STYLE.md rule 7, issue 25): no cycle between modules at
-import time, imports flow down the floors (cli -> entrypoints -> frontend -> core -> executor
--> worker -> model, the ground floor under all), and the front end's files stay short.
+"""The shape of `src/treadle`'s imports (STYLE.md rule 7, issues 25 and 43): no cycle between
+modules at run time (imports inside functions count), imports flow down the floors (cli ->
+entrypoints -> frontend -> core -> executor -> worker -> model, the ground floor under all, in
+its own order), and no module grows past MAX_LINES.
 
-Read from the source with `ast`, so it costs no import. Only what runs at import time counts:
-module-level imports (also inside `if`/`try`/`with` at module level), not those under
-`if TYPE_CHECKING:` nor those inside functions and classes.
+Read from the source with `ast`, so it costs no import. Every import that can run counts:
+module-level ones (also inside `if`/`try`/`with`) and those inside functions and classes (they
+run when called: a cycle through one is a cycle at run time), not those under
+`if TYPE_CHECKING:`.
 
 An edge A -> B means "importing A runs B": every module A names, and the packages above it
 (their `__init__` runs first) except A's own packages (they are already being imported when A
@@ -32,13 +34,59 @@ top-level modules (`config`, `engine_args`, `envs`, `logger`, `sampling_params`,
 `validation`, `outputs`, `tokenizer`, `structured_outputs`) and the `ipc/` and `wire/`
 packages. Every floor may use it; it imports nothing above itself."""
 
+GROUND_FLOORS: list[tuple[str, ...]] = [
+    ("treadle.engine_args",),
+    ("treadle.ipc",),
+    ("treadle.wire",),
+    (
+        "treadle.config",
+        "treadle.tokenizer",
+        "treadle.outputs",
+        "treadle.prompt_embeds",
+        "treadle.structured_outputs",
+        "treadle.validation",
+        "treadle.sampling_params",
+        "treadle.checks",
+    ),
+    (
+        "treadle.ipc.serial",
+        "treadle.ipc.shm_message",
+        "treadle.ipc.shm_ring",
+        "treadle.ipc.tensor_ring",
+        "treadle.ipc.cluster_auth",
+        "treadle.ipc.engine_auth",
+        "treadle.ipc.fast_exit",
+    ),
+    ("=treadle", "=treadle.ipc", "treadle.envs", "treadle.logger"),
+]
+"""The ground floor's own floors, top to bottom (a package prefix, or `=` and one module,
+such as a package's own `__init__`; the longest match places a module): the CLI's flags over the transport (processes, sockets, the shm
+broadcast) over the wire types over the values a request carries (config, sampling, the rules
+on them) over the codec and the keys (serializer, shm rings, HMAC) over the environment and
+the logger. A new ground module is placed here by hand."""
+
 MAX_LINES = 450
-SHORT_FILE_DIRS = ("frontend", "entrypoints")
+"""No module of `src/treadle` is longer (STYLE.md rule 1: one idea per file)."""
 
 # Known breaches in files that another change owns (issue 25, items 1 and 6); each names the
 # file and why, so that change can delete its entry. Keep this list short.
 ALLOWED_EDGES: set[tuple[str, str]] = set()
-ALLOWED_LONG_FILES: set[str] = set()
+ALLOWED_LONG_FILES: dict[str, int] = {
+    # Longer than MAX_LINES when the cap reached all of src/treadle (issue 43 item 5), each
+    # with its length then plus 60 lines as its own cap (other changes were adding to them):
+    # split one and delete its entry. Never add an entry.
+    "cli/supervise.py": 460 + 60,
+    "model/cpu_kernels.py": 463 + 60,
+    "core/scheduler.py": 464 + 60,
+    "executor/ray_executor.py": 489,
+    "core/engine_core_proc.py": 502,
+    "config.py": 507 + 60,
+    "worker/model_runner.py": 509 + 60,
+    "engine_args.py": 522 + 60,
+    "ipc/shm_broadcast.py": 546,
+    "ipc/process.py": 568,
+    "executor/multinode.py": 579,
+}
 
 
 @cache
@@ -60,20 +108,22 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _runtime_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import that can run: at module level, inside `if`/`try`/`with`, and inside
+    functions and classes (an import in a function runs when it is called, and a cycle through
+    it is a cycle all the same); not those under `if TYPE_CHECKING:`."""
     for node in body:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _runtime_imports(node.orelse)
+            continue
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                yield from _runtime_imports(node.body)
-            yield from _runtime_imports(node.orelse)
-        elif isinstance(node, ast.Try):
-            for block in (node.body, node.orelse, node.finalbody):
-                yield from _runtime_imports(block)
-            for handler in node.handlers:
-                yield from _runtime_imports(handler.body)
-        elif isinstance(node, ast.With):
-            yield from _runtime_imports(node.body)
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            for child in getattr(node, field, ()):
+                if isinstance(child, ast.ExceptHandler | ast.match_case):
+                    yield from _runtime_imports(child.body)
+                elif isinstance(child, ast.stmt):
+                    yield from _runtime_imports([child])
 
 
 def _ancestors(name: str) -> list[str]:
@@ -116,6 +166,20 @@ def graph() -> dict[str, frozenset[str]]:
 def floor(name: str) -> str:
     parts = name.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in FLOORS else GROUND
+
+
+def ground_floor(name: str) -> int:
+    """The index in GROUND_FLOORS of the longest prefix that holds `name`."""
+    best, where = (-1, False), -1
+    for i, names in enumerate(GROUND_FLOORS):
+        for prefix in names:
+            exact = prefix.startswith("=")
+            prefix = prefix.removeprefix("=")
+            holds = name == prefix or (not exact and name.startswith(prefix + "."))
+            if holds and (len(prefix), exact) > best:
+                best, where = (len(prefix), exact), i
+    assert where >= 0, f"{name}: place it in GROUND_FLOORS"
+    return where
 
 
 def _height(name: str) -> int:
@@ -183,9 +247,10 @@ def test_the_graph_sees_what_runs() -> None:
     code = (
         "import x\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import y\n"
         "def f():\n    import z\ntry:\n    import w\nexcept ImportError:\n    pass\n"
+        "class C:\n    def m(self):\n        if True:\n            import v\n"
     )
     names = [a.name for n in _runtime_imports(ast.parse(code).body) for a in n.names]
-    assert names == ["x", "TYPE_CHECKING", "w"]
+    assert names == ["x", "TYPE_CHECKING", "z", "w", "v"]
 
 
 def test_the_package_loads_lazily() -> None:
@@ -220,6 +285,21 @@ def test_imports_flow_down_the_floors() -> None:
     )
 
 
+def test_the_ground_floor_keeps_its_order() -> None:
+    """Inside the ground floor, imports flow down GROUND_FLOORS too (a module of the ground
+    never imports one placed above it)."""
+    ground = [m for m in graph() if floor(m) == GROUND]
+    upward = sorted(
+        (a, b)
+        for a in ground
+        for b in graph()[a]
+        if floor(b) == GROUND and ground_floor(b) < ground_floor(a)
+    )
+    assert not upward, "ground imports up its floors:\n" + "\n".join(
+        f"{a} -> {b}" for a, b in upward
+    )
+
+
 def test_allowed_edges_are_still_needed() -> None:
     """An allow-list entry that no longer happens is deleted with the fix."""
     g = graph()
@@ -227,18 +307,18 @@ def test_allowed_edges_are_still_needed() -> None:
     assert not stale, f"no longer imported, delete from ALLOWED_EDGES: {stale}"
 
 
-def test_front_end_files_are_short() -> None:
+def test_modules_are_short() -> None:
     long = {}
-    for sub in SHORT_FILE_DIRS:
-        for path in sorted((SRC / "treadle" / sub).rglob("*.py")):
-            rel = path.relative_to(SRC / "treadle").as_posix()
-            lines = len(path.read_text().splitlines())
-            if lines > MAX_LINES and rel not in ALLOWED_LONG_FILES:
-                long[rel] = lines
-    assert not long, f"over {MAX_LINES} lines: {long}"
+    for path in sorted((SRC / "treadle").rglob("*.py")):
+        rel = path.relative_to(SRC / "treadle").as_posix()
+        lines = len(path.read_text().splitlines())
+        if lines > ALLOWED_LONG_FILES.get(rel, MAX_LINES):
+            long[rel] = lines
+    assert not long, f"over {MAX_LINES} lines (or an allowed file over its cap): {long}"
     stale = [
         f
         for f in ALLOWED_LONG_FILES
-        if len((SRC / "treadle" / f).read_text().splitlines()) <= MAX_LINES
+        if not (SRC / "treadle" / f).exists()
+        or len((SRC / "treadle" / f).read_text().splitlines()) <= MAX_LINES
     ]
     assert not stale, f"short now, delete from ALLOWED_LONG_FILES: {stale}"

@@ -1,15 +1,31 @@
-"""`SamplingParams`: how one request is sampled; validated on construction, sent on the wire."""
+"""`SamplingParams`: how one request is sampled, with the rules of its own fields
+(`check_sampling_params`, built from `treadle.checks`); validated on construction, sent on the
+wire. `treadle.validation` stands above it and checks a request against the model."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 import msgspec
 
+from treadle.checks import (
+    INT64_MAX,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP,
+    MIN_TEMPERATURE,
+    POOLING_TYPES,
+    InvalidRequest,
+    check_float,
+    check_int,
+    check_list,
+    is_finite,
+)
 from treadle.config import ModelConfig, resolve_model
-from treadle.validation import MIN_TEMPERATURE, check_sampling_params, is_finite
 
 
 class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -27,8 +43,6 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
     structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        from treadle.validation import check_structured_outputs
-
         check_structured_outputs(self)
         if isinstance(self.json, dict) and not _msgpack_safe(self.json):
             # Its text from here on: msgpack cannot carry an int past 64 bits, JSON text can.
@@ -58,7 +72,7 @@ def _msgpack_safe(value: Any) -> bool:
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Sampling settings of one request, with vLLM's names and defaults.
 
-    Construction (and so decoding) checks every field with `validation.check_sampling_params`
+    Construction (and so decoding) checks every field with `check_sampling_params`
     and raises `InvalidRequest` (a `ValueError`) naming the bad one. `top_k` 0 (or vLLM's -1)
     means "no top-k"; a temperature in (0, 0.01) is raised to 0.01, as vLLM does.
     """
@@ -114,6 +128,116 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     def clone(self, **changes: object) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+
+def check_sampling_params(p: SamplingParams, where: str = "SamplingParams.") -> None:
+    """The rules that need no model. Raises `InvalidRequest` naming the first bad field."""
+    try:
+        _check_sampling_params(p)
+    except InvalidRequest as e:
+        raise InvalidRequest(e.param, e.detail, where) from None
+
+
+def _check_sampling_params(p: SamplingParams) -> None:
+    check_int(p.n, "n", 1, MAX_N)
+    check_float(p.temperature, "temperature", 0.0, math.inf)
+    check_float(p.top_p, "top_p", 0.0, 1.0, low_open=True)
+    check_int(p.top_k, "top_k", 0)  # 0 (or vLLM's -1, normalised to 0) means no top-k
+    check_float(p.min_p, "min_p", 0.0, 1.0)
+    check_float(p.presence_penalty, "presence_penalty", -2.0, 2.0)
+    check_float(p.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    check_float(p.repetition_penalty, "repetition_penalty", 0.0, math.inf, low_open=True)
+    if p.seed is not None:
+        # Sample i of n draws with seed + i, which must stay an int64 too.
+        check_int(p.seed, "seed", high=INT64_MAX - (p.n - 1))
+    if p.max_tokens is not None:
+        check_int(p.max_tokens, "max_tokens", 1)
+    check_int(p.min_tokens, "min_tokens", 0)
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise InvalidRequest(
+            "min_tokens", f"must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}"
+        )
+    if p.logprobs is not None:
+        check_int(p.logprobs, "logprobs", 0)
+    if p.pooling is not None:
+        if p.pooling not in POOLING_TYPES:
+            raise InvalidRequest("pooling", f"must be one of {', '.join(POOLING_TYPES)}")
+        if p.n != 1 or p.logprobs is not None or p.prompt_logprobs is not None:
+            raise InvalidRequest("pooling", "takes no n, logprobs or prompt_logprobs")
+        if p.structured_outputs is not None:
+            raise InvalidRequest("pooling", "takes no output constraint")
+    check_list(p.stop, "stop")
+    if not all(isinstance(s, str) and s for s in p.stop):
+        raise InvalidRequest("stop", "must be non-empty strings")
+    check_list(p.stop_token_ids, "stop_token_ids")
+    for t in p.stop_token_ids:
+        check_int(t, "stop_token_ids", 0)
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict):
+            raise InvalidRequest("logit_bias", "must map token ids to numbers")
+        for t, bias in p.logit_bias.items():
+            check_int(t, "logit_bias", 0)
+            check_float(bias, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    if p.allowed_token_ids is not None:
+        check_list(p.allowed_token_ids, "allowed_token_ids", limit=None)
+        if not p.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids", "must not be empty")
+        for t in p.allowed_token_ids:
+            check_int(t, "allowed_token_ids", 0)
+    if p.bad_words is not None:
+        check_list(p.bad_words, "bad_words")
+        if not all(isinstance(w, str) and w.strip() for w in p.bad_words):
+            raise InvalidRequest("bad_words", "must be non-blank strings")
+    if p.bad_words_token_ids is not None:
+        check_list(p.bad_words_token_ids, "bad_words_token_ids", limit=2 * MAX_STOP)
+        for word in p.bad_words_token_ids:
+            check_list(word, "bad_words_token_ids")
+            if not word:
+                raise InvalidRequest("bad_words_token_ids", "must not hold an empty word")
+            for t in word:
+                check_int(t, "bad_words_token_ids", 0)
+    if p.prompt_logprobs is not None:
+        check_int(p.prompt_logprobs, "prompt_logprobs", 0)
+    if p.truncate_prompt_tokens is not None:
+        check_int(p.truncate_prompt_tokens, "truncate_prompt_tokens", 1)
+    if p.structured_outputs is not None:
+        if not isinstance(p.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs", "must be StructuredOutputsParams")
+        check_structured_outputs(p.structured_outputs)
+
+
+def check_structured_outputs(s: StructuredOutputsParams) -> None:
+    """Exactly one constraint, of the right type and a sane size (that it compiles is
+    `treadle.structured_outputs`' business)."""
+    given = [k for k in s.__struct_fields__ if getattr(s, k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "structured_outputs",
+            "must set exactly one of json, regex, choice, grammar, json_object, structural_tag"
+            f" (got {', '.join(given) or 'none'})",
+        )
+    kind = given[0]
+    value = getattr(s, kind)
+    if kind == "json":
+        if not isinstance(value, str | dict):
+            raise InvalidRequest("structured_outputs.json", "must be a JSON schema")
+        size = len(value) if isinstance(value, str) else len(repr(value))
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest("structured_outputs.choice", "must be a non-empty list of strings")
+        size = sum(len(c) for c in value)
+    elif kind == "json_object":
+        if value is not True:
+            raise InvalidRequest("structured_outputs.json_object", "must be true")
+        size = 0
+    else:
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest(f"structured_outputs.{kind}", "must be a non-empty string")
+        size = len(value)
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(
+            f"structured_outputs.{kind}", f"is longer than {MAX_GRAMMAR_CHARS} characters"
+        )
 
 
 # generation_config.json keys that are default sampling parameters (vLLM reads the same ones).
