@@ -9,7 +9,7 @@ import msgspec
 
 from treadle.frontend.handshake import HandshakeDesk, Hello
 from treadle.ipc.engine_auth import engine_token
-from treadle.wire.control import Handshake, StartupPhase
+from treadle.wire.control import Handshake, HandshakeStatus, StartupPhase
 
 
 def check_secret(rank: int, secret: bytes) -> None:
@@ -55,6 +55,20 @@ def test_an_expected_rank_gets_a_new_launch_and_a_second_hello_goes_to_the_calle
     assert d.on_message(frames(b"p2", "READY", 1)) == 1
     assert d.on_message(frames(b"p3", "READY", 5)) is None  # unknown rank: dropped
     assert d.on_message([b"p3", b"\xc1"]) is None and d.drops.dropped >= 2
+
+
+def test_a_status_outside_the_enum_fails_the_decode_and_is_dropped() -> None:
+    """Statuses are `HandshakeStatus` on the wire: its text, and nothing else decodes."""
+    d = desk()
+    d.expect([0])
+    assert msgspec.msgpack.encode(HandshakeStatus.HELLO) == msgspec.msgpack.encode("HELLO")
+    before = d.drops.dropped
+    assert d.on_message(frames(b"p0", "HELO", 0, b"s0")) is None
+    assert d.drops.dropped == before + 1 and d.take() == []
+    # ADDRESSES and REFUSED go from the front end to an engine, never the other way.
+    assert d.on_message(frames(b"p0", "HELLO", 0, b"s0")) is None and len(d.take()) == 1
+    assert d.on_message(frames(b"p0", "ADDRESSES", 0, b"s0")) is None
+    assert 0 not in d.ready
 
 
 def test_phases_of_a_greeted_rank_with_its_secret_are_told_and_others_dropped() -> None:

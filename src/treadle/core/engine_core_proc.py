@@ -76,6 +76,7 @@ from treadle.wire.control import (
     MAX_LOG_LINES,
     DeathReport,
     Handshake,
+    HandshakeStatus,
     StartupPhase,
     UtilityRequest,
 )
@@ -193,7 +194,7 @@ class EngineCoreProc:
         )
         encode, decode = msgspec.msgpack.encode, msgspec.msgpack.Decoder(Handshake).decode
         try:
-            hs.send(encode(Handshake("HELLO", rank=dp_rank, secret=secret)))
+            hs.send(encode(Handshake(HandshakeStatus.HELLO, rank=dp_rank, secret=secret)))
             timeout = envs.engine_ready_timeout_s()
             if not hs.poll(timeout * 1000):
                 raise TimeoutError(
@@ -201,15 +202,21 @@ class EngineCoreProc:
                     "(TREADLE_ENGINE_READY_TIMEOUT_S)"
                 )
             addresses = decode(hs.recv())
-            if addresses.status == "REFUSED":
+            if addresses.status is HandshakeStatus.REFUSED:
                 raise RuntimeError(f"the front end refused this engine core: {addresses.reason}")
+            if addresses.status is not HandshakeStatus.ADDRESSES:
+                raise RuntimeError(f"the front end answered HELLO with {addresses.status}")
             if len(addresses.tokens) != len(addresses.inputs):
                 raise RuntimeError("the front end sent no token for each of its request sockets")
             if addresses.launch > 1 and envs.test_fail_restart_rank() == dp_rank:
                 raise RuntimeError("TREADLE_TEST_FAIL_RESTART_RANK: a restart fails to start")
 
             def say(phase: StartupPhase) -> None:  # how far the start-up got (`/health/startup`)
-                hs.send(encode(Handshake("PHASE", rank=dp_rank, secret=secret, phase=phase)))
+                hs.send(
+                    encode(
+                        Handshake(HandshakeStatus.PHASE, rank=dp_rank, secret=secret, phase=phase)
+                    )
+                )
 
             self.engine = EngineCore(
                 config,
@@ -225,7 +232,7 @@ class EngineCoreProc:
                 on_phase=say,
             )
             info = Handshake(
-                "READY",
+                HandshakeStatus.READY,
                 num_blocks=self.engine.num_blocks,
                 max_model_len=self.engine.max_model_len,
                 vocab_size=self.engine.vocab_size,

@@ -31,7 +31,7 @@ import zmq
 from treadle.ipc.engine_auth import engine_token
 from treadle.ipc.inbound import DropLog
 from treadle.logger import init_logger
-from treadle.wire.control import Handshake, StartupPhase
+from treadle.wire.control import Handshake, HandshakeStatus, StartupPhase
 
 logger = init_logger(__name__)
 
@@ -85,23 +85,23 @@ class HandshakeDesk:
             if not 0 <= rank < len(self.launches):
                 raise ValueError(f"unknown engine rank {rank}")
             expected = rank in self.expected and rank not in self.ready
-            if msg.status == "HELLO" and (not expected or rank in self._greeted):
+            if msg.status is HandshakeStatus.HELLO and (not expected or rank in self._greeted):
                 return Hello(peer, rank, msg.secret)
             if not expected:
                 raise ValueError(f"unexpected {msg.status} of engine rank {rank}")
-            if msg.status == "HELLO":
+            if msg.status is HandshakeStatus.HELLO:
                 self.greet(Hello(peer, rank, msg.secret))
                 return None
             if rank not in self._greeted:
                 raise ValueError(f"{msg.status} from engine rank {rank} before HELLO")
             if not hmac.compare_digest(msg.secret, self._greeted[rank][0]):
                 raise ValueError(f"not the secret of engine rank {rank}'s HELLO")
-            if msg.status == "PHASE" and msg.phase is not None:
+            if msg.status is HandshakeStatus.PHASE and msg.phase is not None:
                 if self.on_phase is not None:
                     self.on_phase(rank, msg.phase)
                 return None
-            if msg.status != "READY":
-                raise ValueError(f"unknown status {msg.status!r} of engine rank {rank}")
+            if msg.status is not HandshakeStatus.READY:
+                raise ValueError(f"{msg.status} is no message of an engine (rank {rank})")
         except Exception as e:
             self.drops.drop("Dropped a message on the handshake socket: %s", e)
             return None
@@ -124,7 +124,7 @@ class HandshakeDesk:
     def refuse(self, hello: Hello, reason: str) -> None:
         """Tell the engine that said `hello` why it is refused (it fails its start-up)."""
         logger.warning("Refused an engine core for rank %d: %s", hello.rank, reason)
-        refusal = Handshake("REFUSED", rank=hello.rank, reason=reason)
+        refusal = Handshake(HandshakeStatus.REFUSED, rank=hello.rank, reason=reason)
         self.outbox.append([hello.peer, msgspec.msgpack.encode(refusal)])
 
     def joining(self, rank: int) -> bool:

@@ -41,6 +41,7 @@ from treadle.frontend.startup import StartupProgress
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import (
     ChildProcess,
+    ReadyStatus,
     describe_exit,
     shutdown_processes,
     start_process,
@@ -54,7 +55,7 @@ from treadle.ipc.zmq_utils import (
     remove_ipc_files,
 )
 from treadle.logger import init_logger
-from treadle.wire.control import CoordinatorAddresses, Handshake, StartupPhase
+from treadle.wire.control import CoordinatorAddresses, Handshake, HandshakeStatus, StartupPhase
 from treadle.worker.worker import check_config
 
 logger = init_logger(__name__)
@@ -229,7 +230,7 @@ class EngineLauncher:
         deadline = time.monotonic() + timeout
         coordinator = self.coordinator_addresses(timeout)
         addresses = Handshake(
-            "ADDRESSES",
+            HandshakeStatus.ADDRESSES,
             inputs=inputs,
             outputs=outputs,
             coordinator_input=coordinator.engine_publish if coordinator else "",
@@ -348,7 +349,7 @@ def _raise_if_failed(child: ChildProcess) -> None:
     try:
         if reader.poll():
             status, payload = reader.recv()
-            if status == "FAILED":
+            if status == ReadyStatus.FAILED:
                 logger.error("%s failed to start:\n%s", child.name, payload)
                 last = str(payload).strip().splitlines()[-1]
                 raise RuntimeError(f"the {child.name} process failed to start: {last}")

@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -196,6 +197,13 @@ def get_mp_context() -> BaseContext:
     return multiprocessing.get_context(method)
 
 
+class ReadyStatus(StrEnum):
+    """What a child says on its ready pipe, once: `(status, payload)`."""
+
+    READY = "READY"  # payload: what the parent reads as `ready_payload`
+    FAILED = "FAILED"  # payload: the child's traceback, as text
+
+
 class ReadyPipe:
     """The child's end of its ready pipe: say READY (with a payload) or FAILED, once."""
 
@@ -204,12 +212,12 @@ class ReadyPipe:
         self.sent = False
 
     def send_ready(self, payload: Any = None) -> None:
-        self._send(("READY", payload))
+        self._send((ReadyStatus.READY, payload))
 
     def send_failed(self, message: str) -> None:
-        self._send(("FAILED", message))
+        self._send((ReadyStatus.FAILED, message))
 
-    def _send(self, msg: tuple[str, Any]) -> None:
+    def _send(self, msg: tuple[ReadyStatus, Any]) -> None:
         if self.sent:
             raise RuntimeError("the ready pipe was already used")
         self.sent = True
@@ -408,7 +416,7 @@ def wait_for_ready(children: Sequence[ChildProcess], timeout: float | None = Non
                 raise ChildDiedError(
                     f"{child.describe()} died before it was ready: {describe_exit(child.exitcode)}"
                 ) from None
-            if status != "READY":
+            if status != ReadyStatus.READY:
                 raise ChildDiedError(f"{child.describe()} failed to start:\n{payload}")
             child.ready_payload, child.is_ready = payload, True
             pending.discard(child)

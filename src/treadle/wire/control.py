@@ -21,6 +21,17 @@ ENGINE_CORE_STOPPED: Final = b"ENGINE_CORE_STOPPED"  # stopped by a signal: all 
 COORDINATOR: Final = -1
 
 
+class HandshakeStatus(StrEnum):
+    """What a `Handshake` message is (ARCHITECTURE §5; `frontend/handshake.py` draws the
+    exchange). On the wire as its text; an unknown one fails the decode."""
+
+    HELLO = "HELLO"  # engine -> front end: my rank (and my launcher's secret)
+    ADDRESSES = "ADDRESSES"  # front end -> engine: where to connect, this launch's tokens
+    REFUSED = "REFUSED"  # front end -> engine, instead of ADDRESSES: why not
+    PHASE = "PHASE"  # engine -> front end: what its start-up does now
+    READY = "READY"  # engine -> front end: loaded, KV cache sized
+
+
 class StartupPhase(StrEnum):
     """How far an engine's start-up got, in order (`/health/startup` and `/topology` show
     it). The engine core says each of the middle three in a PHASE message on the handshake
@@ -39,7 +50,7 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     """Messages on the handshake socket, in both directions, and the engine's first message
     on each front end's request socket (`ipc/engine_auth.py`)."""
 
-    status: str  # HELLO | ADDRESSES | REFUSED | PHASE | READY
+    status: HandshakeStatus
     inputs: list[str] = []
     outputs: list[str] = []
     coordinator_input: str = ""  # XPUB of the DP coordinator (the engine subscribes)
