@@ -107,8 +107,10 @@ class ModelConfig:
     """Activations of the linear layers that run on GGUF blocks on treadle's CPU kernels: int8x2 (the default: each input row as two rows of int8 blocks of 32, its values and what their rounding left, multiplied with the weight blocks in integers; nearly float32's products at about int8's speed), float32 (exact: every block widened to float32, logits as transformers' to 1e-6), or int8 (one row of int8 blocks, as llama.cpp: fastest, least exact)."""
     enable_prompt_embeds: bool = False
     """Accept `prompt_embeds` (vLLM's): a prompt given as rows of input embeddings instead of token ids (on /v1/completions, base64 of `torch.save` of one [tokens, hidden_size] float tensor, read without unpickling; in the offline `LLM`, a tensor). Such a prompt has no prompt logprobs and no echo."""
+    limit_mm_per_prompt: int = 999
+    """Most images one prompt may carry (vLLM's `--limit-mm-per-prompt '{"image": N}'`; a vision-language model's; each image also takes its placeholder tokens of the context)."""
     tensor_ipc: str = "direct"
-    """How tensors of requests (`prompt_embeds`) go from the API server to the engine cores (vLLM's `mm_tensor_ipc`): `direct` (in their own ZMQ frame, zero-copy) or `shm` (one of 64 KiB or more is copied into the front end's shared-memory ring in /dev/shm, and the ZMQ message carries only a small handle; a full ring, or engines on other hosts, fall back to `direct`)."""
+    """How tensors of requests (`prompt_embeds`, images' pixels) go from the API server to the engine cores (vLLM's `mm_tensor_ipc`): `direct` (in their own ZMQ frame, zero-copy) or `shm` (one of 64 KiB or more is copied into the front end's shared-memory ring in /dev/shm, and the ZMQ message carries only a small handle; a full ring, or engines on other hosts, fall back to `direct`)."""
     pooling_type: str = "last"
     """How `/v1/embeddings` (and `LLM.embed`) make one vector of a prompt: the final hidden state of its last position (`last`, vLLM's default for decoder models) or the mean over its positions (`mean`); normalised to unit length."""
     generation_config: str = "auto"
@@ -379,6 +381,10 @@ class FrontendConfig:
     """The chat template (its text) that replaces the tokenizer's own."""
     enable_log_requests: bool = False
     """Log each request as it arrives (id, prompt length, sampling parameters) and as it finishes."""
+    allowed_local_media_path: str | None = None
+    """A folder whose images requests may name as `file://` URLs (a real path; `..` and symlinks out of it are refused); unset: no `file://` URL is taken."""
+    allowed_media_domains: tuple[str, ...] = ()
+    """Hosts whose `http(s)://` image URLs requests may name (exact names; a redirect must stay among them, and no host may resolve to a loopback, private or link-local address); none by default."""
     disable_log_stats: bool = False
     """Do not log the periodic throughput / queue / KV-cache line (each engine core logs it every 5 s while it has work)."""
 

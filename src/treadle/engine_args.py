@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import re
 import types
@@ -56,6 +57,32 @@ def parse_bytes(text: str | int) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 2GiB or 2147483648)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
+
+
+MM_TENSOR_IPC = {"direct_rpc": "direct", "torch_shm": "shm"}
+"""vLLM's `--mm-tensor-ipc` values -> ours (`--tensor-ipc`)."""
+
+
+def parse_mm_limit(text: object) -> int:
+    """`--limit-mm-per-prompt`: vLLM's JSON `{"image": N}` (no other modality), or N."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value: object = text
+    else:
+        raw = str(text).strip()
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            raise ValueError(f'--limit-mm-per-prompt {raw!r}: give {{"image": N}} or N') from None
+        if isinstance(value, dict):
+            other = sorted(set(value) - {"image"})
+            if other:
+                raise ValueError(
+                    f"--limit-mm-per-prompt: treadle takes images only, not {', '.join(other)}"
+                )
+            value = value.get("image", ModelConfig.limit_mm_per_prompt)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"--limit-mm-per-prompt: the image count must be 0 or more, not {value!r}")
+    return value
 
 
 def arg(
@@ -180,7 +207,18 @@ class EngineArgs:
         choices=CPU_ACTIVATION_DTYPES,
     )
     tensor_ipc: str = arg(
-        ModelConfig.tensor_ipc, group="model", area=ModelConfig, choices=TENSOR_IPC_MODES
+        ModelConfig.tensor_ipc,
+        "--tensor-ipc",
+        "--mm-tensor-ipc",
+        group="model",
+        area=ModelConfig,
+        choices=(*TENSOR_IPC_MODES, *MM_TENSOR_IPC),
+    )
+    limit_mm_per_prompt: int = arg(
+        ModelConfig.limit_mm_per_prompt,
+        group="model",
+        type=parse_mm_limit,
+        help=field_docs(ModelConfig)["limit_mm_per_prompt"] + ' Takes {"image": N} or N.',
     )
     pooling_type: str = arg(
         ModelConfig.pooling_type, group="model", area=ModelConfig, choices=POOLING_TYPES
@@ -300,7 +338,8 @@ class EngineArgs:
                 f"--generation-config {gen!r}: give auto, vllm or a directory that holds a "
                 "generation_config.json"
             )
-        if self.tensor_ipc not in TENSOR_IPC_MODES:
+        tensor_ipc = MM_TENSOR_IPC.get(self.tensor_ipc, self.tensor_ipc)
+        if tensor_ipc not in TENSOR_IPC_MODES:
             raise ValueError(
                 f"--tensor-ipc {self.tensor_ipc!r}: choose one of {', '.join(TENSOR_IPC_MODES)}"
             )
@@ -337,7 +376,8 @@ class EngineArgs:
                 generation_config=gen,
                 cpu_activation_dtype=self.cpu_activation_dtype,
                 enable_prompt_embeds=self.enable_prompt_embeds,
-                tensor_ipc=self.tensor_ipc,
+                tensor_ipc=tensor_ipc,
+                limit_mm_per_prompt=parse_mm_limit(self.limit_mm_per_prompt),
                 pooling_type=self.pooling_type,
             ),
             cache=CacheConfig(
@@ -449,7 +489,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
     ),
     "guided_decoding_backend": VllmArg("structured outputs always run on llguidance"),
     "structured_outputs_config": VllmArg("structured outputs always run on llguidance"),
-    "limit_mm_per_prompt": VllmArg("treadle serves text-only models"),
     "max_log_len": VllmArg("--enable-log-requests logs prompt lengths, not prompts"),
     "enable_chunked_prefill": VllmArg(
         "chunked prefill is always on", "bool", refuse=True, fine=(True,)

@@ -18,11 +18,13 @@ from treadle.config import EngineConfig, resolve_model
 from treadle.core.engine_report import engine_report
 from treadle.core.engine_stats import PeriodicStats, StepMeter, kv_cache_lines
 from treadle.core.grammar_matchers import GrammarMatchers
+from treadle.core.images import check_mm_inputs
 from treadle.core.pipeline import BatchQueue, TokenFeed
 from treadle.core.prompt_cache import PromptCacheFiles
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
 from treadle.core.spec_draft import DraftProposer
+from treadle.executor.base import Executor
 from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
@@ -97,6 +99,9 @@ class EngineCore:
         self.embeds_width = (
             self.executor.arch.hidden_size if config.model.enable_prompt_embeds else None
         )
+        # A vision-language model's tower (None: text only) and images per prompt.
+        self.vision = self.executor.arch.vision
+        self.mm_limit = config.model.limit_mm_per_prompt
         # Outputs of refused requests, by client index, returned by the next step().
         self._refused: dict[int, list[EngineCoreOutput]] = {}
         if draft is not None:
@@ -169,6 +174,8 @@ class EngineCore:
             raise InvalidRequest("arrival_time", f"must be finite, got {request.arrival_time}")
         if request.prompt_embeds is not None:
             self._check_embeds(request)
+        if request.mm_inputs or self.vision is not None:
+            check_mm_inputs(request, self.vision, self.mm_limit)
         if request.resumed_output_token_ids:
             check_resumed(request, self.limits)
         if request.request_id in self.scheduler.requests or any(
@@ -384,7 +391,7 @@ class EngineCore:
 
 def make_executor(
     config: EngineConfig, on_failure: Callable[[str, bool], None] | None = None
-) -> UniProcExecutor | MultiprocExecutor:
+) -> UniProcExecutor | Executor:
     """World size 1: the worker lives here. Otherwise one worker process per rank (or one Ray
     actor per rank with --distributed-executor-backend ray), whose death is reported to
     `on_failure(reason, stopped)`."""

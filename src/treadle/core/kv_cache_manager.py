@@ -14,7 +14,9 @@ Invariants:
 - A block of a prompt given as embeddings (`prompt_embeds`) holds placeholder token ids; its
   key also takes the sha256 of those positions' embedding bytes (`Request.embeds_bytes`), so
   two prompts whose embeddings differ anywhere in a block (and in every block after it) share
-  none of them, and never share one with a prompt of token ids.
+  none of them, and never share one with a prompt of token ids. Likewise a block that an
+  image's placeholder tokens reach into takes that image's pixel hash: two prompts with
+  different images share no block from the first image on.
 """
 
 from __future__ import annotations

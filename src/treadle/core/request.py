@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from treadle.sampling_params import SamplingParams
-from treadle.wire.engine import EngineCoreRequest, FinishReason
+from treadle.wire.engine import EngineCoreRequest, FinishReason, MultiModalInput
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +43,8 @@ class Request:
     # The prompt as input embeddings ([num_prompt_tokens, hidden]); `prompt_token_ids` are
     # then placeholders (`treadle.prompt_embeds.placeholder_ids`).
     prompt_embeds: torch.Tensor | None = None
+    # The prompt's images (a vision-language model's), in prompt order.
+    mm_inputs: list[MultiModalInput] | None = None
     # Speculative decoding (`core/spec_decode.py`): its proposals' recent (decayed) hits and
     # trials, and steps since it last proposed while it could have.
     spec_hits: float = 0.0
@@ -66,6 +68,7 @@ class Request:
             client_index=req.client_index,
             num_prompt_logprobs=req.resumed_prompt_logprobs,
             prompt_embeds=req.prompt_embeds,
+            mm_inputs=req.mm_inputs,
         )
         request.all_token_ids.extend(req.resumed_output_token_ids or ())
         return request
@@ -87,13 +90,19 @@ class Request:
         return self.all_token_ids[len(self.prompt_token_ids) :]
 
     def embeds_bytes(self, start: int, end: int) -> bytes:
-        """The bytes of the prompt embeddings of positions [start, end) (with their dtype's
-        name): what a KV block of those positions holds besides its placeholder ids. Empty
-        for a request without embeddings or positions past its prompt."""
+        """What a KV block of positions [start, end) holds besides its token ids: the bytes
+        of the prompt embeddings there (with their dtype's name), and for each image whose
+        placeholders reach into it, its hash and where it starts. Empty for positions of
+        token ids alone."""
+        out = b""
+        if self.mm_inputs and start < self.num_prompt_tokens:
+            for mm in self.mm_inputs:
+                if mm.offset < end and start < mm.offset + mm.length:
+                    out += f"image:{mm.hash}@{mm.offset};".encode()
         if self.prompt_embeds is None or start >= self.num_prompt_tokens:
-            return b""
+            return out
         rows = self.prompt_embeds[start:end].contiguous()
-        return str(rows.dtype).encode() + rows.view(torch.uint8).numpy().tobytes()
+        return out + str(rows.dtype).encode() + rows.view(torch.uint8).numpy().tobytes()
 
     @property
     def is_finished(self) -> bool:

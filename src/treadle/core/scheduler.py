@@ -72,6 +72,10 @@ class Scheduler:
         self.generation_tokens_total = 0
         # Speculative decoding's counters (vLLM's spec_decode_* metrics).
         self.spec_drafts = 0
+        # The vision encoder's totals (`ModelRunnerOutput.images_encoded`, ...).
+        self.images_encoded = 0
+        self.encoder_cache_hits = 0
+        self.encoder_seconds = 0.0
         # (hits, trials) over every request's verifying steps: a new request's prior
         self.spec_engine_rate = (0.0, 0.0)
         self.spec_draft_tokens = 0
@@ -174,6 +178,7 @@ class Scheduler:
                     req.num_computed_tokens,
                     req.eos_token_id,
                     req.prompt_embeds,
+                    req.mm_inputs,
                 )
             )
             out.num_scheduled_tokens[req.request_id] = n
@@ -196,6 +201,9 @@ class Scheduler:
                 n == 1 or rid in spec for rid, n in sched.num_scheduled_tokens.items()
             ):
                 self.step_times.record(sched.total_num_scheduled_tokens, seconds)
+        self.images_encoded += result.images_encoded
+        self.encoder_cache_hits += result.encoder_cache_hits
+        self.encoder_seconds += result.encoder_seconds
         outputs: dict[int, list[EngineCoreOutput]] = {}
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
@@ -408,6 +416,9 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
+            mm_images_encoded=self.images_encoded,
+            mm_encoder_cache_hits=self.encoder_cache_hits,
+            mm_encoder_seconds=self.encoder_seconds,
         )
 
     # -- internals ---------------------------------------------------------------------------

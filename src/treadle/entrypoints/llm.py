@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from PIL import Image
 from tqdm import tqdm
 
 from treadle import envs
@@ -13,7 +14,9 @@ from treadle.config import resolve_model
 from treadle.engine_args import EngineArgs
 from treadle.entrypoints.openai.protocol import template_message
 from treadle.executor.multiproc import check_parallel_layout
+from treadle.frontend.images import ImageInputs
 from treadle.frontend.input_processor import InputProcessor, PreparedRequest, PromptType
+from treadle.frontend.media import to_rgb
 from treadle.frontend.output_processor import OutputProcessor
 from treadle.frontend.sync_client import InprocClient, SyncMPClient
 from treadle.logger import init_logger
@@ -26,8 +29,8 @@ from treadle.outputs import (
 )
 from treadle.sampling_params import SamplingParams, generation_defaults
 from treadle.tokenizer import load_model_tokenizer
-from treadle.validation import ModelLimits
-from treadle.wire.engine import SchedulerStats
+from treadle.validation import InvalidRequest, ModelLimits
+from treadle.wire.engine import MultiModalInput, SchedulerStats
 
 logger = init_logger(__name__)
 
@@ -59,7 +62,16 @@ class LLM:
         self.tokenizer = load_model_tokenizer(self.config.model)
         info = self.engine.info
         limits = ModelLimits(info.vocab_size, info.max_model_len, args.max_logprobs)
-        self.input_processor = InputProcessor(self.tokenizer, limits, hidden_size=hidden_size)
+        images = ImageInputs.for_model(
+            source.path,
+            read_arch(source).vision,
+            self.tokenizer,
+            self.config.model.dtype,
+            self.config.model.limit_mm_per_prompt,
+        )
+        self.input_processor = InputProcessor(
+            self.tokenizer, limits, hidden_size=hidden_size, images=images
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._sampling_defaults = generation_defaults(self.config.model)
@@ -199,8 +211,30 @@ class LLM:
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             embeds = self.input_processor.check_embeds(prompt["prompt_embeds"])
             return self.input_processor.prepare(request_id, None, [], params, priority, embeds)
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+            text, tokens = self.input_processor.tokenize(rest)
+            tokens, images = self._images(tokens, prompt["multi_modal_data"])
+            return self.input_processor.prepare(
+                request_id, text, tokens, params, priority, mm_inputs=images
+            )
         text, tokens = self.input_processor.tokenize(prompt)
         return self.input_processor.prepare(request_id, text, tokens, params, priority)
+
+    def _images(self, tokens: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
+        """vLLM's `multi_modal_data`: `{"image": PIL.Image or a list of them}`, one per
+        placeholder of the prompt (the image token's text, e.g. `<image>`)."""
+        images = self.input_processor.images
+        if images is None:
+            raise InvalidRequest("multi_modal_data", "this model takes no images (text only)")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise InvalidRequest("multi_modal_data", 'takes {"image": a PIL image or a list}')
+        given = data.get("image")
+        pictures = [p for p in (given if isinstance(given, list) else [given])]
+        rgb = [to_rgb(p) for p in pictures if isinstance(p, Image.Image)]
+        if len(rgb) != len(pictures):
+            raise InvalidRequest("multi_modal_data", "images must be PIL images")
+        return images.prompt(tokens, rgb, "prompt")
 
     def _add(self, request: PreparedRequest) -> None:
         self.output_processor.add_request(

@@ -12,6 +12,9 @@ A prompt may also be rows of input embeddings (`prompt_embeds`, with --enable-pr
 `decode_embeds` reads a client's base64 (without unpickling: `treadle.prompt_embeds`),
 `check_embeds` checks a tensor given offline; `prepare` then gives the request placeholder
 token ids (one per row) and sends the tensor along to the engine cores.
+
+A vision-language model's prompt may carry images (`frontend/images.py`: its placeholders are
+expanded to one token per feature row before `prepare`, which sends the pixels along).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from typing import Any
 import torch
 
 from treadle import prompt_embeds as embeds_format
+from treadle.frontend.images import ImageInputs
 from treadle.frontend.output_processor import child_params, child_request_ids
 from treadle.sampling_params import SamplingParams
 from treadle.structured_outputs import GrammarCompiler
 from treadle.validation import InvalidRequest, ModelLimits, check_request
-from treadle.wire.engine import EngineCoreRequest
+from treadle.wire.engine import EngineCoreRequest, MultiModalInput
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -103,11 +107,14 @@ class InputProcessor:
         max_prompt_chars: int | None = None,
         client_index: int = 0,
         hidden_size: int | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
         """`client_index`: the front end whose sockets the engine cores answer these requests
         on (an API server's rank among several; 0 otherwise). `hidden_size`: the model's, when
-        prompt embeddings are accepted (--enable-prompt-embeds); None refuses them."""
+        prompt embeddings are accepted (--enable-prompt-embeds); None refuses them. `images`:
+        a vision-language model's (None: images are refused)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.hidden_size = hidden_size
         self.limits = limits
         self.client_index = client_index
@@ -232,18 +239,25 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         prompt_embeds: torch.Tensor | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> PreparedRequest:
         """The request of one prompt: cut to `params.truncate_prompt_tokens` (its text dropped
         if that cut it), checked once against the model (`_check`), and fanned out into its
         `n` samples (`child_params`: the check covers them, they differ only in the seed and
         in who scores the prompt). Sends nothing; raises `InvalidRequest` naming the field.
         With `prompt_embeds` (checked by `decode_embeds` or `check_embeds`), the embeddings are
-        the prompt (cut to their last rows the same way) and `prompt_token_ids` is ignored."""
+        the prompt (cut to their last rows the same way) and `prompt_token_ids` is ignored.
+        `mm_inputs`: the prompt's images (its ids already expanded: `ImageInputs.prompt`);
+        such a prompt is never cut."""
         if prompt_embeds is not None:
             prompt_embeds = self._embeds_prompt(prompt_embeds, params)
             prompt_token_ids = embeds_format.placeholder_ids(prompt_embeds.shape[0])
         ids = self.truncate(prompt_token_ids, params)
         if len(ids) < len(prompt_token_ids):
+            if mm_inputs:
+                raise InvalidRequest(
+                    "truncate_prompt_tokens", "cannot cut a prompt that holds images"
+                )
             prompt = None  # the text no longer matches the tokens
         self._check(ids, params, priority)
         now = time.time()
@@ -257,6 +271,7 @@ class InputProcessor:
                 priority=priority,
                 client_index=self.client_index,
                 prompt_embeds=prompt_embeds,
+                mm_inputs=mm_inputs or None,
             )
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]

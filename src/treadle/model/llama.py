@@ -286,9 +286,13 @@ class LlamaForCausalLM(nn.Module):
             return self.stage.last
         return True
 
+    def own_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters `load_weights` fills (a subclass's own modules excluded)."""
+        return dict(self.named_parameters())
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; each parameter's loader takes its own shard."""
-        params = dict(self.named_parameters())
+        params = self.own_parameters()
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or not self.wants(name):

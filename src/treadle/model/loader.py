@@ -17,6 +17,7 @@ from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch, UnsupportedModelError
 from treadle.model.gguf_file import GGUFFile, GGUFFormatError
 from treadle.model.llama import LlamaForCausalLM, Stage
+from treadle.model.llava import model_class
 from treadle.model.quantized import GGUFBlocks, blocks_only, kernel_type
 
 logger = init_logger(__name__)
@@ -74,7 +75,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(arch, max_positions, stage)
+            model = model_class(arch)(arch, max_positions, stage)
     finally:
         torch.set_default_dtype(torch.float32)
     weights = (

@@ -38,6 +38,17 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class MultiModalInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One image of a prompt: its preprocessed pixels ([3, S, S], out of band), the place of
+    its `length` placeholder tokens in the prompt (from `offset`), and the hash of its pixels,
+    which keys the encoder's cache and the prompt's KV blocks (`core/request.py`)."""
+
+    pixel_values: torch.Tensor
+    offset: int
+    length: int
+    hash: str
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +65,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # request's generator skips their draws), and how many prompt-logprob rows it received.
     resumed_output_token_ids: list[int] | None = None
     resumed_prompt_logprobs: int = 0
+    # The prompt's images, in prompt order (a vision-language model's; `MultiModalInput`).
+    mm_inputs: list[MultiModalInput] | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -101,6 +114,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_decode_num_accepted_tokens: int = 0
     # Accepted proposals by their position in the proposal (0 .. k-1).
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # A vision-language model's encoder (totals): images its vision tower encoded, images
+    # its cache answered instead, seconds encoding.
+    mm_images_encoded: int = 0
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_seconds: float = 0.0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -24,7 +24,7 @@ import torch
 from treadle.ipc.serial import Buffer, MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.shm_message import OOB_THRESHOLD, Codec, PickleCodec, own_first
 from treadle.sampling_params import SamplingParams
-from treadle.wire.engine import Logprobs
+from treadle.wire.engine import Logprobs, MultiModalInput
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -39,6 +39,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     # at the prompt's positions (its `token_ids` there are placeholders). Sent again in full
     # whenever the request is (after a preemption too).
     prompt_embeds: torch.Tensor | None = None
+    # The prompt's images (their pixels go again with every resend; the workers' encoder
+    # cache, keyed by their hash, spares running the vision tower again).
+    mm_inputs: list[MultiModalInput] | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -76,6 +79,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     accepted: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Per pooling request whose prompt ended this step: its pooled hidden state (float32).
     pooled: dict[str, torch.Tensor] = msgspec.field(default_factory=dict)
+    # The vision encoder this step: images it encoded, images its cache answered, seconds.
+    images_encoded: int = 0
+    encoder_cache_hits: int = 0
+    encoder_seconds: float = 0.0
 
 
 WorkerCall: TypeAlias = tuple[str | None, tuple[Any, ...], dict[str, Any] | None, int | None]

@@ -21,9 +21,11 @@ from treadle.model.attention import (
     resolve_kv_cache_dtype,
 )
 from treadle.model.llama import LlamaForCausalLM
+from treadle.model.llava import LlavaForConditionalGeneration
 from treadle.sampling_params import SamplingParams
-from treadle.wire.engine import Logprobs
+from treadle.wire.engine import Logprobs, MultiModalInput
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.encoder_cache import EncoderCache
 from treadle.worker.pp_transfer import StageLink
 from treadle.worker.sampler import Infill, Sampler, SamplingRow, TokenPieces
 
@@ -55,6 +57,7 @@ class RequestState:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed_token_ids: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden], model dtype
+    mm_inputs: list[MultiModalInput] | None = None  # the prompt's images, in order
     # A mean-pooling request: the sum of its positions' final hidden states so far.
     pool_sum: torch.Tensor | None = None
 
@@ -86,6 +89,12 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Pipeline parallelism: this stage's link to its neighbours (`_run_stage`).
         self.link: StageLink | None = None
+        # A vision-language model's image features by image hash (None: text only).
+        self.encoder_cache = (
+            EncoderCache(model.encode_images, device)
+            if isinstance(model, LlavaForConditionalGeneration)
+            else None
+        )
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -134,6 +143,7 @@ class ModelRunner:
                 prompt_embeds=None
                 if new.prompt_embeds is None
                 else new.prompt_embeds.to(self.device, self.dtype),
+                mm_inputs=new.mm_inputs or None,
             )
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
@@ -169,6 +179,8 @@ class ModelRunner:
         counts = [n for _, n in order]
         input_ids, positions, meta, logits_rows = self._prepare(states, counts, spec)
         embeds = self._embeds(states, counts)
+        if self.encoder_cache is not None:
+            encoded, hits, seconds = self.encoder_cache.take_counts()
         if not self.model.stage.whole:
             staged = self._run_stage(input_ids, positions, meta, embeds)
             if staged is None:  # a stage before the last: its output went on to the next
@@ -179,6 +191,9 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
         result = ModelRunnerOutput()
+        if self.encoder_cache is not None:
+            result.images_encoded, result.encoder_cache_hits = encoded, hits
+            result.encoder_seconds = seconds
         first = 0
         verifying: list[tuple[RequestState, int, int]] = []  # (state, first row, rows)
         for state, n, row in zip(states, counts, logits_rows, strict=True):
@@ -429,17 +444,30 @@ class ModelRunner:
         self, states: list[RequestState], counts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of the batch, their embeddings) for the scheduled positions that lie in a
-        prompt given as embeddings; None when there are none."""
+        prompt given as embeddings or on an image's placeholders (its features, from the
+        encoder cache: the images this step reaches that it lacks are encoded together);
+        None when there are none."""
         rows: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         first = 0
+        spans: list[tuple[int, MultiModalInput, int, int]] = []  # (batch row, image, a, b)
         for state, n in zip(states, counts, strict=True):
             start = state.num_computed_tokens
             end = min(start + n, state.num_prompt_tokens)
             if state.prompt_embeds is not None and start < end:
                 rows.append(torch.arange(first, first + end - start, device=self.device))
                 values.append(state.prompt_embeds[start:end])
+            for mm in state.mm_inputs or ():
+                a, b = max(start, mm.offset), min(end, mm.offset + mm.length)
+                if a < b:
+                    spans.append((first + a - start, mm, a - mm.offset, b - mm.offset))
             first += n
+        if spans:
+            assert self.encoder_cache is not None, "images reach only a vision-language model"
+            features = self.encoder_cache.features(mm for _, mm, _, _ in spans)
+            for row, mm, a, b in spans:
+                rows.append(torch.arange(row, row + b - a, device=self.device))
+                values.append(features[mm.hash][a:b].to(self.dtype))
         if not rows:
             return None
         return torch.cat(rows), torch.cat(values)

@@ -74,6 +74,10 @@ class FrontendArgs:
     )
     """Largest HTTP request body; a larger one gets 413. Accepts 8MiB or bytes (default 8MiB)."""
     max_prompt_chars: int | None = arg(None, group="frontend", area=FrontendConfig)
+    allowed_local_media_path: str | None = arg(None, group="frontend", area=FrontendConfig)
+    allowed_media_domains: tuple[str, ...] = arg(
+        (), group="frontend", area=FrontendConfig, nargs="+"
+    )
     headless: bool = arg(False, group="parallel")
     """Run only this host's engine cores (no API server); they connect to the front end at --data-parallel-address:--data-parallel-rpc-port."""
     api_server_count: int | None = arg(None, "-asc", "--api-server-count", group="parallel")
@@ -116,6 +120,9 @@ class FrontendArgs:
             raise ValueError(f"--root-path must start with '/', not {self.root_path!r}")
         self.chat_template_text()
         self.restart_config().check()
+        media = self.allowed_local_media_path
+        if media is not None and not os.path.isdir(os.path.expanduser(media)):
+            raise ValueError(f"--allowed-local-media-path {media!r}: not a directory")
 
     def chat_template_text(self) -> str | None:
         """--chat-template as vLLM reads it: a file's contents, or the template itself."""
@@ -141,6 +148,14 @@ class FrontendArgs:
             exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none,
             chat_template=self.chat_template_text(),
             enable_log_requests=self.enable_log_requests,
+            allowed_local_media_path=None
+            if self.allowed_local_media_path is None
+            else os.path.realpath(os.path.expanduser(self.allowed_local_media_path)),
+            allowed_media_domains=tuple(
+                d.strip().lower().rstrip(".")
+                for item in self.allowed_media_domains
+                for d in str_list(item)
+            ),
         )
 
     def restart_config(self) -> RestartConfig:

@@ -1,0 +1,57 @@
+"""The engine core's check of a request's images (`EngineCoreRequest.mm_inputs`): the API
+server made them, but a bad value here would crash a step, so each is checked again."""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.model.arch import VisionArch
+from treadle.validation import InvalidRequest
+from treadle.wire.engine import EngineCoreRequest
+
+PIXEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_mm_inputs(request: EngineCoreRequest, vision: VisionArch | None, limit: int) -> None:
+    """Each image: pixels [3, S, S] of a float type, all finite, its placeholders inside the
+    prompt, in order, not overlapping, each one the image token; every image token of the
+    prompt belongs to an image; at most `limit` images. Raises `InvalidRequest`."""
+    images = request.mm_inputs or []
+    ids = request.prompt_token_ids
+    if vision is None:
+        if images:
+            raise InvalidRequest("messages", "this model takes no images (it is text only)")
+        return
+    if len(images) > limit:
+        raise InvalidRequest(
+            "messages", f"has {len(images)} images, over this server's {limit} per prompt"
+        )
+    side, token = vision.image_size, vision.image_token_id
+    end = 0
+    for i, mm in enumerate(images):
+        pixels = mm.pixel_values
+        if not isinstance(pixels, torch.Tensor) or pixels.dtype not in PIXEL_DTYPES:
+            raise InvalidRequest("mm_inputs", f"image {i}: pixels must be a float tensor")
+        if tuple(pixels.shape) != (3, side, side):
+            raise InvalidRequest(
+                "mm_inputs",
+                f"image {i}: pixels of shape {tuple(pixels.shape)}, not (3, {side}, {side})",
+            )
+        if not bool(torch.isfinite(pixels).all()):
+            raise InvalidRequest("mm_inputs", f"image {i}: pixels must be finite")
+        if mm.length != vision.num_image_tokens or mm.offset < end:
+            raise InvalidRequest("mm_inputs", f"image {i}: placeholders out of order or size")
+        if mm.offset + mm.length > len(ids) or any(
+            t != token for t in ids[mm.offset : mm.offset + mm.length]
+        ):
+            raise InvalidRequest("mm_inputs", f"image {i}: its placeholders are not image tokens")
+        if not isinstance(mm.hash, str) or not 0 < len(mm.hash) <= 128:
+            raise InvalidRequest("mm_inputs", f"image {i}: a hash of 1 to 128 characters")
+        end = mm.offset + mm.length
+    covered = len(images) * vision.num_image_tokens
+    if ids.count(token) != covered:
+        raise InvalidRequest(
+            "prompt",
+            f"holds {ids.count(token)} image tokens but its {len(images)} image(s) cover "
+            f"{covered}: image tokens come only with images",
+        )
