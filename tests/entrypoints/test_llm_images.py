@@ -6,18 +6,14 @@ tells two images apart."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from llava_helpers import Reference, build_tiny_llava, random_image  # noqa: E402
-
-from treadle import LLM, SamplingParams  # noqa: E402
-from treadle.validation import InvalidRequest  # noqa: E402
+from llava_helpers import Reference, build_tiny_llava, random_image
+from treadle import LLM, SamplingParams
+from treadle.validation import InvalidRequest
 
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 TWO = "USER: <image>\n<image>\nWhich one is brighter? ASSISTANT:"
