@@ -20,6 +20,7 @@ from treadle.config import EngineConfig, resolve_model
 from treadle.frontend.async_client import AsyncMPClient, stop_this_process
 from treadle.frontend.core_client import AttachTo, EngineDeadError
 from treadle.frontend.engine_state import EngineState
+from treadle.frontend.images import ImageInputs
 from treadle.frontend.input_processor import InputProcessor, PreparedRequest
 from treadle.frontend.metrics import StatLogger
 from treadle.frontend.output_processor import OutputProcessor
@@ -103,11 +104,24 @@ class AsyncLLM:
         info = self.client.info
         self.max_model_len = info.max_model_len
         limits = ModelLimits(info.vocab_size, info.max_model_len, config.model.max_logprobs)
-        hidden_size = None  # prompt_embeds are refused unless --enable-prompt-embeds
-        if config.model.enable_prompt_embeds:
-            hidden_size = read_arch(resolve_model(config.model.model)).hidden_size
+        source = resolve_model(config.model.model)
+        arch = read_arch(source)
+        # prompt_embeds are refused unless --enable-prompt-embeds
+        hidden_size = arch.hidden_size if config.model.enable_prompt_embeds else None
+        images = ImageInputs.for_model(
+            source.path,
+            arch.vision,
+            self.tokenizer,
+            config.model.dtype,
+            config.model.limit_mm_per_prompt,
+        )
         self.input_processor = InputProcessor(
-            self.tokenizer, limits, config.frontend.max_prompt_chars, client_index, hidden_size
+            self.tokenizer,
+            limits,
+            config.frontend.max_prompt_chars,
+            client_index,
+            hidden_size,
+            images,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
