@@ -61,7 +61,7 @@ from treadle.core.engine_core_io import (
     OutputWriter,
     send_to_all,
 )
-from treadle.executor.multiproc import ExecutorStoppedError
+from treadle.executor.base import ExecutorStoppedError
 from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.fast_exit import exit_now
 from treadle.ipc.inbound import inbound_options

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from treadle.executor.multiproc import MultiprocExecutor
+from treadle.executor.base import Executor
 from treadle.ipc.proc_info import dead_process, parent_title, process_info
 from treadle.ipc.shm_broadcast import Handle
 from treadle.wire.topology import EngineChannels, EngineReport, QueueInfo
@@ -37,7 +37,7 @@ def engine_report(engine: EngineCore, channels: EngineChannels | None) -> Engine
         dp_rank=engine.engine_index, processes=processes, channels=channels or EngineChannels()
     )
     executor = engine.executor
-    if isinstance(executor, MultiprocExecutor):
+    if isinstance(executor, Executor):
         processes.extend(executor.worker_processes())
         report.broadcast = queue_info(executor.broadcast.export_handle())
         report.worker_replies = [q for h in executor.reply_handles if (q := queue_info(h))]

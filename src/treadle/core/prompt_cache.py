@@ -20,7 +20,7 @@ from typing import Any
 
 from treadle.config import EngineConfig
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.executor.multiproc import MultiprocExecutor
+from treadle.executor.base import Executor
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
 from treadle.validation import check_filename
@@ -34,7 +34,7 @@ class PromptCacheFiles:
         self,
         config: EngineConfig,
         kv: KVCacheManager,
-        executor: UniProcExecutor | MultiprocExecutor,
+        executor: UniProcExecutor | Executor,
         vocab_size: int,
     ) -> None:
         self.directory = config.cache.kv_cache_save_path

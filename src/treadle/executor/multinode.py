@@ -48,7 +48,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
@@ -63,8 +62,6 @@ from treadle.executor.multiproc import MultiprocExecutor
 from treadle.ipc import cluster_auth
 from treadle.ipc.proc_info import host_name
 from treadle.ipc.process import (
-    ChildProcess,
-    ProcessMonitor,
     ReadyPipe,
     get_mp_context,
     shutdown_processes,
@@ -75,7 +72,6 @@ from treadle.ipc.secure_store import SecureStore, StoreServer
 from treadle.ipc.shm_broadcast import Handle, MessageQueue
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, get_tcp_uri, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.model.arch import ModelArch
 from treadle.wire.topology import ProcessInfo
 from treadle.wire.worker import call_codec, reader_codec, reply_codec
 from treadle.worker.worker_proc import busy_loop, run_worker, start_worker, worker_title
@@ -200,25 +196,17 @@ def _client(host: str, port: int) -> SecureStore:
 class MultinodeExecutor(MultiprocExecutor):
     """`MultiprocExecutor` whose ranks span --nnodes hosts (module docstring)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        arch: ModelArch,
-        max_model_len: int,
-        failure_callback: Callable[[str, bool], None] | None = None,
-    ) -> None:
-        self._init_state(config, arch, max_model_len, failure_callback)
+    _server: StoreServer | None = None
+    _store: SecureStore | None = None
+    _watcher: threading.Thread | None = None
+
+    def _start(self, config: EngineConfig) -> None:
         p = config.parallel
+        self._closing = threading.Event()
         self.nnodes, self.master = p.nnodes, (p.master_addr, int(p.master_port or 0))
         self.local_ranks = list(p.node_ranks(0))
         self.session = uuid.uuid4().hex[:12]
         self.remote: dict[int, RankInfo] = {}
-        self.workers: list[ChildProcess] = []
-        self.monitor: ProcessMonitor | None = None
-        self._server: StoreServer | None = None
-        self._store: SecureStore | None = None
-        self._closing = threading.Event()
-        self._watcher: threading.Thread | None = None
         self.stage_addresses = [
             get_open_zmq_ipc_path() if self.pp_size > 1 and self.tp_size <= r else None
             for r in self.local_ranks
@@ -231,16 +219,15 @@ class MultinodeExecutor(MultiprocExecutor):
             connect_ip=node_ip(p.master_addr),
             codec=call_codec(cross_host=len(self.local_ranks) < self.world_size),
         )
-        try:
-            self._start(config)
-        except BaseException:
-            self.shutdown()
-            raise
-        self.monitor = ProcessMonitor(self.workers, self._on_worker_death)
+        self._meet(config)
+
+    def _watch_ranks(self) -> None:
+        super()._watch_ranks()  # this node's processes
         self._watcher = threading.Thread(target=self._watch, name="node-beats", daemon=True)
         self._watcher.start()
 
-    def _start(self, config: EngineConfig) -> None:
+    def _meet(self, config: EngineConfig) -> None:
+        """Serve the rendezvous, start this node's ranks, wait for every node's."""
         host, port = self.master
         try:
             self._server = StoreServer(host, port)  # that address only; CURVE with the secret
@@ -390,7 +377,7 @@ class MultinodeExecutor(MultiprocExecutor):
         return infos
 
     def shutdown(self) -> None:
-        self._closing.set()
+        self._closing.set()  # (set first thing in `_start`)
         if self.monitor is None:  # a failed start: its ranks wait in a rendezvous, end them now
             for worker in self.workers:
                 if worker.process.is_alive():

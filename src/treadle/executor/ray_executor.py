@@ -44,7 +44,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treadle import envs
 from treadle.config import EngineConfig
-from treadle.executor.multiproc import MultiprocExecutor
+from treadle.executor.base import Executor
 from treadle.ipc import cluster_auth
 from treadle.ipc.proc_info import process_info
 from treadle.ipc.process import set_process_title
@@ -69,7 +69,6 @@ from treadle.ipc.secure_store import StoreServer
 from treadle.ipc.shm_broadcast import Handle, MessageQueue, remove_orphaned_queue
 from treadle.ipc.zmq_utils import get_ip, get_open_zmq_ipc_path, get_tcp_uri, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.model.arch import ModelArch
 from treadle.wire.topology import ProcessInfo
 from treadle.wire.worker import call_codec, reader_codec, reply_codec
 from treadle.worker.worker import Worker
@@ -211,35 +210,26 @@ def _signal_handlers_kept() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-class RayExecutor(MultiprocExecutor):
-    """`MultiprocExecutor`'s calls and queues over workers that Ray places (module docstring)."""
+class RayExecutor(Executor):
+    """The executors' calls and queues over workers that Ray places (module docstring)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        arch: ModelArch,
-        max_model_len: int,
-        failure_callback: Callable[[str, bool], None] | None = None,
-    ) -> None:
-        self._init_state(config, arch, max_model_len, failure_callback)
-        self.workers = []  # no child processes: `ranks` says where each rank runs
-        self.monitor = None
+    _pg: PlacementGroup | None = None
+    _store: StoreServer | None = None
+    _watcher: threading.Thread | None = None
+    _connected = False  # this process called `ray.init` (and so `ray.shutdown`)
+    _closing = False
+
+    def _start(self, config: EngineConfig) -> None:
+        # No child processes (`workers` stays empty): `ranks` says where each rank runs.
         self.ranks: list[RayRank] = []
-        self.stage_addresses = [None] * self.world_size
         self._actors: list[Any] = []
         self._loops: list[Any] = []
         self._local: list[bool] = []
-        self._pg: PlacementGroup | None = None
-        self._store: StoreServer | None = None
-        self._closing = False
         self._here = ""  # this engine core's Ray node
-        self._watcher: threading.Thread | None = None
         self._connected = connect_ray()
-        try:
-            self._start(config)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._launch(config)
+
+    def _watch_ranks(self) -> None:
         self._watcher = threading.Thread(target=self._watch, name="ray-monitor", daemon=True)
         self._watcher.start()
 
@@ -265,7 +255,8 @@ class RayExecutor(MultiprocExecutor):
         order = sorted(range(self.world_size), key=lambda b: (where[b] != here, where[b], b))
         return pg, [(b, where[b]) for b in order]
 
-    def _start(self, config: EngineConfig) -> None:
+    def _launch(self, config: EngineConfig) -> None:
+        """Place the ranks, start one actor each, connect their queues."""
         self._tag = uuid.uuid4().hex[:8]
         threads = config.parallel.model_threads()
         pg, placed = self._place(threads)
