@@ -257,3 +257,10 @@ def node_heartbeat_timeout_s() -> float:
     if value <= 0:
         raise ValueError("TREADLE_NODE_HEARTBEAT_TIMEOUT_S must be positive")
     return value
+
+
+def media_allow_private_addresses() -> bool:
+    """TREADLE_MEDIA_ALLOW_PRIVATE_ADDRESSES=1: image URLs of `--allowed-media-domains` may
+    resolve to loopback, private and link-local addresses (a test on one machine, a
+    deployment inside a private network); off by default (SSRF)."""
+    return _bool("TREADLE_MEDIA_ALLOW_PRIVATE_ADDRESSES", False)

@@ -203,12 +203,20 @@ class ImageInputs:
         placeholder = str(tokenizer.convert_ids_to_tokens(vision.image_token_id))
         return cls(vision, processor, placeholder, limit)
 
-    def check_count(self, count: int, param: str) -> None:
+    def check_count(self, count: int, param: str, max_model_len: int | None = None) -> None:
+        """At most `limit` images, and (before any is loaded) no more than the context holds."""
         if count > self.limit:
             raise InvalidRequest(
                 param,
                 f"has {count} images, more than this server takes per prompt ({self.limit}; "
                 "see --limit-mm-per-prompt)",
+            )
+        tokens = count * self.vision.num_image_tokens
+        if max_model_len is not None and tokens >= max_model_len:
+            raise InvalidRequest(
+                param,
+                f"has {count} images of {self.vision.num_image_tokens} tokens each, more than "
+                f"this model's context of {max_model_len} tokens holds",
             )
 
     def prompt(
@@ -218,3 +226,8 @@ class ImageInputs:
         self.check_count(len(images), param)
         pixels = [self.processor(image) for image in images]
         return expand_placeholders(token_ids, pixels, self.vision, param)
+
+    def template_reads_parts(self, template: str | None) -> bool:
+        """Whether a chat template writes image parts itself (it names `image`: vLLM's
+        "openai" content format); else the image token's text goes into the message text."""
+        return template is not None and "image" in template

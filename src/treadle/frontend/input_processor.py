@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from treadle import prompt_embeds as embeds_format
-from treadle.frontend.images import ImageInputs
+from treadle.frontend.images import ImageInputs, expand_placeholders
 from treadle.frontend.output_processor import child_params, child_request_ids
 from treadle.sampling_params import SamplingParams
 from treadle.structured_outputs import GrammarCompiler
@@ -252,6 +252,8 @@ class InputProcessor:
         if prompt_embeds is not None:
             prompt_embeds = self._embeds_prompt(prompt_embeds, params)
             prompt_token_ids = embeds_format.placeholder_ids(prompt_embeds.shape[0])
+        if self.images is not None and not mm_inputs:
+            expand_placeholders(prompt_token_ids, [], self.images.vision, "prompt")
         ids = self.truncate(prompt_token_ids, params)
         if len(ids) < len(prompt_token_ids):
             if mm_inputs:

@@ -96,6 +96,13 @@ def _definitions(max_model_len: int) -> dict[str, Any]:
         ),
         preemptions=counter("num_preemptions", "Cumulative number of preemption from the engine."),
         spec_drafts=counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+        mm_images_encoded=counter(
+            "mm_encoder_images", "Images the vision encoder ran on (a vision-language model)."
+        ),
+        mm_encoder_cache_hits=counter(
+            "mm_encoder_cache_hits", "Images whose features came from the encoder cache instead."
+        ),
+        mm_encoder_seconds=counter("mm_encoder_seconds", "Seconds the vision encoder ran."),
         spec_draft_tokens=counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
         spec_accepted=counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
         spec_accepted_per_pos=counter(
@@ -249,6 +256,9 @@ class StatLogger:
             ("spec_drafts", "spec_decode_num_drafts"),
             ("spec_draft_tokens", "spec_decode_num_draft_tokens"),
             ("spec_accepted", "spec_decode_num_accepted_tokens"),
+            ("mm_images_encoded", "mm_images_encoded"),
+            ("mm_encoder_cache_hits", "mm_encoder_cache_hits"),
+            ("mm_encoder_seconds", "mm_encoder_seconds"),
         ):
             delta = getattr(stats, attr) - getattr(self._last, attr)
             if delta > 0:

@@ -18,11 +18,15 @@ from typing import Any, TypeVar
 
 import torch
 
+from treadle import envs
 from treadle.config import FrontendConfig
-from treadle.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from treadle.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ImagePart
 from treadle.entrypoints.openai.tool_calls import template_messages
+from treadle.frontend.images import ImageInputs, expand_placeholders
 from treadle.frontend.input_processor import InputProcessor, message_chars
+from treadle.frontend.media import MediaPolicy, load_image
 from treadle.validation import InvalidRequest, check_batch, check_prompt, check_token_ids
+from treadle.wire.engine import MultiModalInput
 
 T = TypeVar("T")
 
@@ -30,6 +34,7 @@ INLINE_CHARS = 4096
 """Text work on fewer characters than this runs inline: a thread hop would cost more."""
 
 Prompt = tuple[str | None, list[int]]  # (text if any, token ids)
+ChatPrompt = tuple[str | None, list[int], list[MultiModalInput]]  # and its images
 Truncation = tuple[int, str]
 """(k, side): keep the last k prompt tokens ("left", vLLM's default) or the first k ("right")."""
 
@@ -47,6 +52,11 @@ class PromptInputs:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.frontend = frontend
+        self.media_policy = MediaPolicy(
+            allowed_local_path=frontend.allowed_local_media_path,
+            allowed_domains=frontend.allowed_media_domains,
+            allow_private_addresses=envs.media_allow_private_addresses(),
+        )
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="treadle-text")
 
     async def run(self, size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -130,9 +140,11 @@ class PromptInputs:
         req: ChatCompletionRequest,
         truncate: Truncation | None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> Prompt:
-        """The rendered chat (with `tools` given to the template) and its token ids (cut to
-        `truncate` tokens if asked), checked against the model."""
+    ) -> ChatPrompt:
+        """The rendered chat (with `tools` given to the template), its token ids (cut to
+        `truncate` tokens if asked), checked against the model, and its images (a
+        vision-language model's: loaded, decoded and preprocessed in the thread pool, their
+        placeholders expanded)."""
         if not req.messages:
             raise InvalidRequest("messages", "must not be empty")
         kwargs = dict(req.chat_template_kwargs or {})
@@ -143,19 +155,53 @@ class PromptInputs:
                 "a request's own chat template is refused: start the server with "
                 "--trust-request-chat-template to allow it",
             )
-        messages = template_messages([m.template_dict(i) for i, m in enumerate(req.messages)])
+        image_inputs = self.processor.images
+        parts: list[ImagePart] | None = None if image_inputs is None else []
+        placeholder = ""
+        if image_inputs is not None:
+            template = kwargs.get("chat_template") or req.chat_template
+            template = template or getattr(self.tokenizer, "chat_template", None)
+            if not image_inputs.template_reads_parts(template):
+                placeholder = image_inputs.placeholder
+        messages = template_messages(
+            [m.template_dict(i, parts, placeholder) for i, m in enumerate(req.messages)]
+        )
         self.processor.check_chars(message_chars(messages), "messages")
+        pixels: list[torch.Tensor] = []
+        if parts and image_inputs is not None:
+            image_inputs.check_count(len(parts), "messages", self.processor.max_model_len)
+            pixels = await self._in_pool(self._pixels, parts, image_inputs)
         size = message_chars(messages) + (INLINE_CHARS if own_template or tools else 0)
-        return await self.run(
+        text, ids = await self.run(
             size,
             self._render_and_encode,
             messages,
             req.add_generation_prompt,
             req.chat_template,
             kwargs,
-            truncate,
+            None if parts else truncate,
             req.add_special_tokens,
             tools,
+        )
+        if not parts or image_inputs is None:
+            return text, ids, []
+        ids, images = await self._in_pool(
+            expand_placeholders, ids, pixels, image_inputs.vision, "messages"
+        )
+        if truncate is not None and len(ids) > truncate[0]:
+            raise InvalidRequest("truncate_prompt_tokens", "cannot cut a prompt that holds images")
+        check_prompt(ids, self.processor.limits)
+        return text, ids, images
+
+    def _pixels(self, parts: list[ImagePart], image_inputs: ImageInputs) -> list[torch.Tensor]:
+        """Each image part loaded (`frontend/media.py`: the checks on hostile images) and
+        made into the model's pixels."""
+        policy = self.media_policy
+        return [image_inputs.processor(load_image(p.url, policy, p.where)) for p in parts]
+
+    async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args)
         )
 
     def _render_and_encode(

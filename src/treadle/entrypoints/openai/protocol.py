@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,8 +93,9 @@ TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refu
 
 
 class ContentPart(OpenAIModel):
-    """A part of a message's content. Only text parts are taken (see `TEXT_PARTS`): this
-    server runs text-only models, so an image, audio, video or file part is refused."""
+    """A part of a message's content: text (see `TEXT_PARTS`), or for a vision-language model
+    an image (`{"type": "image_url", "image_url": {"url": ...}}`); an audio, video or file
+    part is refused."""
 
     type: str
     text: str | None = None
@@ -107,15 +109,35 @@ class ChatMessage(OpenAIModel):
     content: str | list[str | ContentPart] | None = None
     name: str | None = None
 
-    def template_dict(self, index: int = 0) -> dict[str, Any]:
+    def template_dict(
+        self, index: int = 0, images: list[ImagePart] | None = None, placeholder: str = ""
+    ) -> dict[str, Any]:
         """The message as the chat template sees it; see `template_message`."""
-        return template_message(self.model_dump(exclude_none=True), index)
+        return template_message(self.model_dump(exclude_none=True), index, images, placeholder)
 
 
-def template_message(message: dict[str, Any], index: int = 0) -> dict[str, Any]:
-    """A chat message as the template sees it (vLLM's "string" content format): the text of
-    its content parts joined by newlines, no content as "". Raises `InvalidRequest` for a
-    part that is not text (`index` is the message's place, for the error)."""
+@dataclass(frozen=True)
+class ImagePart:
+    """An image part of a chat: its URL and where it was (for errors)."""
+
+    url: str
+    where: str
+
+
+def template_message(
+    message: dict[str, Any],
+    index: int = 0,
+    images: list[ImagePart] | None = None,
+    placeholder: str = "",
+) -> dict[str, Any]:
+    """A chat message as the template sees it. Text only (`images` None): vLLM's "string"
+    content format, the text of its content parts joined by newlines, no content as "", and
+    `InvalidRequest` for a part that is not text (`index` is the message's place, for the
+    error). For a model that takes images, each `image_url` part is appended to `images`
+    and the template sees it as `{"type": "image"}` among `{"type": "text", "text": ...}`
+    parts (no `placeholder`: the template reads parts and writes the image token itself,
+    vLLM's "openai" format) or as `placeholder` (the image token's text) on a line of its
+    own among the text (a template that reads strings)."""
     content = message.get("content")
     if content is None or isinstance(content, str):
         return {**message, "content": content or ""}
@@ -123,17 +145,22 @@ def template_message(message: dict[str, Any], index: int = 0) -> dict[str, Any]:
         raise InvalidRequest(
             "messages", f"content must be a string or a list of parts (message {index})"
         )
-    texts = []
+    texts: list[str | None] = []  # None: an image's place
     for j, part in enumerate(content):
         if isinstance(part, str):
             texts.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url" and images is not None:
+            images.append(_image_part(part, f"messages[{index}].content[{j}].image_url"))
+            texts.append(None)
+            continue
         key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
+            what = "text or image_url" if images is not None else "text only"
             raise InvalidRequest(
                 "messages",
-                f"may hold text only: this model takes no {kind!r} content (message {index}, "
+                f"may hold {what}: this model takes no {kind!r} content (message {index}, "
                 f"part {j}; text parts are of type {', '.join(sorted(TEXT_PARTS))})",
             )
         text = part.get(key)
@@ -142,7 +169,32 @@ def template_message(message: dict[str, Any], index: int = 0) -> dict[str, Any]:
                 "messages", f"content parts need a string {key!r} (message {index}, part {j})"
             )
         texts.append(text)
-    return {**message, "content": "\n".join(texts)}
+    if images is None:
+        return {**message, "content": "\n".join(t for t in texts if t is not None)}
+    if not placeholder:
+        listed = [{"type": "image"} if t is None else {"type": "text", "text": t} for t in texts]
+        return {**message, "content": listed}
+    return {**message, "content": "\n".join(placeholder if t is None else t for t in texts)}
+
+
+def _image_part(part: dict[str, Any], where: str) -> ImagePart:
+    """An `image_url` part's URL: `{"url": ..., "detail": "auto"}` or the URL itself."""
+    value = part.get("image_url")
+    if isinstance(value, str):
+        return ImagePart(value, where)
+    if not isinstance(value, dict) or not isinstance(value.get("url"), str):
+        raise InvalidRequest(where, 'needs {"url": "data:image/...;base64,..." or a URL}')
+    detail = value.get("detail", "auto")
+    if detail not in ("auto", None):
+        raise InvalidRequest(
+            f"{where}.detail",
+            f"{detail!r} is not available: this model sees every image at its one size "
+            '(give "auto" or leave it out)',
+        )
+    other = sorted(set(value) - {"url", "detail"})
+    if other:
+        raise InvalidRequest(where, f"has fields this server does not take: {', '.join(other)}")
+    return ImagePart(value["url"], where)
 
 
 class JsonSchemaFormat(OpenAIModel):

@@ -25,6 +25,7 @@ from treadle.logger import init_logger
 from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams, generation_defaults
 from treadle.validation import InvalidRequest, check_batch, check_max_tokens, is_int64, parse_int
+from treadle.wire.engine import MultiModalInput
 
 logger = init_logger(__name__)
 
@@ -99,13 +100,14 @@ class ServingBase:
         truncate: Truncation | None,
         tool_constraint: StructuredOutputsParams | None = None,
         embeds: list[torch.Tensor] | None = None,
+        images: list[list[MultiModalInput]] | None = None,
     ) -> list[PreparedRequest]:
         """The request's `SamplingParams` (the HTTP rule first: prompt + max_tokens fit the
         context), and each prompt prepared with them as `{rid}-{i}`: checked once against the
         model (the engine core checks again), fanned out into its `n` samples, nothing sent.
         `tool_constraint` is the output a `tool_choice` forces; `embeds` are the tensors of
-        the first prompts (given as `prompt_embeds`, their ids placeholders). Raises
-        `InvalidRequest`."""
+        the first prompts (given as `prompt_embeds`, their ids placeholders); `images` those
+        of each prompt (its ids expanded). Raises `InvalidRequest`."""
         limits = self.engine.input_processor.limits
         longest = max(len(ids) for _, ids in prompts)
         if max_tokens is None:
@@ -129,7 +131,7 @@ class ServingBase:
         # A grammar compiles on its first use: off the event loop.
         size = INLINE_CHARS if params.structured_outputs is not None else 0
         return await self.inputs.run(
-            size, self._prepare, prompts, params, rid, req.priority, embeds or []
+            size, self._prepare, prompts, params, rid, req.priority, embeds or [], images or []
         )
 
     def _prepare(
@@ -139,11 +141,18 @@ class ServingBase:
         rid: str,
         priority: int,
         embeds: list[torch.Tensor],
+        images: list[list[MultiModalInput]],
     ) -> list[PreparedRequest]:
         prepare = self.engine.input_processor.prepare
         return [
             prepare(
-                f"{rid}-{i}", text, ids, params, priority, embeds[i] if i < len(embeds) else None
+                f"{rid}-{i}",
+                text,
+                ids,
+                params,
+                priority,
+                embeds[i] if i < len(embeds) else None,
+                images[i] if i < len(images) else None,
             )
             for i, (text, ids) in enumerate(prompts)
         ]

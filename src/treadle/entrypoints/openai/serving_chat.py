@@ -53,7 +53,7 @@ class ChatServing:
         )
         names = {"logprobs": "top_logprobs", "prompt": "messages"}  # the errors' fields as sent
         try:
-            text, ids = await base.inputs.chat_prompt(req, truncate, plan.template_tools)
+            text, ids, images = await base.inputs.chat_prompt(req, truncate, plan.template_tools)
         except InvalidRequest as e:
             raise e.renamed(names) from None
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -71,6 +71,7 @@ class ChatServing:
                 req.prompt_logprobs,
                 truncate,
                 plan.structured_outputs,
+                images=[images],
             )
         except InvalidRequest as e:
             raise e.renamed(names) from None

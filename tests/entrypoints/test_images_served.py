@@ -1,0 +1,247 @@
+"""Images sent to `treadle serve` as a user sends them (issue 39): the real `openai` client
+with chat `image_url` parts (a data URI, a `file://` path under --allowed-local-media-path)
+gets transformers' greedy text on a tiny random LLaVA; usage counts the image tokens; every
+hostile image is a 400 that names its part, and the server answers the same text after."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from llava_helpers import Reference, build_tiny_llava, random_image
+from serve_helpers import RemoteServer
+
+QUESTION = "What is in the picture?"
+PROMPT = f"USER: <image>\n{QUESTION} ASSISTANT:"
+MAX = 10
+
+
+def data_uri(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    mime = {"PNG": "png", "JPEG": "jpeg", "GIF": "gif", "WEBP": "webp"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def bomb_png(width: int = 30_000, height: int = 30_000) -> bytes:
+    """A valid PNG header declaring `width` x `height` pixels, with a tiny (bogus) body."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 1024))
+        + chunk(b"IEND", b"")
+    )
+
+
+def image_message(url: str, text: str = QUESTION, **extra: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url, **extra}},
+                {"type": "text", "text": text},
+            ],
+        }
+    ]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="module")
+def reference(llava: Path) -> Reference:
+    return Reference(llava)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    random_image(1).save(folder / "cat.png")
+    outside = tmp_path_factory.mktemp("outside")
+    random_image(2).save(outside / "secret.png")
+    os.symlink(outside / "secret.png", folder / "link.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, llava: Path, media: Path
+) -> Iterator[RemoteServer]:
+    srv = RemoteServer(
+        [
+            str(llava),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--limit-mm-per-prompt",
+            '{"image": 2}',
+            "--allowed-local-media-path",
+            str(media),
+        ],
+        tmp_path_factory.mktemp("images-served"),
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client: openai.OpenAI, messages: list[dict[str, Any]]) -> Any:
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=MAX,
+        temperature=0,
+    )
+
+
+def test_a_data_uri_image_gives_transformers_text(
+    client: openai.OpenAI, reference: Reference
+) -> None:
+    image = random_image(3)
+    out = chat(client, image_message(data_uri(image)))
+    expected = reference.greedy(PROMPT, [image], MAX)
+    assert out.choices[0].message.content == reference.tokenizer.decode(
+        expected, skip_special_tokens=True
+    )
+    # usage counts the image's 576 tokens as prompt tokens
+    assert out.usage.prompt_tokens == len(reference.prompt_ids(PROMPT))
+
+
+def test_a_file_under_the_allowed_folder(
+    client: openai.OpenAI, reference: Reference, media: Path
+) -> None:
+    image = Image.open(media / "cat.png").convert("RGB")
+    out = chat(client, image_message((media / "cat.png").as_uri()))
+    expected = reference.greedy(PROMPT, [image], MAX)
+    text = reference.tokenizer.decode(expected, skip_special_tokens=True)
+    assert out.choices[0].message.content == text
+    # The same image again: its features come from the encoder cache.
+    metrics = httpx.get(client.base_url.join("/metrics").__str__().replace("/v1", "")).text
+    assert "treadle:mm_encoder_images" in metrics
+
+
+def test_two_images_in_one_message(client: openai.OpenAI, reference: Reference) -> None:
+    a, b = random_image(4), random_image(5, 300, 600)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(a)}},
+                {"type": "image_url", "image_url": {"url": data_uri(b, "JPEG")}},
+                {"type": "text", "text": "Which is brighter?"},
+            ],
+        }
+    ]
+    out = chat(client, messages)
+    # transformers reads the JPEG as the server decodes it
+    b_jpeg = Image.open(io.BytesIO(base64.b64decode(data_uri(b, "JPEG").split(",")[1])))
+    expected = reference.greedy(
+        "USER: <image>\n<image>\nWhich is brighter? ASSISTANT:", [a, b_jpeg.convert("RGB")], MAX
+    )
+    assert out.choices[0].message.content == reference.tokenizer.decode(
+        expected, skip_special_tokens=True
+    )
+
+
+HOSTILE = {
+    "not-an-image": "data:image/png;base64," + base64.b64encode(b"hello, world").decode(),
+    "truncated-png": None,  # filled below
+    "bomb": "data:image/png;base64," + base64.b64encode(bomb_png()).decode(),
+    "svg": "data:image/svg+xml;base64,"
+    + base64.b64encode(b'<svg xmlns="http://www.w3.org/2000/svg"/>').decode(),
+    "bmp-in-png-clothes": None,  # filled below
+    "not-base64": "data:image/png;base64,@@@@",
+    "file-outside": "file:///etc/passwd",
+    "file-dotdot": None,  # filled below
+    "file-symlink-out": None,  # filled below
+    "http-not-allowed": "http://127.0.0.1:1/x.png",
+    "metadata-service": "http://169.254.169.254/latest/meta-data",
+    "ftp": "ftp://example.com/x.png",
+}
+
+
+def hostile_urls(media: Path) -> dict[str, str]:
+    png = io.BytesIO()
+    random_image(6).save(png, format="PNG")
+    bmp = io.BytesIO()
+    random_image(7, 40, 40).save(bmp, format="BMP")
+    urls = dict(HOSTILE)
+    urls["truncated-png"] = (
+        "data:image/png;base64,"
+        + base64.b64encode(png.getvalue()[: len(png.getvalue()) // 2]).decode()
+    )
+    urls["bmp-in-png-clothes"] = (
+        "data:image/png;base64," + base64.b64encode(bmp.getvalue()).decode()
+    )
+    urls["file-dotdot"] = f"file://{media}/../{media.name}/../../../etc/passwd"
+    urls["file-symlink-out"] = (media / "link.png").as_uri()
+    return {k: v for k, v in urls.items() if v is not None}
+
+
+def test_every_hostile_image_is_a_400_naming_its_part(
+    server: RemoteServer, client: openai.OpenAI, media: Path, reference: Reference
+) -> None:
+    model = client.models.list().data[0].id
+    for name, url in hostile_urls(media).items():
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": model, "messages": image_message(url), "max_tokens": 2},
+            timeout=30,
+        )
+        assert r.status_code == 400, (name, r.text)
+        error = r.json()["error"]
+        assert (
+            "messages[0].content[0].image_url" in (error.get("param") or "") + error["message"]
+        ), (name, error)
+    # The server serves the same text after all of them.
+    test_a_data_uri_image_gives_transformers_text(client, reference)
+
+
+def test_limits_and_shapes_are_refused(server: RemoteServer, client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    url = data_uri(random_image(8, 64, 64))
+    three = [{"type": "image_url", "image_url": {"url": url}}] * 3
+    for body, needle in (
+        ({"messages": [{"role": "user", "content": three}]}, "limit-mm-per-prompt"),
+        ({"messages": image_message(url, detail="high")}, "detail"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "input_audio",
+        ),
+        ({"messages": image_message(url), "truncate_prompt_tokens": 100}, "cannot cut"),
+        (
+            {"messages": [{"role": "user", "content": "a literal <image> without an image"}]},
+            "placeholder",
+        ),
+    ):
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": model, "max_tokens": 2, **body},
+            timeout=30,
+        )
+        assert r.status_code == 400, (body, r.text)
+        assert needle in r.text, (needle, r.text)
