@@ -18,7 +18,7 @@ from treadle.config import EngineConfig, resolve_model
 from treadle.core.engine_report import engine_report
 from treadle.core.engine_stats import PeriodicStats, StepMeter, kv_cache_lines
 from treadle.core.grammar_matchers import GrammarMatchers
-from treadle.core.images import check_mm_inputs
+from treadle.core.images import check_mm_inputs, expand_images
 from treadle.core.pipeline import BatchQueue, TokenFeed
 from treadle.core.prompt_cache import PromptCacheFiles
 from treadle.core.request import Request
@@ -149,6 +149,7 @@ class EngineCore:
         at once with `FinishReason.ERROR` and the reason as `stop_reason`, in the outputs of
         the next `step()`, for its client alone."""
         try:
+            request = expand_images(request, self.vision, self.mm_limit)
             self._check(request)
             req = Request.from_engine_core_request(request)
             so = request.sampling_params.structured_outputs

@@ -1,15 +1,50 @@
-"""The engine core's check of a request's images (`EngineCoreRequest.mm_inputs`): the API
-server made them, but a bad value here would crash a step, so each is checked again."""
+"""The engine core's side of a request's images (`EngineCoreRequest.mm_inputs`): each image's
+one placeholder on the wire expanded to its `length` (`expand_images`), then every image
+checked again (`check_mm_inputs`): the API server made them, but a bad value here would crash
+a step."""
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from treadle.model.arch import VisionArch
 from treadle.validation import InvalidRequest
-from treadle.wire.engine import EngineCoreRequest
+from treadle.wire.engine import EngineCoreRequest, MultiModalInput
 
 PIXEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def expand_images(
+    request: EngineCoreRequest, vision: VisionArch | None, limit: int
+) -> EngineCoreRequest:
+    """The request with each image's placeholder token (one on the wire) repeated `length`
+    times, so that its offsets hold. The count and the lengths are checked first, so that
+    the expansion is bounded (`limit` x the image tokens of one image). Raises
+    `InvalidRequest`."""
+    images = request.mm_inputs
+    if not images:
+        return request
+    if vision is None:
+        raise InvalidRequest("messages", "this model takes no images (it is text only)")
+    if len(images) > limit:
+        raise InvalidRequest(
+            "messages", f"has {len(images)} images, over this server's {limit} per prompt"
+        )
+    ids = request.prompt_token_ids
+    out: list[int] = []
+    at = 0
+    for i, mm in enumerate(images):
+        if not isinstance(mm, MultiModalInput) or mm.length != vision.num_image_tokens:
+            raise InvalidRequest("mm_inputs", f"image {i}: not {vision.num_image_tokens} tokens")
+        take = mm.offset - len(out)  # wire tokens before this image's placeholder
+        if take < 0 or at + take >= len(ids) or ids[at + take] != vision.image_token_id:
+            raise InvalidRequest("mm_inputs", f"image {i}: no placeholder at its offset")
+        out.extend(ids[at : at + take])
+        out.extend([vision.image_token_id] * mm.length)
+        at += take + 1
+    out.extend(ids[at:])
+    return msgspec.structs.replace(request, prompt_token_ids=out)
 
 
 def check_mm_inputs(request: EngineCoreRequest, vision: VisionArch | None, limit: int) -> None:

@@ -152,6 +152,18 @@ def pixel_hash(pixels: torch.Tensor) -> str:
     ).hexdigest()
 
 
+def collapse_placeholders(token_ids: list[int], images: list[MultiModalInput]) -> list[int]:
+    """The prompt as it goes on the wire: each image's run of placeholders as one token (the
+    engine core expands it again: `core/images.py`)."""
+    out: list[int] = []
+    at = 0
+    for mm in images:
+        out.extend(token_ids[at : mm.offset + 1])
+        at = mm.offset + mm.length
+    out.extend(token_ids[at:])
+    return out
+
+
 def expand_placeholders(
     token_ids: list[int], pixels: list[torch.Tensor], vision: VisionArch, param: str
 ) -> tuple[list[int], list[MultiModalInput]]:

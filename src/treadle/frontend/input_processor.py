@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from treadle import prompt_embeds as embeds_format
-from treadle.frontend.images import ImageInputs, expand_placeholders
+from treadle.frontend.images import ImageInputs, collapse_placeholders, expand_placeholders
 from treadle.frontend.output_processor import child_params, child_request_ids
 from treadle.sampling_params import SamplingParams
 from treadle.structured_outputs import GrammarCompiler
@@ -263,10 +263,11 @@ class InputProcessor:
             prompt = None  # the text no longer matches the tokens
         self._check(ids, params, priority)
         now = time.time()
+        wire_ids = collapse_placeholders(ids, mm_inputs) if mm_inputs else ids
         children = [
             EngineCoreRequest(
                 request_id=child_id,
-                prompt_token_ids=ids,
+                prompt_token_ids=wire_ids,
                 sampling_params=child_params(params, index),
                 eos_token_id=self.eos_token_id,
                 arrival_time=now,

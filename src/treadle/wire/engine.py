@@ -66,6 +66,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     resumed_output_token_ids: list[int] | None = None
     resumed_prompt_logprobs: int = 0
     # The prompt's images, in prompt order (a vision-language model's; `MultiModalInput`).
+    # On the wire `prompt_token_ids` holds each image as one image token, which the engine
+    # core expands to the image's `length` (`core/images.py`: the seed's message stays small);
+    # offsets count positions of the expanded prompt.
     mm_inputs: list[MultiModalInput] | None = None
 
 
