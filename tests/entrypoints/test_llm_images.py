@@ -132,3 +132,23 @@ def test_images_are_refused_where_they_do_not_fit(llm: LLM, tiny_model_factory) 
         )
     # The engine still serves.
     assert llm.generate(TEXT, SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].text
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_images_under_tensor_and_pipeline_parallelism(
+    llava: Path, reference: Reference, layout: dict[str, int]
+) -> None:
+    # -tp: every worker runs the (replicated) tower on the image the broadcast queue brings;
+    # -pp: the first stage alone holds the tower and embeds.
+    engine = LLM(str(llava), dtype="float32", max_model_len=2048, **layout)  # type: ignore[arg-type]
+    try:
+        images = [random_image(20 + i) for i in range(2)]
+        outs = engine.generate(
+            [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in images] + [TEXT],
+            GREEDY,
+        )
+    finally:
+        engine.shutdown()
+    for out, image in zip(outs, images, strict=False):
+        assert ids_of(out) == reference.greedy(PROMPT, [image], MAX)
+    assert ids_of(outs[2]) == reference.greedy(TEXT, [], MAX)

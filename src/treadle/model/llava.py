@@ -32,15 +32,19 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         super().__init__(arch, max_positions, stage)
         if arch.vision is None:
             raise ValueError("a LLaVA model needs its vision tower's shape (ModelArch.vision)")
-        if not self.stage.first:
-            raise ValueError("LLaVA runs its vision tower on the first pipeline stage only")
         self.vision = arch.vision
-        self.vision_tower = CLIPVisionTower(arch.vision)
-        self.multi_modal_projector = Projector(arch.vision, arch.hidden_size)
+        # Only the first pipeline stage embeds, so only it holds the tower (`-pp`).
+        self.vision_tower: CLIPVisionTower | None = None
+        self.multi_modal_projector: Projector | None = None
+        if self.stage.first:
+            self.vision_tower = CLIPVisionTower(arch.vision)
+            self.multi_modal_projector = Projector(arch.vision, arch.hidden_size)
 
     @torch.inference_mode()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """[images, 3, S, S] pixels -> [images, num_image_tokens, hidden] input embeddings."""
+        if self.vision_tower is None or self.multi_modal_projector is None:
+            raise RuntimeError("images are encoded on the first pipeline stage")
         features = self.vision_tower(pixels)
         if self.vision.select_strategy == "default":
             features = features[:, 1:]
@@ -64,7 +68,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def wants(self, name: str) -> bool:
         ours = self.checkpoint_name(name)
-        return ours is not None and (ours.startswith(VISION_MODULES) or super().wants(ours))
+        if ours is None:
+            return False
+        return self.stage.first if ours.startswith(VISION_MODULES) else super().wants(ours)
 
     def own_parameters(self) -> dict[str, nn.Parameter]:
         return {
@@ -85,6 +91,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 if not ours.startswith(VISION_MODULES):
                     yield ours, tensor
                     continue
+                if not self.stage.first:
+                    continue  # a later pipeline stage holds no tower
                 param = vision.get(ours)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in LLaVA")

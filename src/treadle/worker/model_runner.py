@@ -92,7 +92,7 @@ class ModelRunner:
         # A vision-language model's image features by image hash (None: text only).
         self.encoder_cache = (
             EncoderCache(model.encode_images, device)
-            if isinstance(model, LlavaForConditionalGeneration)
+            if isinstance(model, LlavaForConditionalGeneration) and model.stage.first
             else None
         )
 
@@ -457,7 +457,7 @@ class ModelRunner:
             if state.prompt_embeds is not None and start < end:
                 rows.append(torch.arange(first, first + end - start, device=self.device))
                 values.append(state.prompt_embeds[start:end])
-            for mm in state.mm_inputs or ():
+            for mm in state.mm_inputs if state.mm_inputs and self.model.stage.first else ():
                 a, b = max(start, mm.offset), min(end, mm.offset + mm.length)
                 if a < b:
                     spans.append((first + a - start, mm, a - mm.offset, b - mm.offset))
