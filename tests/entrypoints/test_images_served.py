@@ -245,3 +245,52 @@ def test_limits_and_shapes_are_refused(server: RemoteServer, client: openai.Open
         )
         assert r.status_code == 400, (body, r.text)
         assert needle in r.text, (needle, r.text)
+
+
+def image_streams(client: openai.OpenAI, urls: list[str], max_tokens: int) -> Any:
+    """One greedy chat stream per image, in threads; (futures, tokens seen per stream)."""
+    import concurrent.futures
+
+    seen = [0] * len(urls)
+    model = client.models.list().data[0].id
+
+    def one(i: int) -> str:
+        stream = client.chat.completions.create(
+            model=model,
+            messages=image_message(urls[i]),  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text = ""
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+                seen[i] += 1
+        return text
+
+    pool = concurrent.futures.ThreadPoolExecutor(len(urls))
+    return [pool.submit(one, i) for i in range(len(urls))], seen, pool
+
+
+def test_kill_9_of_the_engine_core_under_8_image_streams_resumes_them(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
+    import signal
+    import time
+
+    urls = [data_uri(random_image(30 + i, 200 + 10 * i, 300)) for i in range(8)]
+    futures, _, pool = image_streams(client, urls, 40)
+    undisturbed = [f.result(120) for f in futures]
+    pool.shutdown()
+    futures, seen, pool = image_streams(client, urls, 40)
+    deadline = time.monotonic() + 120
+    while min(seen) < 3:
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.05)
+    os.kill(server.pid_of("treadle::EngineCore_DP0"), signal.SIGKILL)
+    resumed = [f.result(180) for f in futures]
+    pool.shutdown()
+    assert resumed == undisturbed
+    assert "resuming" in server.output()
