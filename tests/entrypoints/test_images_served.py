@@ -82,13 +82,76 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+class MediaHost:
+    """A small HTTP server on 127.0.0.1 that the tests name as `localhost`: an image, a
+    redirect to another host (127.0.0.1, not allowed), a redirect loop, a declared 1 GB body."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        png = io.BytesIO()
+        random_image(9).save(png, format="PNG")
+        body = png.getvalue()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                port = self.server.server_address[1]
+                if self.path == "/cat.png":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                elif self.path == "/out":
+                    self.send_response(302)
+                    self.send_header("Location", f"http://127.0.0.1:{port}/cat.png")
+                    self.end_headers()
+                elif self.path == "/loop":
+                    self.send_response(302)
+                    self.send_header("Location", "/loop")
+                    self.end_headers()
+                else:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(1 << 30))
+                    self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+        self.image = Image.open(io.BytesIO(body)).convert("RGB")
+
+    def url(self, path: str) -> str:
+        return f"http://localhost:{self.port}{path}"
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture(scope="module")
+def media_host() -> Iterator[MediaHost]:
+    host = MediaHost()
+    yield host
+    host.stop()
+
+
 @pytest.fixture(scope="module")
 def server(
     tmp_path_factory: pytest.TempPathFactory, llava: Path, media: Path
 ) -> Iterator[RemoteServer]:
+    # Images of `localhost` (this machine: private addresses allowed for the test), pixels
+    # through the tensor ring in vLLM's spelling.
     srv = RemoteServer(
         [
             str(llava),
+            "--allowed-media-domains",
+            "localhost",
+            "--mm-tensor-ipc",
+            "torch_shm",
             "--dtype",
             "float32",
             "--max-model-len",
@@ -99,6 +162,7 @@ def server(
             str(media),
         ],
         tmp_path_factory.mktemp("images-served"),
+        env={"TREADLE_MEDIA_ALLOW_PRIVATE_ADDRESSES": "1"},
     )
     yield srv
     srv.stop()
@@ -294,3 +358,36 @@ def test_kill_9_of_the_engine_core_under_8_image_streams_resumes_them(
     pool.shutdown()
     assert resumed == undisturbed
     assert "resuming" in server.output()
+
+
+def test_an_http_image_of_an_allowed_host_and_what_is_refused(
+    server: RemoteServer, client: openai.OpenAI, reference: Reference, media_host: MediaHost
+) -> None:
+    out = chat(client, image_message(media_host.url("/cat.png")))
+    expected = reference.greedy(PROMPT, [media_host.image], MAX)
+    assert out.choices[0].message.content == reference.tokenizer.decode(
+        expected, skip_special_tokens=True
+    )
+    model = client.models.list().data[0].id
+    for path, needle in (
+        ("/out", "127.0.0.1"),  # a redirect out of the allowed hosts
+        ("/loop", "redirects more than"),
+        ("/huge", "over this server"),
+    ):
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": model, "messages": image_message(media_host.url(path)), "max_tokens": 2},
+            timeout=30,
+        )
+        assert r.status_code == 400, (path, r.text)
+        assert needle in r.text and "image_url" in r.text, (path, r.text)
+
+
+def test_tokenize_counts_the_image_tokens(server: RemoteServer, reference: Reference) -> None:
+    r = httpx.post(
+        server.url + "/tokenize",
+        json={"messages": image_message(data_uri(random_image(3)))},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == len(reference.prompt_ids(PROMPT))

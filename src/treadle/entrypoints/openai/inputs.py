@@ -156,21 +156,11 @@ class PromptInputs:
                 "--trust-request-chat-template to allow it",
             )
         image_inputs = self.processor.images
-        parts: list[ImagePart] | None = None if image_inputs is None else []
-        placeholder = ""
-        if image_inputs is not None:
-            template = kwargs.get("chat_template") or req.chat_template
-            template = template or getattr(self.tokenizer, "chat_template", None)
-            if not image_inputs.template_reads_parts(template):
-                placeholder = image_inputs.placeholder
-        messages = template_messages(
-            [m.template_dict(i, parts, placeholder) for i, m in enumerate(req.messages)]
+        messages, parts = self._messages(
+            req.messages, kwargs.get("chat_template") or req.chat_template
         )
         self.processor.check_chars(message_chars(messages), "messages")
-        pixels: list[torch.Tensor] = []
-        if parts and image_inputs is not None:
-            image_inputs.check_count(len(parts), "messages", self.processor.max_model_len)
-            pixels = await self._in_pool(self._pixels, parts, image_inputs)
+        pixels = await self._load_images(parts)
         size = message_chars(messages) + (INLINE_CHARS if own_template or tools else 0)
         text, ids = await self.run(
             size,
@@ -192,6 +182,31 @@ class PromptInputs:
             raise InvalidRequest("truncate_prompt_tokens", "cannot cut a prompt that holds images")
         check_prompt(ids, self.processor.limits)
         return text, ids, images
+
+    def _messages(
+        self, messages: list[ChatMessage], template: str | None
+    ) -> tuple[list[dict[str, Any]], list[ImagePart]]:
+        """The messages as the chat template sees them, and their image parts in order (a
+        vision-language model's; for a text-only one an image part is refused)."""
+        image_inputs = self.processor.images
+        parts: list[ImagePart] | None = None if image_inputs is None else []
+        placeholder = ""
+        if image_inputs is not None:
+            template = template or getattr(self.tokenizer, "chat_template", None)
+            if not image_inputs.template_reads_parts(template):
+                placeholder = image_inputs.placeholder
+        dicts = template_messages(
+            [m.template_dict(i, parts, placeholder) for i, m in enumerate(messages)]
+        )
+        return dicts, parts or []
+
+    async def _load_images(self, parts: list[ImagePart]) -> list[torch.Tensor]:
+        """The images' pixels, loaded and preprocessed in the thread pool (none: [])."""
+        image_inputs = self.processor.images
+        if not parts or image_inputs is None:
+            return []
+        image_inputs.check_count(len(parts), "messages", self.processor.max_model_len)
+        return await self._in_pool(self._pixels, parts, image_inputs)
 
     def _pixels(self, parts: list[ImagePart], image_inputs: ImageInputs) -> list[torch.Tensor]:
         """Each image part loaded (`frontend/media.py`: the checks on hostile images) and
@@ -230,10 +245,16 @@ class PromptInputs:
     ) -> list[int]:
         """/tokenize: a prompt or chat messages (with the model's template) -> token ids."""
         if messages is not None:
-            dicts = [m.template_dict(i) for i, m in enumerate(messages)]
+            dicts, parts = self._messages(messages, None)
             self.processor.check_chars(message_chars(dicts), "messages")
+            pixels = await self._load_images(parts)
             size = message_chars(dicts)
             _, ids = await self.run(size, self._render_and_encode_any, dicts, add_generation_prompt)
+            image_inputs = self.processor.images
+            if image_inputs is not None:  # each image counts its tokens
+                ids, _ = await self._in_pool(
+                    expand_placeholders, ids, pixels, image_inputs.vision, "messages"
+                )
             return ids
         if prompt is None:
             raise InvalidRequest("prompt", "give `prompt` or `messages`")
