@@ -21,7 +21,8 @@ import pytest
 from serve_helpers import TREADLE, RemoteServer, stream_text
 from treadle import LLM, SamplingParams
 from treadle.config import ParallelConfig
-from treadle.executor import multinode
+from treadle.executor import remote_node, rendezvous
+from treadle.ipc.shm_broadcast import Handle
 
 MAX_TOKENS = 24
 PROMPTS = [f"stream {i} says" for i in range(4)]
@@ -131,30 +132,30 @@ def test_node_rank_and_headless_go_together() -> None:
 def test_store_values_are_msgpack_sealed_with_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TREADLE_CLUSTER_SECRET_FILE", raising=False)
     monkeypatch.setenv("TREADLE_CLUSTER_SECRET", "nodes-test-secret-0123456789")
-    sealed = multinode.seal("hello")
-    assert sealed.startswith(b"T1") and multinode.unseal(sealed, str, "x") == "hello"
+    sealed = rendezvous.seal("hello")
+    assert sealed.startswith(b"T1") and rendezvous.unseal(sealed, str, "x") == "hello"
     with pytest.raises(ValueError, match="not sealed with this cluster's secret"):
-        multinode.unseal(sealed[:-1] + b"!", str, "x")
+        rendezvous.unseal(sealed[:-1] + b"!", str, "x")
     monkeypatch.setenv("TREADLE_CLUSTER_SECRET", "another-secret-0123456789abc")
     with pytest.raises(ValueError, match="not sealed with this cluster's secret"):
-        multinode.unseal(sealed, str, "x")
+        rendezvous.unseal(sealed, str, "x")
     monkeypatch.delenv("TREADLE_CLUSTER_SECRET")
     with pytest.raises(ValueError, match="the other side has a cluster secret"):
-        multinode.unseal(sealed, str, "x")
-    assert multinode.unseal(multinode.seal([1, "a"]), list, "x") == [1, "a"]
+        rendezvous.unseal(sealed, str, "x")
+    assert rendezvous.unseal(rendezvous.seal([1, "a"]), list, "x") == [1, "a"]
     with pytest.raises(ValueError, match="not a treadle value"):
-        multinode.unseal(b"\x80\x04pickle", str, "x")
+        rendezvous.unseal(b"\x80\x04pickle", str, "x")
 
 
 def test_a_node_with_another_layout_says_what_differs() -> None:
     from treadle.config import EngineConfig
 
-    plan = multinode.Plan(
-        session="s", nnodes=2, tp=2, pp=2, broadcast=multinode.Handle(local_reader_ranks=[0, 1])
+    plan = rendezvous.Plan(
+        session="s", nnodes=2, tp=2, pp=2, broadcast=Handle(local_reader_ranks=[0, 1])
     )
     config: Any = EngineConfig.__new__(EngineConfig)
     object.__setattr__(config, "parallel", ParallelConfig(tensor_parallel_size=4, nnodes=2))
-    assert multinode._mismatch(plan, config, "10.0.0.1", 5) == (
+    assert remote_node._mismatch(plan, config, "10.0.0.1", 5) == (
         "node 0 runs -tp 4 -pp 1 --nnodes 2, but the engine core at 10.0.0.1:5 runs -tp 2 -pp 2 "
         "--nnodes 2: give every node the same -tp, -pp and --nnodes"
     )

@@ -17,6 +17,9 @@ Node 0 (`treadle serve M ... --nnodes N --node-rank 0`): the API server, the eng
 4. then serves as `MultiprocExecutor`: the broadcast reaches the other nodes over its tcp
    XPUB, their replies come back over theirs.
 
+The store's protocol (keys, `Plan`, `RankInfo`, sealing) is `rendezvous.py`; the other nodes'
+side is `remote_node.py`.
+
 Node R > 0 (`... --node-rank R --headless`): `run_node` waits for a plan whose session it has
 not served yet, checks its layout against its own flags, starts its ranks (`run_remote_rank`),
 and when they end (the engine core stopped or died, or one of them died) it kills what is
@@ -39,158 +42,50 @@ not authenticated: anyone who reaches them could disturb a step. So a non-loopba
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import hmac
-import os
-import signal
-import socket
 import threading
 import time
 import uuid
-from datetime import timedelta
-from multiprocessing.connection import wait
-from typing import Any
 
-import msgspec
 import psutil
-import torch.distributed as dist
 
 from treadle import envs
 from treadle.config import EngineConfig
 from treadle.executor.multiproc import MultiprocExecutor
-from treadle.ipc import cluster_auth
-from treadle.ipc.proc_info import host_name
+from treadle.executor.remote_node import run_node  # (`cli/supervise.py` imports it here)
+from treadle.executor.rendezvous import (
+    BEAT_S,
+    PLAN_KEY,
+    POLL_S,
+    Plan,
+    RankInfo,
+    beat_key,
+    client,
+    error_key,
+    node_ip,
+    put,
+    rank_key,
+    seal,
+    unseal,
+)
 from treadle.ipc.process import (
-    ReadyPipe,
     get_mp_context,
-    shutdown_processes,
     start_process,
     wait_for_ready,
 )
 from treadle.ipc.secure_store import SecureStore, StoreServer
-from treadle.ipc.shm_broadcast import Handle, MessageQueue
-from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, get_tcp_uri, remove_ipc_files
+from treadle.ipc.shm_broadcast import MessageQueue
+from treadle.ipc.zmq_utils import get_open_zmq_ipc_path
 from treadle.logger import init_logger
 from treadle.wire.topology import ProcessInfo
-from treadle.wire.worker import call_codec, reader_codec, reply_codec
-from treadle.worker.worker_proc import busy_loop, run_worker, start_worker, worker_title
+from treadle.wire.worker import call_codec, reader_codec
+from treadle.worker.worker_proc import run_worker, worker_title
+
+__all__ = ["MultinodeExecutor", "run_node"]
 
 logger = init_logger(__name__)
 
-BEAT_S = 0.5
-"""A remote rank's heartbeat period."""
-CALL_REPLY_S = 5.0
-"""A store call that node 0's store does not answer in this long fails: the engine core is
-gone."""
-_PLAN = "treadle/nodes/plan"
-_POLL_S = 0.2
+
 _MARGIN_S = 5.0
-
-
-class Plan(msgspec.Struct, kw_only=True):
-    """What the engine core publishes for the other nodes."""
-
-    session: str  # one per engine core: a node serves each session once
-    nnodes: int
-    tp: int
-    pp: int
-    broadcast: Handle
-
-
-class RankInfo(msgspec.Struct, kw_only=True):
-    """What a remote rank publishes once loaded."""
-
-    pid: int
-    ppid: int
-    host: str
-    replies: Handle
-
-
-def _rank_key(session: str, rank: int) -> str:
-    return f"treadle/nodes/{session}/rank/{rank}"
-
-
-def _beat_key(session: str, rank: int) -> str:
-    return f"treadle/nodes/{session}/beat/{rank}"
-
-
-def _error_key(session: str, node: int) -> str:
-    return f"treadle/nodes/{session}/error/{node}"
-
-
-def _node_key(session: str, node: int) -> str:
-    return f"treadle/nodes/{session}/node/{node}"
-
-
-# -- sealed values ---------------------------------------------------------------------------
-
-
-def _mac_key() -> bytes | None:
-    keys = cluster_auth.cluster_keys()
-    return None if keys is None else hashlib.blake2b(keys.client_secret, person=b"nodes").digest()
-
-
-def seal(obj: Any) -> bytes:
-    """msgpack, behind an HMAC of the cluster secret when there is one."""
-    data = msgspec.msgpack.encode(obj)
-    key = _mac_key()
-    if key is None:
-        return b"T0" + data
-    return b"T1" + hmac.new(key, data, "sha256").digest() + data
-
-
-def unseal(raw: bytes, kind: type[Any], what: str) -> Any:
-    """The value `seal` made; `ValueError` saying why it is refused."""
-    key = _mac_key()
-    if raw[:2] == b"T1" and key is not None:
-        tag, data = raw[2:34], raw[34:]
-        if not hmac.compare_digest(tag, hmac.new(key, data, "sha256").digest()):
-            raise ValueError(f"{what} is not sealed with this cluster's secret")
-    elif raw[:2] == b"T0" and key is None:
-        data = raw[2:]
-    elif raw[:2] in (b"T0", b"T1"):
-        sides = "the other side has a cluster secret and this one has none"
-        if key is not None:
-            sides = "this side has a cluster secret and the other has none"
-        raise ValueError(f"{what}: {sides} (give every node the same --cluster-secret-file)")
-    else:
-        raise ValueError(f"{what} is not a treadle value")
-    try:
-        return msgspec.msgpack.decode(data, type=kind)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"{what} is malformed: {e}") from None
-
-
-# -- addresses and the store -----------------------------------------------------------------
-
-
-def node_ip(master_addr: str) -> str:
-    """This node's address as the others reach it: TREADLE_HOST_IP, else the interface that
-    routes to the master (no packet is sent)."""
-    chosen = envs.host_ip()
-    if chosen is not None:
-        return chosen
-    family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return master_addr
-
-
-def _put(store: dist.Store, key: str, value: bytes) -> None:
-    store.set(key, value)  # type: ignore[arg-type]  # (bytes are stored as they are)
-
-
-def _client(host: str, port: int) -> SecureStore:
-    """A client of node 0's store; a call that the store does not answer in 5 s fails (the
-    engine core is gone)."""
-    return SecureStore(host, port, timeout=timedelta(seconds=30), reply_s=CALL_REPLY_S)
-
-
-# -- node 0: the executor ----------------------------------------------------------------------
 
 
 class MultinodeExecutor(MultiprocExecutor):
@@ -235,7 +130,7 @@ class MultinodeExecutor(MultiprocExecutor):
             raise RuntimeError(
                 f"cannot listen on --master-addr {host} --master-port {port}: {e}"
             ) from None
-        self._store = _client(host, port)
+        self._store = client(host, port)
         plan = Plan(
             session=self.session,
             nnodes=self.nnodes,
@@ -243,7 +138,7 @@ class MultinodeExecutor(MultiprocExecutor):
             pp=self.pp_size,
             broadcast=self.broadcast.export_handle(),
         )
-        _put(self._store, _PLAN, seal(plan))
+        put(self._store, PLAN_KEY, seal(plan))
         # The front end gives this process's whole start TREADLE_ENGINE_READY_TIMEOUT_S: a
         # missing node is named here, a few seconds before that runs out.
         started = psutil.Process().create_time()
@@ -294,11 +189,11 @@ class MultinodeExecutor(MultiprocExecutor):
         missing = set(range(k, self.world_size))
         while missing:
             for node in range(1, self.nnodes):
-                key = _error_key(self.session, node)
+                key = error_key(self.session, node)
                 if self._store.check([key]):
                     raise ValueError(unseal(self._store.get(key), str, f"node {node}'s report"))
             for rank in sorted(missing):
-                key = _rank_key(self.session, rank)
+                key = rank_key(self.session, rank)
                 if self._store.check([key]):
                     what = f"{self._title(rank)}'s address"
                     self.remote[rank] = unseal(self._store.get(key), RankInfo, what)
@@ -317,7 +212,7 @@ class MultinodeExecutor(MultiprocExecutor):
                     "--headless` running there, and can it reach that address?"
                 )
             if missing:
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
 
     def _title(self, rank: int) -> str:
         return worker_title(rank, self.tp_size, self.pp_size)
@@ -337,7 +232,7 @@ class MultinodeExecutor(MultiprocExecutor):
         while not self._closing.wait(BEAT_S):
             for rank, (count, since) in seen.items():
                 try:
-                    now_count = self._store.add(_beat_key(self.session, rank), 0)
+                    now_count = self._store.add(beat_key(self.session, rank), 0)
                 except Exception:  # (the store is closing)
                     return
                 now = time.monotonic()
@@ -391,176 +286,3 @@ class MultinodeExecutor(MultiprocExecutor):
         if self._server is not None:
             self._server.close()  # the other nodes' ranks see it go
             self._server = None
-
-
-# -- nodes 1..N-1 ----------------------------------------------------------------------------
-
-
-def run_node(config: EngineConfig, stop: threading.Event) -> int:
-    """A headless node's loop: serve each engine core's session with this node's ranks, until
-    `stop`. Returns the exit status (2: this node's flags do not match the engine core's)."""
-    p = config.parallel
-    host, port = p.master_addr, int(p.master_port or 0)
-    ranks = list(p.node_ranks(p.node_rank))
-    ip = node_ip(host)
-    last: str | None = None
-    ctx = get_mp_context()
-    logger.info(
-        "Node %d of %d at %s: ranks %s; the engine core is at %s:%d",
-        p.node_rank,
-        p.nnodes,
-        ip,
-        ranks,
-        host,
-        port,
-    )
-    while not stop.is_set():
-        plan = _next_plan(host, port, last, stop)
-        if plan is None:
-            break
-        last = plan.session
-        problem = _mismatch(plan, config, host, port)
-        if problem is None and not _claim(host, port, plan.session, p.node_rank):
-            problem = f"another node already joined as --node-rank {p.node_rank}"
-        if problem is not None:
-            _report(host, port, plan.session, p.node_rank, problem)
-            logger.error("%s", problem)
-            return 2
-        logger.info("Joining engine core session %s with ranks %s", plan.session, ranks)
-        workers = [
-            start_process(
-                run_remote_rank,
-                worker_title(r, p.tensor_parallel_size, p.pipeline_parallel_size),
-                args=(config, r, plan.session, ip),
-                ctx=ctx,
-            )
-            for r in ranks
-        ]
-        while not stop.is_set() and all(w.exitcode is None for w in workers):
-            wait([w.sentinel for w in workers], timeout=0.5)
-        for w in workers:
-            if w.exitcode is not None:
-                logger.info("%s ended (exit %s)", w.describe(), w.exitcode)
-        # The others follow within moments (the store goes with the engine core); a rank
-        # whose peer here died may still wait in a collective: end it.
-        shutdown_processes(workers, timeout=2.0 if not stop.is_set() else 5.0)
-    return 0
-
-
-def _next_plan(host: str, port: int, last: str | None, stop: threading.Event) -> Plan | None:
-    """The plan of an engine core session other than `last`, once one is published."""
-    said = False
-    while not stop.is_set():
-        store = _client(host, port)
-        try:
-            if store.check([_PLAN]):
-                plan: Plan = unseal(store.get(_PLAN), Plan, "the engine core's plan")
-                if plan.session != last:
-                    return plan
-        except ValueError:
-            raise
-        except Exception as e:  # (no engine core there, or it went away meanwhile)
-            logger.debug("store at %s:%d: %s", host, port, e)
-        finally:
-            store.close()
-        if not said:
-            logger.info("Waiting for the engine core at %s:%d", host, port)
-            said = True
-        stop.wait(1.0)
-    return None
-
-
-def _mismatch(plan: Plan, config: EngineConfig, host: str, port: int) -> str | None:
-    p = config.parallel
-    ours = (p.nnodes, p.tensor_parallel_size, p.pipeline_parallel_size)
-    if ours == (plan.nnodes, plan.tp, plan.pp):
-        return None
-    return (
-        f"node {p.node_rank} runs -tp {ours[1]} -pp {ours[2]} --nnodes {ours[0]}, but the "
-        f"engine core at {host}:{port} runs -tp {plan.tp} -pp {plan.pp} --nnodes "
-        f"{plan.nnodes}: give every node the same -tp, -pp and --nnodes"
-    )
-
-
-def _claim(host: str, port: int, session: str, node: int) -> bool:
-    with contextlib.suppress(Exception):
-        return int(_client(host, port).add(_node_key(session, node), 1)) == 1
-    return True  # (the store went away: the next session decides)
-
-
-def _report(host: str, port: int, session: str, node: int, problem: str) -> None:
-    with contextlib.suppress(Exception):
-        _put(_client(host, port), _error_key(session, node), seal(problem))
-
-
-def run_remote_rank(
-    ready: ReadyPipe, config: EngineConfig, rank: int, session: str, ip: str
-) -> None:
-    """Process entry of a rank on node R > 0: join the session's group through the store,
-    link stages, load the shard, publish the reply queue, serve the broadcast over tcp."""
-    p = config.parallel
-    tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
-    title = worker_title(rank, tp, pp)
-    master = (p.master_addr, int(p.master_port or 0))
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    store = _client(*master)
-    plan: Plan = unseal(store.get(_PLAN), Plan, "the engine core's plan")
-    if plan.session != session:
-        logger.info("%s: engine core session %s is over", title, session)
-        return
-    stage_addresses: list[str | None] | None = None
-    if pp > 1:
-        stage_addresses = [None] * p.world_size
-        if rank >= tp:
-            here = p.node_ranks(p.node_rank)
-            sender_here = rank - tp in here
-            stage_addresses[rank] = get_open_zmq_ipc_path() if sender_here else get_tcp_uri(ip, 0)
-    own_files = [a for a in stage_addresses or [] if a is not None and a.startswith("ipc://")]
-    _Heartbeat(master, session, rank, title, own_files).start()
-    worker = start_worker(config, rank, p.world_size, master, stage_addresses)
-    replies = MessageQueue(1, 0, connect_ip=ip, codec=reply_codec(cross_host=True))
-    info = RankInfo(pid=os.getpid(), ppid=os.getppid(), host=host_name(), replies=replies.handle)
-    _put(store, _rank_key(session, rank), seal(info))
-    ready.send_ready(None)
-    requests = MessageQueue.create_from_handle(
-        plan.broadcast, rank, reader_codec(plan.broadcast.codec)
-    )
-    try:
-        requests.wait_until_ready(timeout=120)
-        replies.wait_until_ready(timeout=120)
-        busy_loop(worker, rank, title, requests, replies)
-    finally:
-        requests.close()
-        replies.close()
-        if worker.link is not None:
-            worker.link.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    """The node is stopping (or ends what is left of a session): this rank alone cannot ask
-    the engine core for anything, it just goes."""
-    raise SystemExit(0)
-
-
-class _Heartbeat(threading.Thread):
-    """Adds to this rank's counter in the store every `BEAT_S`; when the store is gone (the
-    engine core with it) the rank exits at once: whatever it waits for will never come."""
-
-    def __init__(
-        self, master: tuple[str, int], session: str, rank: int, title: str, files: list[str]
-    ) -> None:
-        super().__init__(name="node-heartbeat", daemon=True)
-        self.store = _client(*master)
-        self.key, self.title, self.files = _beat_key(session, rank), title, files
-
-    def run(self) -> None:
-        while True:
-            try:
-                self.store.add(self.key, 1)
-            except Exception:
-                logger.info("%s: the engine core is gone; exiting", self.title)
-                remove_ipc_files(self.files)
-                os._exit(0)
-            time.sleep(BEAT_S)
