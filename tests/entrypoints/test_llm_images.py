@@ -152,3 +152,24 @@ def test_images_under_tensor_and_pipeline_parallelism(
     for out, image in zip(outs, images, strict=False):
         assert ids_of(out) == reference.greedy(PROMPT, [image], MAX)
     assert ids_of(outs[2]) == reference.greedy(TEXT, [], MAX)
+
+
+def test_chat_with_an_image_part(llm: LLM, reference: Reference) -> None:
+    import base64
+    import io
+
+    image = random_image(40)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in the picture?"},
+            ],
+        }
+    ]
+    [out] = llm.chat(messages, GREEDY)
+    assert ids_of(out) == reference.greedy(PROMPT, [image], MAX)

@@ -12,11 +12,11 @@ from tqdm import tqdm
 from treadle import envs
 from treadle.config import resolve_model
 from treadle.engine_args import EngineArgs
-from treadle.entrypoints.openai.protocol import template_message
+from treadle.entrypoints.openai.protocol import ImagePart, template_message
 from treadle.executor.multiproc import check_parallel_layout
 from treadle.frontend.images import ImageInputs
 from treadle.frontend.input_processor import InputProcessor, PreparedRequest, PromptType
-from treadle.frontend.media import to_rgb
+from treadle.frontend.media import MediaPolicy, load_image, to_rgb
 from treadle.frontend.output_processor import OutputProcessor
 from treadle.frontend.sync_client import InprocClient, SyncMPClient
 from treadle.logger import init_logger
@@ -182,10 +182,18 @@ class LLM:
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
+        images = self.input_processor.images
+        placeholder = ""
+        if images is not None and not images.template_reads_parts(
+            (chat_template_kwargs or {}).get("chat_template") or self.tokenizer.chat_template
+        ):
+            placeholder = images.placeholder
         for conv in conversations:
-            # Content given as a list of parts: text parts joined (vLLM's "string" format),
-            # others refused (`InvalidRequest`): the models served take text only.
-            conv = [template_message(m, i) for i, m in enumerate(conv)]  # type: ignore[arg-type]
+            # Content given as a list of parts: text parts joined (vLLM's "string" format);
+            # for a vision-language model `image_url` parts too (data: URIs; the template
+            # writes their placeholders), others refused (`InvalidRequest`).
+            parts: list[ImagePart] | None = None if images is None else []
+            conv = [template_message(m, i, parts, placeholder) for i, m in enumerate(conv)]  # type: ignore[arg-type]
             text = self.input_processor.apply_chat_template(
                 conv,
                 add_generation_prompt=add_generation_prompt,
@@ -193,7 +201,12 @@ class LLM:
             )
             # The template already holds the special tokens: do not add them twice.
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if parts:
+                policy = MediaPolicy()  # data: URIs (no file or host is allowed offline)
+                pictures = [load_image(p.url, policy, p.where) for p in parts]
+                prompt["multi_modal_data"] = {"image": pictures}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(
