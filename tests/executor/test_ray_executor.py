@@ -142,7 +142,7 @@ def _worker(cluster: Any, title: str) -> psutil.Process:
 def test_the_secret_never_goes_into_an_actors_runtime_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """An actor's runtime_env shows in `ray list actors --detail` and the dashboard: the rank's
     TREADLE_* settings go there, the cluster secret goes to `RayWorker.start` instead."""
-    from treadle.executor.ray_executor import actor_env
+    from treadle.executor.ray_worker import actor_env
 
     monkeypatch.setenv("TREADLE_CLUSTER_SECRET", "s" * 32)
     monkeypatch.setenv("TREADLE_KV_CACHE_SPACE", "1")
