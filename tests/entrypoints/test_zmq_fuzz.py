@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -39,6 +40,7 @@ from treadle.wire.engine import (
     EngineCoreRequest,
     EngineCoreRequestType,
     FinishReason,
+    MultiModalInput,
 )
 
 CAP = 1 << 20
@@ -242,6 +244,24 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
         front_end.send(ADD, _with_embeds(header))
     front_end.send(ADD, _with_embeds(None, pickled=True))
     assert front_end.greedy("after-bad-tensors") == expected
+    log = front_end.log_path.read_text()
+    assert "Traceback" not in log and "Engine core failed" not in log, log
+
+    # Images (issue 39): one sent to this text-only model is refused for its request; an
+    # image whose pixel header lies is dropped; the engine serves the same text after.
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    image = MultiModalInput(torch.zeros(3, 28, 28), len(PROMPT), 1, "h" * 64)
+    front_end.send_obj(ADD, EngineCoreRequest("img", [*PROMPT, 7], params, mm_inputs=[image]))
+    refused = next(o for out in front_end.outputs() for o in out.outputs if o.request_id == "img")
+    assert refused.finish_reason == FinishReason.ERROR and "text only" in str(refused.stop_reason)
+    frames = MsgpackEncoder().encode(EngineCoreRequest("lying", PROMPT, params, mm_inputs=[image]))
+    raw = msgspec.msgpack.decode(
+        bytes(frames[0]), ext_hook=lambda code, data: msgspec.msgpack.Ext(code, bytes(data))
+    )
+    for header in (("float32", [10**6, 10**6], b"\0" * 512), ("float32", [3, 28, 28], 9)):
+        raw[-1][0][0] = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(header))
+        front_end.send(ADD, msgspec.msgpack.encode(raw))
+    assert front_end.greedy("after-bad-images") == expected
     log = front_end.log_path.read_text()
     assert "Traceback" not in log and "Engine core failed" not in log, log
 

@@ -99,6 +99,15 @@ class ContentPart(OpenAIModel):
 
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
+
+
+class ImageURL(OpenAIModel):
+    """An image part's image: a `data:image/...;base64,` URI, a `file://` path or an
+    `http(s)://` URL (`frontend/media.py` says which are taken); `detail` only "auto"."""
+
+    url: str
+    detail: str | None = None
 
 
 class ChatMessage(OpenAIModel):
