@@ -90,3 +90,15 @@ def test_broken_pixels_are_refused(pixels: torch.Tensor, needle: str) -> None:
 def test_image_tokens_without_an_image_are_refused() -> None:
     with pytest.raises(InvalidRequest, match="image tokens come only with images"):
         check_mm_inputs(request([7, TOKEN, 9], []), VISION, 4)
+
+
+def test_a_chunk_stops_before_the_image_that_overflows_the_encoder_budget() -> None:
+    from treadle.core.images import encoder_cut
+
+    images = [image(10, length=4), image(20, length=4), image(30, length=4)]
+    assert encoder_cut(images, 0, 40, budget=100, fresh=True) == (40, 12)
+    assert encoder_cut(images, 0, 40, budget=8, fresh=True) == (30, 8)  # the third waits
+    assert encoder_cut(images, 0, 40, budget=3, fresh=True) == (20, 4)  # one always fits
+    assert encoder_cut(images, 0, 40, budget=3, fresh=False) == (10, 0)
+    assert encoder_cut(images, 12, 10, budget=0, fresh=False) == (8, 0)  # begun: free
+    assert encoder_cut(None, 0, 40, budget=0, fresh=False) == (40, 0)

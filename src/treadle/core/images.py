@@ -90,3 +90,23 @@ def check_mm_inputs(request: EngineCoreRequest, vision: VisionArch | None, limit
             f"holds {ids.count(token)} image tokens but its {len(images)} image(s) cover "
             f"{covered}: image tokens come only with images",
         )
+
+
+def encoder_cut(
+    images: list[MultiModalInput] | None, start: int, n: int, budget: int, fresh: bool
+) -> tuple[int, int]:
+    """(tokens to schedule, image tokens the vision encoder starts) for a chunk of `n`
+    positions from `start`: the chunk stops before the first image that would take the
+    step's encoder budget past `budget` (image tokens; `fresh`: nothing spent yet this step,
+    so one image always fits). An image begun by an earlier chunk costs nothing (its
+    features are cached)."""
+    cost = 0
+    for mm in images or ():
+        if mm.offset < start:
+            continue
+        if mm.offset >= start + n:
+            break
+        if cost + mm.length > budget and not (fresh and cost == 0):
+            return mm.offset - start, cost
+        cost += mm.length
+    return n, cost

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from treadle.core.images import encoder_cut
 from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.request import Request, RequestStatus
 from treadle.core.spec_decode import (
@@ -117,6 +118,8 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.max_num_batched_tokens
+        # Image tokens the vision encoder may start in this step (as vLLM's encoder budget).
+        encoder_budget = self.max_num_batched_tokens
         preempted = False
         proposals = self._proposals(budget)
 
@@ -124,6 +127,13 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n, encoding = encoder_cut(
+                req.mm_inputs,
+                req.num_computed_tokens,
+                n,
+                encoder_budget,
+                encoder_budget == self.max_num_batched_tokens,
+            )
             if n <= 0:
                 continue
             proposal = proposals.get(req.request_id, [])[: budget - 1] if n == 1 else []
@@ -139,6 +149,7 @@ class Scheduler:
             out.cached_requests.append(
                 CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
             )
+            encoder_budget -= encoding
             out.num_scheduled_tokens[req.request_id] = n
             if proposal:
                 out.spec_tokens[req.request_id] = proposal
@@ -156,9 +167,20 @@ class Scheduler:
             if req.num_computed_tokens == 0 and p.prompt_logprobs is None and p.pooling != "mean":
                 computed, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+            cut, encoding = encoder_cut(
+                req.mm_inputs,
+                req.num_computed_tokens + num_hit,
+                n,
+                encoder_budget,
+                encoder_budget == self.max_num_batched_tokens,
+            )
+            if cut <= 0 < n:
+                break  # its next image waits for the next step's encoder budget
+            n = cut
             block_ids = self.kv.allocate_slots(req, n, computed)
             if block_ids is None:
                 break
+            encoder_budget -= encoding
             heapq.heappop(self._waiting)
             if req.num_computed_tokens == 0:
                 self.kv.record_prefix_lookup(req.num_tokens, num_hit)
