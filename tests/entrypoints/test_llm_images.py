@@ -134,12 +134,20 @@ def test_images_are_refused_where_they_do_not_fit(llm: LLM, tiny_model_factory) 
     assert llm.generate(TEXT, SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].text
 
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 2},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    ],
+)
 def test_images_under_tensor_and_pipeline_parallelism(
     llava: Path, reference: Reference, layout: dict[str, int]
 ) -> None:
     # -tp: every worker runs the (replicated) tower on the image the broadcast queue brings;
-    # -pp: the first stage alone holds the tower and embeds.
+    # -pp: the first stage alone holds the tower and embeds; n-gram speculation proposes
+    # from the prompt's ids (placeholders included) and verifies against the image's rows.
     engine = LLM(str(llava), dtype="float32", max_model_len=2048, **layout)  # type: ignore[arg-type]
     try:
         images = [random_image(20 + i) for i in range(2)]
