@@ -195,6 +195,17 @@ def test_a_data_uri_image_gives_transformers_text(
     assert out.usage.prompt_tokens == len(reference.prompt_ids(PROMPT))
 
 
+def metrics(client: openai.OpenAI) -> dict[str, float]:
+    """The server's /metrics samples (summed over their labels) by name."""
+    text = httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def test_a_file_under_the_allowed_folder(
     client: openai.OpenAI, reference: Reference, media: Path
 ) -> None:
@@ -203,9 +214,16 @@ def test_a_file_under_the_allowed_folder(
     expected = reference.greedy(PROMPT, [image], MAX)
     text = reference.tokenizer.decode(expected, skip_special_tokens=True)
     assert out.choices[0].message.content == text
-    # The same image again: its features come from the encoder cache.
-    metrics = httpx.get(client.base_url.join("/metrics").__str__().replace("/v1", "")).text
-    assert "treadle:mm_encoder_images" in metrics
+    # The same image again: the encoder does not run again (its features are cached).
+    before = metrics(client)
+    again = chat(client, image_message((media / "cat.png").as_uri()))
+    assert again.choices[0].message.content == text
+    after = metrics(client)
+    assert after["treadle:mm_encoder_images_total"] == before["treadle:mm_encoder_images_total"]
+    assert (
+        after["treadle:mm_encoder_cache_hits_total"] > before["treadle:mm_encoder_cache_hits_total"]
+    )
+    assert after["treadle:request_images_count"] == before["treadle:request_images_count"] + 1
 
 
 def test_two_images_in_one_message(client: openai.OpenAI, reference: Reference) -> None:

@@ -183,6 +183,7 @@ class AsyncLLM:
             time.monotonic(),
             len(prompt_token_ids),
             params.max_tokens,
+            len(request.children[0].mm_inputs or ()) if request.children else 0,
         )
         self.output_processor.add_request(
             request_id, request.prompt, request.shown_prompt_token_ids, params

@@ -57,6 +57,9 @@ CACHE_INFO_LABELS = [
 ]
 
 
+IMAGE_BUCKETS = [1, 2, 4, 8, 16, 32]
+
+
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
     buckets: list[int] = []
@@ -134,6 +137,9 @@ def _definitions(max_model_len: int) -> dict[str, Any]:
             tokens,
         ),
         n_request=histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
+        images_request=histogram(
+            "request_images", "Images in a finished request's prompt.", IMAGE_BUCKETS
+        ),
         max_tokens_request=histogram(
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
         ),
@@ -306,6 +312,8 @@ class StatLogger:
             m["e2e"].observe(done.e2e_latency)
             m["prompt_tokens_request"].observe(done.num_prompt_tokens)
             m["generation_tokens_request"].observe(done.num_generation_tokens)
+            if done.num_images:
+                m["images_request"].observe(done.num_images)
             if done.max_tokens_param:
                 m["max_tokens_request"].observe(done.max_tokens_param)
             if done.queued_time is None:

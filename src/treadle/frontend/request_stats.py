@@ -49,6 +49,7 @@ class RequestStats:
     prefill_time: float = 0.0
     first_token_ts: float = 0.0  # engine clock
     last_token_ts: float = 0.0
+    num_images: int = 0  # the prompt's (a vision-language model's)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     max_tokens_param: int | None
+    num_images: int = 0
     # The phases (engine clock); None when the request ended before its first token.
     queued_time: float | None = None
     prefill_time: float | None = None
@@ -74,6 +76,7 @@ def finished_request_stats(stats: RequestStats, reason: str, now: float) -> Fini
         num_prompt_tokens=stats.num_prompt_tokens,
         num_generation_tokens=stats.num_generation_tokens,
         max_tokens_param=stats.max_tokens,
+        num_images=stats.num_images,
     )
     if stats.num_generation_tokens == 0:
         return done
@@ -154,11 +157,14 @@ class RequestStatsTable:
         arrival: float,
         num_prompt_tokens: int,
         max_tokens: int | None,
+        num_images: int = 0,
     ) -> None:
         n = len(child_ids)
         parent = ParentStats(n, n) if n > 1 else None
         for child_id in child_ids:
-            self._by_child[child_id] = RequestStats(arrival, num_prompt_tokens, max_tokens, parent)
+            self._by_child[child_id] = RequestStats(
+                arrival, num_prompt_tokens, max_tokens, parent, num_images=num_images
+            )
         self._children[request_id] = child_ids
 
     def forget(self, request_id: str) -> None:
