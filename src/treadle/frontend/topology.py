@@ -244,6 +244,9 @@ def engine_entry(rank: int, state: EngineState, report: EngineReport | None) -> 
         / stats.spec_decode_num_draft_tokens
         if stats.spec_decode_num_draft_tokens
         else None,
+        images_encoded=stats.mm_images_encoded,
+        encoder_cache_hits=stats.mm_encoder_cache_hits,
+        encoder_seconds=stats.mm_encoder_seconds,
         steps=report.steps,
         generated_tokens=report.generated_tokens,
         steps_per_s=report.steps_per_s,
