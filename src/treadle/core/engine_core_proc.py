@@ -8,13 +8,10 @@
 - output thread: encodes `(client_index, EngineCoreOutputs)` into reused buffers, sends them
   zero-copy.
 
-Handshake, on the front end's handshake ROUTER:
-    engine --HELLO (rank, launch secret)--> front end --addresses, launch, tokens--> engine
-    --PHASE (loading weights, profiling / allocating the KV cache)--> front end
-    (loads, sizes KV) --READY--> front end
-then the engine's first message on each input DEALER (a fresh random routing identity) is a
-ready message with that front end's token, which binds the engine's rank to the connection
-there (`ipc/engine_auth.py`).
+Handshake, on the front end's handshake ROUTER: `engine_handshake.join_front_end` (HELLO,
+ADDRESSES, PHASE while the engine loads, READY); then the engine's first message on each input
+DEALER (a fresh random routing identity) is a ready message with that front end's token, which
+binds the engine's rank to the connection there (`ipc/engine_auth.py`).
 
 Ends:
 - Stopped: a first SIGTERM/SIGINT lets running requests finish (`--shutdown-timeout`) and
@@ -37,11 +34,11 @@ engine on another host (tcp) exits when its front end disconnects.
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +46,9 @@ import msgspec
 import torch
 import zmq
 
-from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.engine_core import EngineCore
 from treadle.core.engine_core_io import (
-    LINGER_MS,
     FrontEndGone,
     InputItem,
     InputReader,
@@ -61,13 +56,13 @@ from treadle.core.engine_core_io import (
     OutputWriter,
     send_to_all,
 )
+from treadle.core.engine_handshake import join_front_end
+from treadle.core.engine_waves import EngineWaves
 from treadle.executor.base import ExecutorStoppedError
-from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.fast_exit import exit_now
-from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ReadyPipe, at_parent_death, freeze_startup_heap
 from treadle.ipc.tensor_ring import remove_orphaned_rings
-from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
+from treadle.ipc.zmq_utils import remove_ipc_files
 from treadle.logger import LogTail, init_logger, set_process_name
 from treadle.wire.control import (
     COORDINATOR,
@@ -76,7 +71,6 @@ from treadle.wire.control import (
     MAX_LOG_LINES,
     DeathReport,
     Handshake,
-    HandshakeStatus,
     StartupPhase,
     UtilityRequest,
 )
@@ -97,7 +91,6 @@ __all__ = ["EngineCoreProc", "run_engine_core"]
 logger = init_logger(__name__)
 
 _POLL_MS = 1000
-_COORDINATOR_STATS_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -177,47 +170,10 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[OutputItem] = queue.Queue()
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self._stats_sent: SchedulerStats | None = None
-        # Data parallel: the wave this engine knows of, and what the coordinator last heard.
         self.dp = config.parallel.data_parallel_size > 1
-        self.current_wave = 0
-        self._busy = False
-        self._coordinator_sent = 0.0
+        self.waves = EngineWaves(dp_rank)  # (data parallel: what the coordinator hears)
 
-        hs = make_zmq_socket(
-            self.ctx,
-            handshake_address,
-            zmq.DEALER,
-            bind=False,
-            identity=routing_id(),
-            linger=LINGER_MS,
-            options=inbound_options(),
-        )
-        encode, decode = msgspec.msgpack.encode, msgspec.msgpack.Decoder(Handshake).decode
-        try:
-            hs.send(encode(Handshake(HandshakeStatus.HELLO, rank=dp_rank, secret=secret)))
-            timeout = envs.engine_ready_timeout_s()
-            if not hs.poll(timeout * 1000):
-                raise TimeoutError(
-                    f"no front end answered at {handshake_address} within {timeout} s "
-                    "(TREADLE_ENGINE_READY_TIMEOUT_S)"
-                )
-            addresses = decode(hs.recv())
-            if addresses.status is HandshakeStatus.REFUSED:
-                raise RuntimeError(f"the front end refused this engine core: {addresses.reason}")
-            if addresses.status is not HandshakeStatus.ADDRESSES:
-                raise RuntimeError(f"the front end answered HELLO with {addresses.status}")
-            if len(addresses.tokens) != len(addresses.inputs):
-                raise RuntimeError("the front end sent no token for each of its request sockets")
-            if addresses.launch > 1 and envs.test_fail_restart_rank() == dp_rank:
-                raise RuntimeError("TREADLE_TEST_FAIL_RESTART_RANK: a restart fails to start")
-
-            def say(phase: StartupPhase) -> None:  # how far the start-up got (`/health/startup`)
-                hs.send(
-                    encode(
-                        Handshake(HandshakeStatus.PHASE, rank=dp_rank, secret=secret, phase=phase)
-                    )
-                )
-
+        def load(addresses: Handshake, say: Callable[[StartupPhase], None]) -> EngineCore:
             self.engine = EngineCore(
                 config,
                 engine_index=dp_rank,
@@ -231,22 +187,11 @@ class EngineCoreProc:
                 ),
                 on_phase=say,
             )
-            info = Handshake(
-                HandshakeStatus.READY,
-                num_blocks=self.engine.num_blocks,
-                max_model_len=self.engine.max_model_len,
-                vocab_size=self.engine.vocab_size,
-                pid=os.getpid(),
-                rank=dp_rank,
-            )
-            hs.send(encode(msgspec.structs.replace(info, secret=secret)))
-        finally:
-            hs.close()
-        # The first message on each request socket: what this engine found, and its proof.
-        ready_messages = [
-            encode(msgspec.structs.replace(info, launch=addresses.launch, token=token))
-            for token in addresses.tokens
-        ]
+            return self.engine
+
+        addresses, ready_messages = join_front_end(
+            self.ctx, handshake_address, dp_rank, secret, load
+        )
         self.output_addresses = addresses.outputs
         # A front end killed -9 leaves its ROUTER's and PULL's socket files (and its handshake
         # socket's, kept open while it serves); if it was this process's parent (one API
@@ -368,23 +313,9 @@ class EngineCoreProc:
                 self._publish_idle_stats()
 
     def _tell_coordinator(self) -> None:
-        """Push idle <-> busy transitions (which start and complete waves) at once, and the
-        stats at most every 50 ms while busy."""
-        busy = self.engine.has_unfinished_requests()
-        now = time.monotonic()
-        if busy == self._busy and (
-            not busy or now - self._coordinator_sent < _COORDINATOR_STATS_INTERVAL_S
-        ):
-            return
-        out = EngineCoreOutputs(self.dp_rank, scheduler_stats=self.engine.get_stats())
-        if busy != self._busy:
-            self._busy = busy
-            if busy:
-                out.start_wave = self.current_wave
-            else:
-                out.wave_complete = self.current_wave
-        self._coordinator_sent = now
-        self.output_queue.put((COORDINATOR, out))
+        out = self.waves.report(self.engine)
+        if out is not None:
+            self.output_queue.put((COORDINATOR, out))
 
     def _publish_idle_stats(self) -> None:
         """Outputs carry the stats while there is work; once idle (e.g. after an abort) the
@@ -419,13 +350,13 @@ class EngineCoreProc:
             if self.shutdown.requested:
                 self._reject(req, "the engine is shutting down")
                 return
-            self.current_wave = max(self.current_wave, req.current_wave)
+            self.waves.joined(req.current_wave)
             self.engine.add_request(req)  # never raises: a bad request is refused
         elif kind is EngineCoreRequestType.REFUSE:
             self.engine.refuse(*payload)
         elif kind is EngineCoreRequestType.START_DP_WAVE:
             wave: StartDPWave = payload
-            self.current_wave = max(self.current_wave, wave.wave)
+            self.waves.joined(wave.wave)
             if wave.exclude != self.dp_rank:
                 logger.debug(
                     "START_DP_WAVE: joining wave %d, started by engine %d", wave.wave, wave.exclude
