@@ -5,6 +5,8 @@ transformers on."""
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +127,21 @@ class Reference:
                 input_ids=ids, max_new_tokens=max_tokens, do_sample=False, **kwargs
             )
         return out[0, ids.shape[1] :].tolist()
+
+
+def bomb_png(width: int, height: int, rows: int | None = None) -> bytes:
+    """A valid PNG of ~100 KB that decodes to `width` x `height` black pixels (with `rows`:
+    only that many rows are written, a truncated one that declares the whole size)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    packer = zlib.compressobj(9)
+    row = b"\x00" * (1 + 3 * width)  # filter byte, then black RGB pixels
+    n = height if rows is None else rows
+    idat = b"".join(packer.compress(row) for _ in range(n)) + packer.flush()
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+    )

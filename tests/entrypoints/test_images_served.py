@@ -8,8 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import struct
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
-from llava_helpers import Reference, build_tiny_llava, random_image
+from llava_helpers import Reference, bomb_png, build_tiny_llava, random_image
 from serve_helpers import RemoteServer
 
 QUESTION = "What is in the picture?"
@@ -32,22 +30,6 @@ def data_uri(image: Image.Image, fmt: str = "PNG") -> str:
     image.save(buf, format=fmt)
     mime = {"PNG": "png", "JPEG": "jpeg", "GIF": "gif", "WEBP": "webp"}[fmt]
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def bomb_png(width: int = 30_000, height: int = 30_000) -> bytes:
-    """A valid PNG header declaring `width` x `height` pixels, with a tiny (bogus) body."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(b"\x00" * 1024))
-        + chunk(b"IEND", b"")
-    )
 
 
 def image_message(url: str, text: str = QUESTION, **extra: Any) -> list[dict[str, Any]]:
@@ -252,7 +234,7 @@ def test_two_images_in_one_message(client: openai.OpenAI, reference: Reference) 
 HOSTILE = {
     "not-an-image": "data:image/png;base64," + base64.b64encode(b"hello, world").decode(),
     "truncated-png": None,  # filled below
-    "bomb": "data:image/png;base64," + base64.b64encode(bomb_png()).decode(),
+    "bomb": "data:image/png;base64," + base64.b64encode(bomb_png(30_000, 30_000, 8)).decode(),
     "svg": "data:image/svg+xml;base64,"
     + base64.b64encode(b'<svg xmlns="http://www.w3.org/2000/svg"/>').decode(),
     "bmp-in-png-clothes": None,  # filled below
@@ -409,3 +391,29 @@ def test_tokenize_counts_the_image_tokens(server: RemoteServer, reference: Refer
     )
     assert r.status_code == 200, r.text
     assert r.json()["count"] == len(reference.prompt_ids(PROMPT))
+
+
+def test_a_real_bomb_never_decodes_in_the_api_server(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
+    """A valid 6,000 x 6,000 PNG of ~100 KB (108 MB of pixels decoded, 137 MiB of RSS when
+    Pillow decodes it): refused from its header, the API server's peak RSS unchanged."""
+    api = server.proc.pid  # one API server: the `treadle serve` process itself
+
+    def peak_kib() -> int:
+        with open(f"/proc/{api}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+    before = peak_kib()
+    url = "data:image/png;base64," + base64.b64encode(bomb_png(6000, 6000)).decode()
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": client.models.list().data[0].id,
+            "messages": image_message(url),
+            "max_tokens": 2,
+        },
+        timeout=30,
+    )
+    assert r.status_code == 400 and "pixels" in r.text, r.text
+    assert peak_kib() - before < 32 * 1024

@@ -7,14 +7,13 @@ import base64
 import io
 import os
 import resource
-import struct
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from llava_helpers import bomb_png
 from treadle.frontend.media import MediaPolicy, decode_image, load_image
 from treadle.validation import InvalidRequest
 
@@ -34,24 +33,6 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 def test_a_data_uri_png_decodes_to_rgb() -> None:
     image = load_image(data_uri(png_bytes(mode="RGBA")), MediaPolicy(), WHERE)
     assert image.mode == "RGB" and image.size == (32, 24)
-
-
-def bomb_png(width: int, height: int, rows: int | None = None) -> bytes:
-    """A valid PNG of ~100 KB that decodes to `width` x `height` black pixels (with `rows`:
-    only that many rows are written, a truncated one that declares the whole size)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    packer = zlib.compressobj(9)
-    row = b"\x00" * (1 + 3 * width)  # filter byte, then black RGB pixels
-    n = height if rows is None else rows
-    idat = b"".join(packer.compress(row) for _ in range(n)) + packer.flush()
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
-    )
 
 
 # 6,000^2: a whole valid image over our cap (decoded, it would take 108 MB: the check on RSS
