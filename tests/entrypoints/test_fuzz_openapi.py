@@ -83,12 +83,15 @@ def test_the_schema_documents_errors_probes_and_streams(server: RemoteServer) ->
             assert "422" not in responses, (method, path)  # a bad body is a 400 here
             for code in ("413", "500"):
                 assert responses[code]["content"] == error, (method, path, code)
-    for path in ("/health", "/health/ready", "/ping"):
+    for path in ("/health", "/ping"):  # vLLM's empty 200
         responses = schema["paths"][path]["get"]["responses"]
         assert "content" not in responses["200"] or not responses["200"]["content"]
         assert responses["503"]["content"] == error
         live = httpx.get(server.url + path, timeout=10)
         assert live.status_code == 200 and "content-type" not in live.headers and not live.content
+    responses = schema["paths"]["/health/ready"]["get"]["responses"]
+    assert responses["503"]["content"] == error
+    assert httpx.get(server.url + "/health/ready", timeout=10).json() == {"status": "ready"}
     paths = schema["paths"]
     for path in ("/v1/completions", "/v1/chat/completions", "/invocations"):
         responses = paths[path]["post"]["responses"]

@@ -1,6 +1,6 @@
 """The start-up is visible (issue 25 item 3): an API server serves HTTP as soon as its port
-is bound, while its engine loads. `/health` is 200 (alive), `/health/startup` and
-`/health/ready` 503 with the engine's phase, `/topology` shows the phase, and a generation
+is bound, while its engine loads. `/health` (llama-server's "Loading model"),
+`/health/startup` and `/health/ready` are 503 with the engine's phase, `/topology` shows the phase, and a generation
 request gets 503 at once instead of hanging; once loaded, `/health/startup` is 200.
 
 With one API server, and with two (`--api-server-count 2`: the supervisor runs the
@@ -37,7 +37,8 @@ class Watch:
 def look_while_loading(url: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     with httpx.Client(base_url=url, timeout=10) as c:
-        seen["health"] = c.get("/health").status_code
+        health = c.get("/health")
+        seen["health"] = (health.status_code, health.json())
         ready = c.get("/health/ready")
         seen["ready"] = (ready.status_code, ready.json())
         seen["topology"] = c.get("/topology").json()
@@ -115,12 +116,18 @@ def test_startup_probe_is_503_with_the_phase_then_200(watch: Watch) -> None:
     }
 
 
-def test_while_loading_health_is_alive_and_the_rest_says_starting(watch: Watch) -> None:
+def test_while_loading_every_probe_says_starting(watch: Watch) -> None:
     seen = watch.while_loading
     assert seen, "never saw the loading phase"
-    assert seen["health"] == 200
+    status, body = seen["health"]  # llama-server's answer while it loads
+    assert status == 503
+    assert body["error"]["message"] == "Loading model"
+    assert body["error"]["type"] == "ServiceUnavailableError"
+    assert body["status"] == "starting"
+    assert body["phase"] in ("loading weights", "profiling the KV cache")
     status, body = seen["ready"]
     assert status == 503 and "the engine is starting" in body["error"]["message"]
+    assert body["error"]["type"] == "ServiceUnavailableError"  # as every "not yet" 503
     engines = seen["topology"]["engines"]
     assert [(e["dp_rank"], e["state"]) for e in engines] == [(0, "starting")]
     assert engines[0]["phase"] in ("loading weights", "profiling the KV cache")

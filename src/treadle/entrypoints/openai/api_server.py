@@ -31,12 +31,12 @@ from treadle.entrypoints.openai.body_limit import BodySizeLimit
 from treadle.entrypoints.openai.chat_page import add_chat_routes
 from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.entrypoints.openai.dashboard import add_dashboard_routes
-from treadle.entrypoints.openai.errors import HANDLED, APIError, error_body, error_for
+from treadle.entrypoints.openai.errors import HANDLED, APIError, error_for
+from treadle.entrypoints.openai.health import Health, add_health_routes
 from treadle.entrypoints.openai.llamacpp import add_llamacpp_routes
 from treadle.entrypoints.openai.openapi_responses import (
     GENERATED,
     INVOCATIONS_BODY,
-    NO_CONTENT,
     describe_errors,
     errors,
 )
@@ -141,40 +141,7 @@ def build_app(
     if api_key:
         add_key_check(app, api_key, server.root_path)
 
-    @app.get("/health", response_class=Response, responses={200: NO_CONTENT, **errors(503)})
-    async def health() -> Response:
-        """Liveness: the engines are not dead, and none has gone without a sign of life past
-        --engine-stall-kill-timeout. Answered at once from what this server knows."""
-        why = engine.liveness()
-        if why is None:
-            return Response(status_code=200)
-        return JSONResponse(error_body(why, 503, "EngineDeadError"), status_code=503)
-
-    @app.get("/health/ready", response_class=Response, responses={200: NO_CONTENT, **errors(503)})
-    async def ready() -> Response:
-        """Readiness: every engine core is up, has resumed what it had after a restart, and
-        shows signs of life (finished steps while it has requests, answers to health pings)
-        within --engine-stall-timeout."""
-        why = engine.readiness()
-        if why is None:
-            return Response(status_code=200)
-        return JSONResponse(error_body(f"not ready: {why}", 503, "NotReady"), status_code=503)
-
-    @app.get("/health/startup", responses=errors(503))
-    async def startup() -> dict[str, Any]:
-        """Start-up: 200 once every engine has loaded and connected (before that, 503 with
-        each engine's phase: `starting.py`)."""
-        return {"status": "ready", "engines": engine.progress.to_json()}
-
-    @app.api_route(
-        "/ping",
-        methods=["GET", "POST"],
-        response_class=Response,
-        responses={200: NO_CONTENT, **errors(503)},
-    )
-    async def ping() -> Response:
-        """SageMaker's health check (as vLLM serves it): /health."""
-        return await health()
+    add_health_routes(app, Health(engine.progress, engine))
 
     @app.get("/version")
     async def version() -> dict[str, str]:

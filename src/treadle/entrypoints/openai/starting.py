@@ -5,9 +5,11 @@ that a probe can see how far the start-up got (`frontend/startup.py:StartupProgr
 engine client (`AsyncLLM`: launch, handshake, tokenizer). Until it is built, requests go to a
 small app:
 
-    /health, /ping            200 (alive; 503 once the start-up failed)
+    /health, /ping            503 {"error": {"message": "Loading model", ...},
+                                   "status": "starting", "phase": "loading weights"}
     /health/startup           503 {"error": ..., "status": "starting", "engines": [phases]}
     /health/ready             503 "not ready: the engine is starting: loading weights"
+                              (all three from `health.py`; EngineDeadError once it failed)
     /topology                 this host's processes, each engine "starting" with its "phase"
     /version                  200
     anything else             503 in OpenAI's error shape: "the engine is starting: ..."
@@ -37,12 +39,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 import treadle
 from treadle.entrypoints.openai.api_key import add_key_check
 from treadle.entrypoints.openai.cli_args import FrontendArgs
-from treadle.entrypoints.openai.errors import error_body
+from treadle.entrypoints.openai.health import Health, add_health_routes, unavailable
 from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.engine_state import EngineState
 from treadle.frontend.startup import StartupProgress
@@ -50,8 +52,6 @@ from treadle.frontend.topology import collect
 from treadle.logger import init_logger
 
 logger = init_logger(__name__)
-
-RETRY = {"Retry-After": "5"}
 
 STOP_WAIT_S = 30.0
 """How long a stop waits for the start-up thread to end (its engines were terminated)."""
@@ -198,32 +198,8 @@ def starting_app(
     if server.api_key:
         add_key_check(app, server.api_key, server.root_path)
 
-    def starting() -> str:
-        error = failure()
-        if error is not None:
-            return f"the engine failed to start: {error}"
-        return f"the engine is starting: {progress.describe()}"
-
-    def unavailable(message: str, kind: str = "ServiceUnavailableError") -> JSONResponse:
-        return JSONResponse(error_body(message, 503, kind), status_code=503, headers=RETRY)
-
-    @app.api_route("/health", methods=["GET"])
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def health() -> Response:
-        error = failure()
-        if error is None:
-            return Response(status_code=200)
-        return unavailable(starting(), "EngineDeadError")
-
-    @app.get("/health/startup")
-    async def startup() -> Response:
-        body = error_body(starting(), 503, "ServiceUnavailableError")
-        body.update(status="starting", engines=progress.to_json())
-        return JSONResponse(body, status_code=503, headers=RETRY)
-
-    @app.get("/health/ready")
-    async def ready() -> Response:
-        return unavailable(f"not ready: {starting()}", "NotReady")
+    health = Health(progress, failure=failure)
+    add_health_routes(app, health)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -240,7 +216,7 @@ def starting_app(
         "/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
     )
     async def other(path: str, request: Request) -> Response:
-        return unavailable(starting())
+        return unavailable(health.starting())
 
     return app
 
