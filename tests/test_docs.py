@@ -91,6 +91,12 @@ def test_every_example_is_run_or_says_why_not() -> None:
     assert not stale, f"no such block now, delete from NOT_RUN: {stale}"
 
 
+def test_the_readme_stays_a_front_door() -> None:
+    """At most 250 lines (issue 43): the rest belongs in a page of `docs/`."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 250, f"README.md has {lines} lines: move a section into docs/"
+
+
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
