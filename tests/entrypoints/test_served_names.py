@@ -73,8 +73,12 @@ def test_every_name_reaches_the_model_and_the_first_is_reported(
         )
         assert chat.model == "first"
         assert client.models.retrieve(name).id == name
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="third", prompt="hi", max_tokens=2)
+    # The 404 names what is served, as /v1/models lists it (issue 42 item 4).
+    assert missing.value.body["message"] == (  # type: ignore[index]
+        "The model `third` does not exist. This server serves `first`, `second`."
+    )
     listed = httpx.get(srv.url + "/v1/models").json()["data"]
     assert [card["id"] for card in listed] == ["first", "second"]  # as vLLM's list
     assert {card["root"] for card in listed} == {"first"}  # no path the client did not give

@@ -77,19 +77,27 @@ def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentPars
 
 
 def unrecognized(command: argparse.ArgumentParser, extras: list[str]) -> str:
-    """`unrecognized arguments: --max-num-seq; did you mean '--max-num-seqs'?`"""
+    """`unrecognized arguments: --max-num-seq; did you mean '--max-num-seqs'?`; a short
+    flag spelt long, as vLLM's users type `--tp`, names the short one and its long name:
+    `did you mean '-tp' (--tensor-parallel-size)?`."""
     message = f"unrecognized arguments: {' '.join(extras)}"
-    flags = [s for a in command._actions for s in a.option_strings if s.startswith("--")]
     first = next((e.split("=")[0] for e in extras if e.startswith("-")), None)
-    if first is not None:
-        message += suggest(first if first.startswith("--") else "-" + first, flags)
-    return message
+    if first is None:
+        return message
+    short = "-" + first.lstrip("-")
+    for action in command._actions:
+        if short in action.option_strings:
+            long = next((s for s in action.option_strings if s.startswith("--")), None)
+            return message + f"; did you mean {short!r}" + (f" ({long})?" if long else "?")
+    flags = [s for a in command._actions for s in a.option_strings if s.startswith("--")]
+    return message + suggest(first if first.startswith("--") else "-" + first, flags)
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extras = build_parser().parse_known_args(argv)
-    if extras:  # argparse would print the top-level usage and no hint
-        args._parser.error(unrecognized(args._parser, extras))
+    if extras:  # one line that names the flag (argparse would add the whole usage, no hint)
+        command = args._parser
+        command.exit(2, f"{command.prog}: error: {unrecognized(command, extras)}\n")
     return int(args.func(args))
 
 

@@ -68,20 +68,37 @@ def check_parallel_layout(arch: ModelArch, tp: int, pp: int = 1) -> None:
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
     if arch.num_heads % tp:
+        divisors = [n for n in range(1, arch.num_heads + 1) if arch.num_heads % n == 0]
         raise ValueError(
             f"the model has {arch.num_heads} attention heads, not divisible by "
-            f"tensor_parallel_size {tp}"
+            f"tensor_parallel_size {tp} (the sizes that divide them: {_listed(divisors)}; "
+            f"that this model splits at: {_listed(tp_sizes(arch))})"
         )
     kv = arch.num_kv_heads
     if kv % tp and tp % kv:
         raise ValueError(
             f"the model has {kv} KV heads: tensor_parallel_size {tp} must divide them or be a "
-            "multiple of them"
+            f"multiple of them (this model splits at: {_listed(tp_sizes(arch))})"
         )
     if arch.intermediate_size % tp:
         raise ValueError(
-            f"the MLP width {arch.intermediate_size} is not divisible by tensor_parallel_size {tp}"
+            f"the MLP width {arch.intermediate_size} is not divisible by tensor_parallel_size "
+            f"{tp} (this model splits at: {_listed(tp_sizes(arch))})"
         )
+
+
+def tp_sizes(arch: ModelArch) -> list[int]:
+    """The tensor-parallel sizes `check_parallel_layout` accepts for `arch`."""
+    kv, width = arch.num_kv_heads, arch.intermediate_size
+    return [
+        tp
+        for tp in range(1, arch.num_heads + 1)
+        if arch.num_heads % tp == 0 and not (kv % tp and tp % kv) and width % tp == 0
+    ]
+
+
+def _listed(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes))
 
 
 class MultiprocExecutor(Executor):

@@ -59,7 +59,9 @@ class ServingBase:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
-            raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+            served = ", ".join(f"`{name}`" for name in self.listed_names)  # as /v1/models
+            message = f"The model `{model}` does not exist. This server serves {served}."
+            raise APIError(message, 404, "NotFoundError", "model")
 
     def check_without_prompt(self, req: AnyRequest) -> Truncation | None:
         """The request's checks that need no prompt; returns the truncation asked for."""
