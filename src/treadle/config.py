@@ -487,6 +487,31 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's --enable-lora): fine-tunes of the base model served beside it."""
+
+    max_loras: int = 1
+    """Adapters one step may run (requests of others wait for a later step), as vLLM's."""
+    max_lora_rank: int = 16
+    """Largest rank an adapter may have."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded (the least recently used not running is dropped first); default: --max-loras."""
+
+    def check(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be 1 or more")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                f"({self.max_loras})"
+            )
+
+    @property
+    def loaded(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -495,6 +520,7 @@ class EngineConfig:
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: adapters are refused
 
 
 def field_docs(cls: type) -> dict[str, str]:

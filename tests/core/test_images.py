@@ -1,4 +1,4 @@
-"""The engine core's side of images (`core/images.py`): the wire's one placeholder per image
+"""The engine core's side of images (`core/prompt_inputs.py`): the wire's one placeholder per image
 expanded, then every forged or broken image refused with `InvalidRequest` (never a crash of
 a step)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.core.images import check_mm_inputs, expand_images
+from treadle.core.prompt_inputs import check_mm_inputs, expand_images
 from treadle.model.arch import VisionArch
 from treadle.sampling_params import SamplingParams
 from treadle.validation import InvalidRequest
@@ -93,7 +93,7 @@ def test_image_tokens_without_an_image_are_refused() -> None:
 
 
 def test_a_chunk_stops_before_the_image_that_overflows_the_encoder_budget() -> None:
-    from treadle.core.images import encoder_cut
+    from treadle.core.prompt_inputs import encoder_cut
 
     images = [image(10, length=4), image(20, length=4), image(30, length=4)]
     assert encoder_cut(images, 0, 40, budget=100, fresh=True) == (40, 12)

@@ -13,14 +13,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from treadle import envs
-from treadle import prompt_embeds as embeds_format
 from treadle.config import EngineConfig, resolve_model
 from treadle.core.engine_report import engine_report
 from treadle.core.engine_stats import PeriodicStats, StepMeter, kv_cache_lines
 from treadle.core.grammar_matchers import GrammarMatchers
-from treadle.core.images import check_mm_inputs, expand_images
+from treadle.core.loras import EngineLoRAs, as_lora_request
 from treadle.core.pipeline import BatchQueue, TokenFeed
 from treadle.core.prompt_cache import PromptCacheFiles
+from treadle.core.prompt_inputs import check_embeds, check_mm_inputs, expand_images
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
 from treadle.core.spec_draft import DraftProposer
@@ -99,6 +99,7 @@ class EngineCore:
         self.embeds_width = (
             self.executor.arch.hidden_size if config.model.enable_prompt_embeds else None
         )
+        self.loras = EngineLoRAs(config.lora, self.executor)
         # A vision-language model's tower (None: text only) and images per prompt.
         self.vision = self.executor.arch.vision
         self.mm_limit = config.model.limit_mm_per_prompt
@@ -113,6 +114,7 @@ class EngineCore:
             self.max_model_len,
             config.speculative,
             draft,
+            None if config.lora is None else config.lora.max_loras,
         )
         self.prompt_files = PromptCacheFiles(
             config, self.scheduler.kv, self.executor, self.vocab_size
@@ -174,30 +176,17 @@ class EngineCore:
         if not is_finite(request.arrival_time):
             raise InvalidRequest("arrival_time", f"must be finite, got {request.arrival_time}")
         if request.prompt_embeds is not None:
-            self._check_embeds(request)
+            check_embeds(request, self.embeds_width, self.max_model_len)
         if request.mm_inputs or self.vision is not None:
             check_mm_inputs(request, self.vision, self.mm_limit)
+        if request.lora_request is not None:
+            self.loras.ensure(request.lora_request)
         if request.resumed_output_token_ids:
             check_resumed(request, self.limits)
         if request.request_id in self.scheduler.requests or any(
             r.request_id == request.request_id for r, _ in self._compiling
         ):
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
-
-    def _check_embeds(self, request: EngineCoreRequest) -> None:
-        """The front end's checks of `prompt_embeds` again, and one row per prompt token."""
-        if self.embeds_width is None:
-            raise embeds_format.disabled()
-        embeds = embeds_format.check_tensor(
-            request.prompt_embeds, self.embeds_width, self.max_model_len
-        )
-        if embeds.shape[0] != len(request.prompt_token_ids):
-            raise InvalidRequest(
-                "prompt_embeds",
-                f"have {embeds.shape[0]} rows for {len(request.prompt_token_ids)} prompt tokens",
-            )
-        if request.sampling_params.prompt_logprobs is not None:
-            raise InvalidRequest("prompt_logprobs", "are not available for prompt_embeds")
 
     def refuse(self, request_id: str, client_index: int, reason: str) -> None:
         """Answer a request that will not run (also one that could not even be decoded) with
@@ -272,6 +261,8 @@ class EngineCore:
         elif self.scheduler.has_unfinished_requests():
             sched = self._schedule()
             self._update(sched, self.executor.execute_model(sched), per_client)
+        if self.loras.leaving:
+            self.loras.sweep(self.scheduler.lora_ids())
         if not per_client:
             return {}
         stats = self.scheduler.make_stats()
@@ -351,6 +342,19 @@ class EngineCore:
                 self.scheduler.abort_requests(self.aborts_queue.get_nowait())
             except queue.Empty:
                 return
+
+    # -- LoRA adapters (utility calls of the front end) --------------------------------------
+
+    def add_lora(self, request: object) -> bool:
+        self.loras.ensure(as_lora_request(request))
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; its running requests finish first."""
+        return self.loras.remove(lora_id, self.scheduler.lora_ids())
+
+    def list_loras(self) -> list[list[Any]]:
+        return self.loras.listed()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

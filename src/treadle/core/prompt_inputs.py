@@ -1,13 +1,15 @@
-"""The engine core's side of a request's images (`EngineCoreRequest.mm_inputs`): each image's
-one placeholder on the wire expanded to its `length` (`expand_images`), then every image
-checked again (`check_mm_inputs`): the API server made them, but a bad value here would crash
-a step."""
+"""The engine core's checks of what a prompt carries besides token ids: its rows of input
+embeddings (`check_embeds`) and its images (`EngineCoreRequest.mm_inputs`: each image's one
+placeholder on the wire expanded to its `length` by `expand_images`, then every image checked
+again by `check_mm_inputs`). The API server made them, but a bad value here would crash a
+step."""
 
 from __future__ import annotations
 
 import msgspec
 import torch
 
+from treadle import prompt_embeds as embeds_format
 from treadle.model.arch import VisionArch
 from treadle.validation import InvalidRequest
 from treadle.wire.engine import EngineCoreRequest, MultiModalInput
@@ -110,3 +112,18 @@ def encoder_cut(
             return mm.offset - start, cost
         cost += mm.length
     return n, cost
+
+
+def check_embeds(request: EngineCoreRequest, width: int | None, max_model_len: int) -> None:
+    """The front end's checks of `prompt_embeds` again (`width` None: they are not enabled),
+    and one row per prompt token. Raises `InvalidRequest`."""
+    if width is None:
+        raise embeds_format.disabled()
+    embeds = embeds_format.check_tensor(request.prompt_embeds, width, max_model_len)
+    if embeds.shape[0] != len(request.prompt_token_ids):
+        raise InvalidRequest(
+            "prompt_embeds",
+            f"have {embeds.shape[0]} rows for {len(request.prompt_token_ids)} prompt tokens",
+        )
+    if request.sampling_params.prompt_logprobs is not None:
+        raise InvalidRequest("prompt_logprobs", "are not available for prompt_embeds")

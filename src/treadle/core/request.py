@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from treadle.sampling_params import SamplingParams
-from treadle.wire.engine import EngineCoreRequest, FinishReason, MultiModalInput
+from treadle.wire.engine import EngineCoreRequest, FinishReason, LoRARequest, MultiModalInput
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +45,7 @@ class Request:
     prompt_embeds: torch.Tensor | None = None
     # The prompt's images (a vision-language model's), in prompt order.
     mm_inputs: list[MultiModalInput] | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
     # Speculative decoding (`core/spec_decode.py`): its proposals' recent (decayed) hits and
     # trials, and steps since it last proposed while it could have.
     spec_hits: float = 0.0
@@ -69,6 +70,7 @@ class Request:
             num_prompt_logprobs=req.resumed_prompt_logprobs,
             prompt_embeds=req.prompt_embeds,
             mm_inputs=req.mm_inputs,
+            lora_request=req.lora_request,
         )
         request.all_token_ids.extend(req.resumed_output_token_ids or ())
         return request
@@ -90,11 +92,14 @@ class Request:
         return self.all_token_ids[len(self.prompt_token_ids) :]
 
     def embeds_bytes(self, start: int, end: int) -> bytes:
-        """What a KV block of positions [start, end) holds besides its token ids: the bytes
+        """What a KV block of positions [start, end) holds besides its token ids: its adapter
+        (a LoRA request's blocks are its adapter's alone), the bytes
         of the prompt embeddings there (with their dtype's name), and for each image whose
         placeholders reach into it, its hash and where it starts. Empty for positions of
         token ids alone."""
-        out = b""
+        out = (
+            b"" if self.lora_request is None else f"lora:{self.lora_request.lora_int_id};".encode()
+        )
         if self.mm_inputs and start < self.num_prompt_tokens:
             for mm in self.mm_inputs:
                 if mm.offset < end and start < mm.offset + mm.length:

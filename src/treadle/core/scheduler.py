@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from treadle.core.images import encoder_cut
 from treadle.core.kv_cache_manager import Block, KVCacheManager
+from treadle.core.prompt_inputs import encoder_cut
 from treadle.core.request import Request, RequestStatus
 from treadle.core.spec_decode import (
     ENGINE_DECAY,
@@ -51,10 +51,13 @@ class Scheduler:
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
         draft: DraftProposer | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """`speculative`: proposals to verify (`core/spec_decode.py`): n-gram prompt lookup,
-        or `draft`'s (`core/spec_draft.py`) for the method "draft_model"."""
+        or `draft`'s (`core/spec_draft.py`) for the method "draft_model"; `max_loras`: LoRA
+        adapters the running requests may use at once (None: adapters are not enabled)."""
         self.speculative = speculative
+        self.max_loras = max_loras
         self.draft = draft
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -104,6 +107,10 @@ class Scheduler:
             self._waiting = [e for e in self._waiting if not e[3].is_finished]
             heapq.heapify(self._waiting)
         return aborted
+
+    def lora_ids(self) -> set[int]:
+        """The adapters of the requests here (running or waiting)."""
+        return {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request}
 
     @property
     def num_waiting(self) -> int:
@@ -159,6 +166,11 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self._waiting[0][3]
+            lora = req.lora_request
+            if lora is not None and self.max_loras is not None:
+                active = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+                if lora.lora_int_id not in active and len(active) >= self.max_loras:
+                    break  # its adapter waits for a slot (--max-loras)
             computed: list[Block] = []
             num_hit = 0
             # A request scoring its prompt (`prompt_logprobs`) or pooling the mean of its
@@ -201,6 +213,7 @@ class Scheduler:
                     req.eos_token_id,
                     req.prompt_embeds,
                     req.mm_inputs,
+                    req.lora_request,
                 )
             )
             out.num_scheduled_tokens[req.request_id] = n

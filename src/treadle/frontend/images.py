@@ -154,7 +154,7 @@ def pixel_hash(pixels: torch.Tensor) -> str:
 
 def collapse_placeholders(token_ids: list[int], images: list[MultiModalInput]) -> list[int]:
     """The prompt as it goes on the wire: each image's run of placeholders as one token (the
-    engine core expands it again: `core/images.py`)."""
+    engine core expands it again: `core/prompt_inputs.py`)."""
     out: list[int] = []
     at = 0
     for mm in images:

@@ -12,6 +12,7 @@ from torch import nn
 from treadle.model import linear_method, quantized
 from treadle.model.arch import UnsupportedModelError
 from treadle.model.cpu_kernels import Kernels
+from treadle.model.lora import LoRALayer
 from treadle.model.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -77,6 +78,7 @@ class ColumnParallelLinear(nn.Module):
         )
         self.method: linear_method.LinearMethod = linear_method.DenseLinear(self.weight)
         self._gguf_parts: dict[int, quantized.GGUFBlocks | None] = {}
+        self.lora: LoRALayer | None = None  # adapters' updates (`model/lora.py`), if enabled
 
     def _shard_source(self, shard: int) -> tuple[int, int]:
         """(row offset in the checkpoint matrix, rows) that this rank holds for `shard`."""
@@ -109,8 +111,15 @@ class ColumnParallelLinear(nn.Module):
                     _fill(self.weight.data.narrow(0, offset, self.local_sizes[shard]), part)
         self.method = linear_method.choose(self.weight, quant, kernels)
 
+    def shard_sources(self) -> list[tuple[int, int]]:
+        """Per packed shard, (first row, rows) of the full matrix that this rank holds."""
+        return [self._shard_source(i) for i in range(len(self.local_sizes))]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(x, self.bias)
+        y = self.method.apply(x, self.bias)
+        if self.lora is not None and self.lora.batch.rows:
+            self.lora.add_delta(x, y)
+        return y
 
 
 def default_weight_loader_slice(
@@ -177,6 +186,7 @@ class RowParallelLinear(nn.Module):
         )
         self.method: linear_method.LinearMethod = linear_method.DenseLinear(self.weight)
         self._gguf: quantized.GGUFBlocks | None = None
+        self.lora: LoRALayer | None = None  # adapters' updates (`model/lora.py`), if enabled
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Copies this rank's columns of `loaded`; from GGUF blocks (whole blocks of them),
@@ -202,7 +212,10 @@ class RowParallelLinear(nn.Module):
         self.method = linear_method.choose(self.weight, quant, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.method.apply(x, None))
+        partial = self.method.apply(x, None)
+        if self.lora is not None and self.lora.batch.rows:
+            self.lora.add_delta(x, partial)  # (x's shard) A's columns, summed by the reduce
+        y = all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

@@ -26,6 +26,7 @@ from treadle.model.layers import (
     VocabParallelEmbedding,
     apply_rotary,
 )
+from treadle.model.lora import Adapter, LoRABatch, LoRALayer, column_share, row_share
 from treadle.model.parallel import tp_size
 
 # Checkpoint name fragment -> (our parameter name fragment, shard index in a packed matrix).
@@ -193,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.fused: FusedDecoder | None = None
         self.kernels: Kernels | None = None  # the C kernels it runs on (the sampler's too)
+        self.lora_batch: LoRABatch | None = None  # with adapters: the step's rows per slot
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """This stage's decoder layers (all of them without pipeline parallelism)."""
@@ -239,12 +241,80 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError("a pipeline stage after the first needs the previous one's output")
             x, residual = intermediate
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
-        if self.fused is not None and self.fused.applies(meta):
+        lora = self.lora_batch
+        if self.fused is not None and self.fused.applies(meta) and not (lora and lora.rows):
             return self.fused.forward(x, cos_sin, kv_caches, meta)
         for layer, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
         assert residual is not None
         return x, residual
+
+    # -- LoRA adapters (`model/lora.py`) --------------------------------------------------
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each module an adapter may target: its full (out, in) in the checkpoint."""
+        a = self.arch
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        return {
+            "q_proj": (q, a.hidden_size),
+            "k_proj": (kv, a.hidden_size),
+            "v_proj": (kv, a.hidden_size),
+            "o_proj": (a.hidden_size, q),
+            "gate_proj": (a.intermediate_size, a.hidden_size),
+            "up_proj": (a.intermediate_size, a.hidden_size),
+            "down_proj": (a.hidden_size, a.intermediate_size),
+        }
+
+    def enable_lora(self) -> LoRABatch:
+        """Give every linear layer of this stage a `LoRALayer`; returns the step's rows per
+        adapter slot, which they all read (the model runner sets them around a step)."""
+        batch = LoRABatch()
+        for layer in self.decoder_layers():
+            for linear in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
+                linear.lora = LoRALayer(batch)
+        self.lora_batch = batch
+        return batch
+
+    def set_lora(self, slot: int, adapter: Adapter | None) -> None:
+        """Put `adapter` (None: nothing) in `slot` of every target layer of this stage, each
+        layer keeping its tensor-parallel share."""
+        layers = self.decoder_layers()
+        dtype = layers[0].input_layernorm.weight.dtype
+        for i, layer in enumerate(layers, start=self.stage.start):
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear, names in (
+                (attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
+                (mlp.gate_up_proj, ("gate_proj", "up_proj")),
+            ):
+                assert linear.lora is not None, "enable_lora first"
+                pieces = (
+                    []
+                    if adapter is None
+                    else [
+                        (shard, *adapter.weights[(i, name)])
+                        for shard, name in enumerate(names)
+                        if (i, name) in adapter.weights
+                    ]
+                )
+                linear.lora.slots.pop(slot, None)
+                if pieces and adapter is not None:
+                    linear.lora.slots[slot] = column_share(
+                        pieces, linear.local_sizes, linear.shard_sources(), adapter.scale, dtype
+                    )
+            for row, name in ((attn.o_proj, "o_proj"), (mlp.down_proj, "down_proj")):
+                assert row.lora is not None, "enable_lora first"
+                row.lora.slots.pop(slot, None)
+                if adapter is not None and (i, name) in adapter.weights:
+                    a, b = adapter.weights[(i, name)]
+                    start = row.tp_rank * row.local_in
+                    row.lora.slots[slot] = row_share(
+                        a, b, start, row.local_in, adapter.scale, dtype
+                    )
 
     @property
     def attention_backend(self) -> AttentionBackend:

@@ -49,6 +49,15 @@ class MultiModalInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     hash: str
 
 
+class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM's `LoRARequest`: a LoRA adapter by its name, its id (unique among the server's
+    adapters; the engine and the prefix cache know it by this) and its PEFT directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
@@ -67,9 +76,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     resumed_prompt_logprobs: int = 0
     # The prompt's images, in prompt order (a vision-language model's; `MultiModalInput`).
     # On the wire `prompt_token_ids` holds each image as one image token, which the engine
-    # core expands to the image's `length` (`core/images.py`: the seed's message stays small);
+    # core expands to the image's `length` (`core/prompt_inputs.py`: the seed's message stays small);
     # offsets count positions of the expanded prompt.
     mm_inputs: list[MultiModalInput] | None = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

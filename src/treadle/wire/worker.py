@@ -24,7 +24,7 @@ import torch
 from treadle.ipc.serial import Buffer, MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.shm_message import OOB_THRESHOLD, Codec, PickleCodec, own_first
 from treadle.sampling_params import SamplingParams
-from treadle.wire.engine import Logprobs, MultiModalInput
+from treadle.wire.engine import Logprobs, LoRARequest, MultiModalInput
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -42,6 +42,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     # The prompt's images (their pixels go again with every resend; the workers' encoder
     # cache, keyed by their hash, spares running the vision tower again).
     mm_inputs: list[MultiModalInput] | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -90,6 +91,7 @@ WorkerCall: TypeAlias = tuple[str | None, tuple[Any, ...], dict[str, Any] | None
 
 CALL_TYPES: dict[str, tuple[Any, Any]] = {
     "execute_model": (tuple[SchedulerOutput], ModelRunnerOutput),
+    "add_lora": (tuple[LoRARequest], int),
 }
 """Per method, the type its positional arguments and its result decode into; any other
 method's decode as plain data (msgpack's: a tuple comes back a list)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treadle.config import LoRAConfig
 from treadle.model.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -23,9 +24,10 @@ from treadle.model.attention import (
 from treadle.model.llama import LlamaForCausalLM
 from treadle.model.llava import LlavaForConditionalGeneration
 from treadle.sampling_params import SamplingParams
-from treadle.wire.engine import Logprobs, MultiModalInput
+from treadle.wire.engine import Logprobs, LoRARequest, MultiModalInput
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.encoder_cache import EncoderCache
+from treadle.worker.lora_manager import LoRAManager
 from treadle.worker.pp_transfer import StageLink
 from treadle.worker.sampler import Infill, Sampler, SamplingRow, TokenPieces
 
@@ -58,6 +60,7 @@ class RequestState:
     allowed_token_ids: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden], model dtype
     mm_inputs: list[MultiModalInput] | None = None  # the prompt's images, in order
+    lora: LoRARequest | None = None  # its adapter (None: the base model)
     # A mean-pooling request: the sum of its positions' final hidden states so far.
     pool_sum: torch.Tensor | None = None
 
@@ -72,6 +75,7 @@ class ModelRunner:
         seed: int,
         pieces: TokenPieces | None = None,
         kv_dtype: str | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         """`pieces`: token texts for the infill sampler (none: requests asking for it fail);
         `kv_dtype`: the KV cache's element type (`attention.resolve_kv_cache_dtype`; default
@@ -89,6 +93,12 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Pipeline parallelism: this stage's link to its neighbours (`_run_stage`).
         self.link: StageLink | None = None
+        # LoRA adapters (None: not enabled).
+        self.lora = (
+            None
+            if lora is None
+            else LoRAManager(model, lora.max_loras, lora.loaded, lora.max_lora_rank)
+        )
         # A vision-language model's image features by image hash (None: text only).
         self.encoder_cache = (
             EncoderCache(model.encode_images, device)
@@ -144,6 +154,7 @@ class ModelRunner:
                 if new.prompt_embeds is None
                 else new.prompt_embeds.to(self.device, self.dtype),
                 mm_inputs=new.mm_inputs or None,
+                lora=new.lora_request,
             )
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
@@ -181,15 +192,17 @@ class ModelRunner:
         embeds = self._embeds(states, counts)
         if self.encoder_cache is not None:
             encoded, hits, seconds = self.encoder_cache.take_counts()
-        if not self.model.stage.whole:
-            staged = self._run_stage(input_ids, positions, meta, embeds)
-            if staged is None:  # a stage before the last: its output went on to the next
-                for state, n in zip(states, counts, strict=True):
-                    state.num_computed_tokens += n
-                return ModelRunnerOutput()
-            hidden = staged
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
+        if self.lora is not None:  # which rows are whose adapter's
+            self.lora.begin_step([(s.lora, n) for s, n in zip(states, counts, strict=True)])
+        try:
+            hidden = self._forward(input_ids, positions, meta, embeds)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
+        if hidden is None:  # a stage before the last: its output went on to the next
+            for state, n in zip(states, counts, strict=True):
+                state.num_computed_tokens += n
+            return ModelRunnerOutput()
         result = ModelRunnerOutput()
         if self.encoder_cache is not None:
             result.images_encoded, result.encoder_cache_hits = encoded, hits
@@ -235,6 +248,18 @@ class ModelRunner:
         for state, n in zip(states, counts, strict=True):
             state.num_computed_tokens += n
         return result
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor | None:
+        """The final norm's output, or None on a pipeline stage before the last."""
+        if not self.model.stage.whole:
+            return self._run_stage(input_ids, positions, meta, embeds)
+        return self.model(input_ids, positions, self.kv_caches, meta, embeds)
 
     def _learn_sampled(self, sched: SchedulerOutput) -> None:
         """A stage that does not sample appends the tokens the last stage sampled."""

@@ -24,7 +24,9 @@ from treadle.model.arch import ModelArch
 from treadle.model.attention import kv_row_bytes, resolve_kv_cache_dtype
 from treadle.model.llama import LlamaForCausalLM, Stage
 from treadle.model.loader import load_model, read_arch
+from treadle.model.lora import LoRAError
 from treadle.model.parallel import pp_rank, pp_size, tp_rank
+from treadle.wire.engine import LoRARequest
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker import kv_file
 from treadle.worker.cpu_share import ThreadGovernor
@@ -238,6 +240,7 @@ class Worker:
             self.config.model.seed,
             TokenPieces(functools.partial(_load_tokenizer, source)),
             kv_dtype=self.kv_dtype,
+            lora=self.config.lora,
         )
         self.runner.link = self.link
 
@@ -340,6 +343,23 @@ class Worker:
             self._fingerprint = kv_file.model_fingerprint(self.runner.model)
         tp = self.config.parallel.tensor_parallel_size
         return {"fingerprint": self._fingerprint, "tp_size": tp, "tp_rank": self.rank}
+
+    # -- LoRA adapters (the engine core's collective calls) --------------------------------
+
+    def add_lora(self, request: LoRARequest) -> int:
+        """Read an adapter (once); its bytes. Raises `LoRAError` (a failure reply)."""
+        manager = self.runner.lora if self.runner is not None else None
+        if manager is None:
+            raise LoRAError("LoRA adapters are not enabled: start with --enable-lora")
+        return manager.add(request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        manager = self.runner.lora if self.runner is not None else None
+        return manager is not None and manager.remove(lora_id)
+
+    def list_loras(self) -> list[int]:
+        manager = self.runner.lora if self.runner is not None else None
+        return [] if manager is None else manager.ids()
 
     def check_health(self, payload: object = None) -> bool:
         """A no-op round trip; the control-path benchmark sends payloads through it."""
