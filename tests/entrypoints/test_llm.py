@@ -295,7 +295,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_cli_generate_streams_the_default_model() -> None:
-    env = dict(os.environ, TREADLE_LOGGING_LEVEL="WARNING")
+    env = dict(os.environ, TREADLE_LOGGING_LEVEL="INFO")  # (the log goes to stderr)
     result = subprocess.run(
         [
             sys.executable,
@@ -313,6 +313,9 @@ def test_cli_generate_streams_the_default_model() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+    # A normal exit says so (issue 42 item 5): its engine core is asked to stop, not signalled.
+    assert "Received SIG" not in result.stderr, result.stderr
+    assert "Engine core stopped" in result.stderr, result.stderr
 
 
 def test_cli_reports_a_bad_model_path() -> None:

@@ -95,9 +95,14 @@ class _Stop:
         # The engines' start-up, while it runs: a stop then ends their processes, so that the
         # handshake fails at once instead of waiting for the model to load.
         self.progress: StartupProgress | None = None
+        self.signalled = False
 
     def on_signal(self, signum: int, frame: Any) -> None:
-        logger.info("Received %s; shutting down", signal.Signals(signum).name)
+        # Said once: the API servers pass the stop they get from here back (`AsyncMPClient.
+        # _chain_stop_signals`), which would say it again for each of them.
+        if not self.signalled:
+            logger.info("Received %s; shutting down", signal.Signals(signum).name)
+        self.signalled = True
         self.event.set()
         if self.progress is not None and not self.progress.done:
             self.progress.stop()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import signal
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +45,7 @@ from treadle.ipc.process import (
     ReadyStatus,
     describe_exit,
     shutdown_processes,
+    signal_children,
     start_process,
     stop_watched,
     wait_for_ready,
@@ -335,8 +337,12 @@ class EngineLauncher:
     def shutdown(self, timeout: float = 5.0) -> None:
         if self.desk is not None:
             self.desk.close()
+        # The engine cores are asked to stop (SIGUSR1, as a front end asks: a normal end,
+        # logged as one, not as "Received SIGTERM"); SIGTERM follows for any still running
+        # after `timeout`.
+        signal_children(self.engines, signal.SIGUSR1)
         for child in self.children:
-            if child.process.is_alive():
+            if child not in self.engines and child.process.is_alive():
                 child.process.terminate()
         shutdown_processes(self.children, timeout=timeout)
         if self._coordinator_addresses is not None:  # in case it was killed

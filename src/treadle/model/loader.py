@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from treadle.config import ModelSource
 from treadle.logger import init_logger
@@ -83,7 +83,16 @@ def load_model(
         if source.is_gguf
         else _safetensors_weights(source.path, model.wants)
     )
-    model.load_weights(weights)
+    # One line per phase with its time (a progress bar of a load this short stayed at 0%).
+    started, count = time.monotonic(), [0]
+    model.load_weights(_counted(weights, count))
+    loaded = time.monotonic()
+    logger.info(
+        "Read %d tensors from %s in %.1f s",
+        count[0],
+        os.path.basename(source.path.rstrip("/")),
+        loaded - started,
+    )
     kernels = cpu_kernels.for_model(device, dtype)
     if kernels is not None and source.is_gguf:  # (only GGUF-block layers read it)
         kernels = kernels.with_activations(cpu_activation_dtype)
@@ -97,12 +106,22 @@ def load_model(
     _release_freed_memory()
     fused = model.fused
     logger.info(
-        "Model runs on %s%s%s",
+        "Model runs on %s%s%s (layers prepared in %.1f s)",
         cpu_kernels.describe(kernels, device, dtype),
         f" with {torch.get_num_threads()} threads" if device.type == "cpu" else "",
         f"; decode steps of up to {fused.max_rows} requests in one fused call" if fused else "",
+        time.monotonic() - loaded,
     )
     return model.eval()
+
+
+def _counted(
+    weights: Iterator[tuple[str, torch.Tensor]], count: list[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, counting them in `count[0]`."""
+    for item in weights:
+        count[0] += 1
+        yield item
 
 
 def _release_freed_memory() -> None:
@@ -137,11 +156,7 @@ def _safetensors_weights(
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                for name in tqdm(
-                    [k for k in f.keys() if wants(k)],  # noqa: SIM118 (not a dict)
-                    desc=f"Loading {os.path.basename(file)}",
-                    leave=False,
-                ):
+                for name in [k for k in f.keys() if wants(k)]:  # noqa: SIM118 (not a dict)
                     yield name, f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types
             raise ModelLoadError(f"cannot read {file}: {e}") from e
@@ -163,7 +178,7 @@ def _gguf_weights(
     blocks (`quantized.blocks_only`), which unmap the file's pages once copied out. Tensors
     that `wants` refuses (another pipeline stage's) are never read: their pages stay on disk."""
     gguf = open_gguf(path)
-    for i, tensor in enumerate(tqdm(gguf.tensors, desc="Loading GGUF", leave=False)):
+    for i, tensor in enumerate(gguf.tensors):
         if i % TRIM_EVERY == TRIM_EVERY - 1:
             _release_freed_memory()
         kind = tensor.kind

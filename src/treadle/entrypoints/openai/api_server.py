@@ -70,10 +70,12 @@ def build_app(
     server: FrontendArgs | None = None,
     announce: str | None = None,
     own_process: bool = False,
+    base_url: str | None = None,
 ) -> FastAPI:
     """The HTTP app. `model_path` (resolved) is only logged; clients see the served names.
     `own_process`: this is treadle's API server process (`run_server`), whose start-up heap
-    is frozen once it serves (`freeze_startup_heap`)."""
+    is frozen once it serves (`freeze_startup_heap`). `base_url`: where it serves, said in
+    the "Ready" line once it does (API server 0 says it)."""
     server = server or FrontendArgs()
     api_key = server.api_key
     serving = OpenAIServing(engine, model_name)
@@ -87,6 +89,8 @@ def build_app(
         logger.info("Serving %s as %r", model_path, model_name)
         if announce:  # uvicorn says where it listens only when it opened the socket itself
             say_listening(announce)
+        if base_url:
+            logger.info("%s", ready_line(base_url))
         yield
         inputs.shutdown()
 
@@ -219,6 +223,14 @@ def build_app(
     return app
 
 
+def ready_line(base_url: str) -> str:
+    """The line that says the server serves now, and where."""
+    return (
+        f"Ready: the OpenAI API at {base_url}/v1, the chat page at {base_url}/, "
+        f"the dashboard at {base_url}/dashboard"
+    )
+
+
 def run_server(
     engine: AsyncLLM | EngineStart,
     model_name: str,
@@ -236,6 +248,9 @@ def run_server(
     says); `port`: the one it is bound to. API server 0 says where it listens."""
     announce = None
     built = engine if isinstance(engine, AsyncLLM) else None
+    base_url = None
+    if client_index == 0:
+        base_url = f"{server.scheme}://{server.host}:{port}{server.root_path}"
     if sock is not None and client_index == 0:
         note = " (shared by every API server)" if shared else ""
         announce = f"Uvicorn running on {server.scheme}://{server.host}:{port}{note}"
@@ -251,12 +266,12 @@ def run_server(
     starting = None
     if built is not None:
         built.when_dead(on_dead)
-        app = build_app(built, model_name, model_path, server, announce, own_process=True)
+        app = build_app(built, model_name, model_path, server, announce, True, base_url)
     else:
         assert isinstance(engine, EngineStart)
         app = starting = StartingServer(
             engine,
-            lambda e: build_app(e, model_name, model_path, server, own_process=True),
+            lambda e: build_app(e, model_name, model_path, server, None, True, base_url),
             server,
             announce,
             stop_serving=lambda: setattr(http_server, "should_exit", True),
