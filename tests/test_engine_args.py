@@ -149,10 +149,9 @@ VLLM_FLAGS = [
     ["--api-server-count", "1"],
 ]
 REFUSED = [
-    ["--enable-lora"],
     ["--quantization", "awq"],
     ["--no-enable-chunked-prefill"],
-    ["--reasoning-parser", "deepseek_r1"],
+    ["--enable-reasoning"],
 ]
 
 

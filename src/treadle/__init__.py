@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from treadle.entrypoints.llm import LLM
     from treadle.outputs import CompletionOutput, RequestOutput
     from treadle.sampling_params import SamplingParams
+    from treadle.wire.engine import LoRARequest
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -27,6 +28,7 @@ _LAZY = {
     "SamplingParams": "treadle.sampling_params",
     "RequestOutput": "treadle.outputs",
     "CompletionOutput": "treadle.outputs",
+    "LoRARequest": "treadle.wire.engine",
 }
 
 

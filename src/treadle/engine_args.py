@@ -10,7 +10,6 @@ warning saying what treadle does instead, those that cannot be honoured are refu
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import re
@@ -26,6 +25,7 @@ from treadle.config import (
     CacheConfig,
     EngineConfig,
     FrontendConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -36,6 +36,15 @@ from treadle.config import (
 )
 from treadle.ipc import cluster_auth
 from treadle.validation import POOLING_TYPES, TENSOR_IPC_MODES
+from treadle.vllm_args import (  # noqa: F401 - re-exported: the CLI and tests import them here
+    GROUP_TITLE,
+    VLLM_ARGS,
+    VllmArg,
+    add_vllm_cli_args,
+    check_vllm_args,
+    suggest,
+    vllm_args_given,
+)
 
 # Argument groups of `--help`, in vLLM's order.
 GROUPS = {
@@ -44,7 +53,7 @@ GROUPS = {
     "parallel": "parallel",
     "scheduler": "scheduler",
     "frontend": "frontend",
-    "vllm": "vLLM arguments without effect here (accepted with a warning) or refused",
+    "vllm": GROUP_TITLE,
 }
 
 
@@ -250,6 +259,15 @@ class EngineArgs:
         "model with the same tokenizer): proposed tokens that one forward pass verifies "
         "(exact: greedy outputs unchanged, sampling keeps its distribution).",
     )
+    enable_lora: bool = arg(
+        False,
+        group="model",
+        help="Serve LoRA adapters of the base model (--lora-modules, the load endpoint, "
+        "LLM(..., lora_request=...)), several in one batch.",
+    )
+    max_loras: int = arg(LoRAConfig.max_loras, group="model", area=LoRAConfig)
+    max_lora_rank: int = arg(LoRAConfig.max_lora_rank, group="model", area=LoRAConfig)
+    max_cpu_loras: int | None = arg(None, group="model", area=LoRAConfig)
     kv_cache_save_path: str | None = arg(
         None, "--kv-cache-save-path", "--slot-save-path", group="cache", area=CacheConfig
     )
@@ -413,8 +431,13 @@ class EngineArgs:
             speculative=None
             if self.speculative_config is None
             else SpeculativeConfig.parse(self.speculative_config),
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+            if self.enable_lora
+            else None,
         )
         config.parallel.check()
+        if config.lora is not None:
+            config.lora.check()
         if self.cluster_secret_file is not None:  # this process's and its children's
             cluster_auth.use_secret_file(self.cluster_secret_file)
         return config
@@ -422,140 +445,3 @@ class EngineArgs:
 
 # vLLM's keyword names that are another name of one of ours.
 KWARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
-
-
-@dataclass(frozen=True)
-class VllmArg:
-    """A vLLM argument treadle has no use for. `refuse`: it cannot be honoured (start-up
-    error); otherwise a warning. `fine`: values that mean what treadle does anyway (silent).
-    `kind`: how the CLI reads it: "flag" (no value), "bool" (--x / --no-x) or "value"."""
-
-    note: str
-    kind: str = "value"
-    refuse: bool = False
-    fine: tuple[Any, ...] = ()
-    flags: tuple[str, ...] = ()
-
-
-VLLM_ARGS: dict[str, VllmArg] = {
-    "gpu_memory_utilization": VllmArg(
-        "treadle sizes the KV cache by --kv-cache-memory-bytes (1 GiB on the CPU by default, "
-        "90% of free memory on CUDA)"
-    ),
-    "enforce_eager": VllmArg(
-        "treadle always runs eagerly (no CUDA graphs, no torch.compile)", "flag", fine=(False,)
-    ),
-    "trust_remote_code": VllmArg(
-        "treadle runs its own code for the architectures it supports (Llama, Mistral, Qwen2, "
-        "Qwen3, SmolLM) and never loads a model's code",
-        "flag",
-        fine=(False,),
-    ),
-    "download_dir": VllmArg(
-        "treadle never downloads weights: give a local directory or .gguf file"
-    ),
-    "swap_space": VllmArg("preempted requests are recomputed, never swapped to CPU memory"),
-    "cpu_offload_gb": VllmArg("weights stay where the model runs", fine=(0,)),
-    "disable_custom_all_reduce": VllmArg(
-        "tensor parallelism all-reduces with torch.distributed (gloo on the CPU)",
-        "flag",
-        fine=(False,),
-    ),
-    "max_seq_len_to_capture": VllmArg("there are no CUDA graphs to capture"),
-    "compilation_config": VllmArg(
-        "nothing is compiled by torch.compile", flags=("-O", "--compilation-config")
-    ),
-    "tokenizer_mode": VllmArg("the Hugging Face fast tokenizer is used", fine=("auto",)),
-    "load_format": VllmArg(
-        "weights load from safetensors or GGUF by the kind of file",
-        fine=("auto", "safetensors", "gguf"),
-    ),
-    "revision": VllmArg("treadle loads the local files as they are"),
-    "code_revision": VllmArg("treadle loads no model code"),
-    "tokenizer_revision": VllmArg("treadle loads the local tokenizer files as they are"),
-    "hf_token": VllmArg("treadle never contacts the Hugging Face hub"),
-    "device": VllmArg("treadle runs on CUDA when present, else on the CPU", fine=("auto",)),
-    "async_scheduling": VllmArg(
-        "the engine core's IO threads already overlap the step", "flag", fine=(False,)
-    ),
-    "enable_expert_parallel": VllmArg(
-        "treadle runs dense models only",
-        "flag",
-        fine=(False,),
-        flags=("-ep", "--enable-expert-parallel"),
-    ),
-    "disable_log_requests": VllmArg(
-        "requests are logged only with --enable-log-requests", "flag", fine=(True, False)
-    ),
-    "guided_decoding_backend": VllmArg("structured outputs always run on llguidance"),
-    "structured_outputs_config": VllmArg("structured outputs always run on llguidance"),
-    "max_log_len": VllmArg("--enable-log-requests logs prompt lengths, not prompts"),
-    "enable_chunked_prefill": VllmArg(
-        "chunked prefill is always on", "bool", refuse=True, fine=(True,)
-    ),
-    "quantization": VllmArg(
-        "treadle runs the quantizations of a GGUF file (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K ...) and no "
-        "other method",
-        refuse=True,
-        fine=(None, "gguf"),
-        flags=("-q", "--quantization"),
-    ),
-    "enable_lora": VllmArg("LoRA adapters are not supported", "flag", refuse=True, fine=(False,)),
-    "lora_modules": VllmArg("LoRA adapters are not supported", refuse=True),
-    "reasoning_parser": VllmArg("no reasoning parser is implemented", refuse=True),
-    "hf_overrides": VllmArg("the model's config cannot be overridden", refuse=True),
-    "rope_scaling": VllmArg("RoPE scaling cannot be overridden", refuse=True),
-    "override_generation_config": VllmArg(
-        "not supported: use --generation-config with a directory", refuse=True
-    ),
-    "middleware": VllmArg("custom ASGI middleware is not supported", refuse=True),
-}
-
-
-def suggest(name: str, known: Iterable[str], prefix: str = "") -> str:
-    """`"; did you mean 'max_num_seqs'?"` for the closest known name, or ''."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f"; did you mean {prefix}{close[0]!r}?" if close else ""
-
-
-def check_vllm_args(given: dict[str, Any], cli: bool = False) -> list[str]:
-    """The warnings about the vLLM-only arguments `given` (name -> value); raises
-    `ValueError` for one that cannot be honoured."""
-    warnings = []
-    for name, value in given.items():
-        spec = VLLM_ARGS[name]
-        if value in spec.fine:
-            continue
-        shown = "--" + name.replace("_", "-") if cli else name
-        if cli and spec.kind != "value":  # a flag: its name says it all
-            if value is False:
-                shown = "--no-" + shown[2:]
-        else:
-            shown = f"{shown}={value!r}"
-        if spec.refuse:
-            raise ValueError(f"{shown} cannot be honoured: {spec.note}")
-        warnings.append(f"{shown.split('=')[0]} has no effect: {spec.note}")
-    return warnings
-
-
-def add_vllm_cli_args(parser: argparse.ArgumentParser, groups: dict[str, Any]) -> None:
-    """The `VLLM_ARGS` as options that appear in the namespace only when given."""
-    group = groups.setdefault("vllm", parser.add_argument_group(GROUPS["vllm"]))
-    for name, spec in VLLM_ARGS.items():
-        flags = spec.flags or ("--" + name.replace("_", "-"),)
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
-        if spec.refuse:
-            fine = ", ".join(str(v) for v in spec.fine if v not in (None, True, False))
-            doc = f"refused{f' (except {fine})' if fine else ''}: {spec.note}"
-        else:
-            doc = f"no effect: {spec.note}"
-        kwargs["help"] = doc.replace("%", "%%")
-        if spec.kind == "flag":
-            kwargs["action"] = "store_true"
-        elif spec.kind == "bool":
-            kwargs["action"] = argparse.BooleanOptionalAction
-        group.add_argument(*flags, **kwargs)
-
-
-def vllm_args_given(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in VLLM_ARGS if hasattr(args, name)}

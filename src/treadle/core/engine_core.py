@@ -180,7 +180,7 @@ class EngineCore:
         if request.mm_inputs or self.vision is not None:
             check_mm_inputs(request, self.vision, self.mm_limit)
         if request.lora_request is not None:
-            self.loras.ensure(request.lora_request)
+            self.loras.ensure(request.lora_request, self.scheduler.lora_ids())
         if request.resumed_output_token_ids:
             check_resumed(request, self.limits)
         if request.request_id in self.scheduler.requests or any(
@@ -346,7 +346,7 @@ class EngineCore:
     # -- LoRA adapters (utility calls of the front end) --------------------------------------
 
     def add_lora(self, request: object) -> bool:
-        self.loras.ensure(as_lora_request(request))
+        self.loras.ensure(as_lora_request(request), self.scheduler.lora_ids())
         return True
 
     def remove_lora(self, lora_id: int) -> bool:

@@ -1,10 +1,12 @@
 """`EngineLoRAs`: the LoRA adapters the engine core's workers hold (`worker/lora_manager.py`),
-as the engine core knows them: an adapter is read by every rank once, before the first
-request that names it runs, and an adapter asked to go while requests use it goes once they
-have finished."""
+as the engine core knows them, and so decides for them: an adapter is read by every rank once,
+before the first request that names it runs; past `--max-cpu-loras` the least recently used
+one that no request here uses is dropped first (none such: the new request is refused); an
+adapter asked to go while requests use it goes once they have finished."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -39,18 +41,32 @@ class EngineLoRAs:
     def __init__(self, config: LoRAConfig | None, executor: _Executor) -> None:
         self.config = config
         self.executor = executor
-        self.loaded: dict[int, LoRARequest] = {}
+        self.loaded: OrderedDict[int, LoRARequest] = OrderedDict()  # least recently used first
         self.leaving: set[int] = set()  # asked to go while requests use them
 
-    def ensure(self, request: LoRARequest) -> None:
-        """Every rank holds the adapter (read now if not). Raises `InvalidRequest` with the
+    def ensure(self, request: LoRARequest, in_use: Iterable[int] = ()) -> None:
+        """Every rank holds the adapter (read now if not; `in_use`: the adapters of the
+        requests here, which are never dropped for it). Raises `InvalidRequest` with the
         reason it cannot be served."""
         if self.config is None:
             raise InvalidRequest("model", "LoRA adapters are not enabled: start with --enable-lora")
         known = self.loaded.get(request.lora_int_id)
         if known is not None and known.lora_path == request.lora_path:
             self.leaving.discard(request.lora_int_id)
+            self.loaded.move_to_end(request.lora_int_id)
             return
+        if known is not None:  # the same id for another directory: read it again
+            self._drop(request.lora_int_id)
+        if len(self.loaded) >= self.config.loaded:
+            busy = set(in_use)
+            idle = next((i for i in self.loaded if i not in busy), None)
+            if idle is None:
+                raise InvalidRequest(
+                    "model",
+                    f"adapter {request.lora_name!r} cannot be loaded: {len(self.loaded)} adapters "
+                    f"are loaded and all in use (--max-cpu-loras {self.config.loaded})",
+                )
+            self._drop(idle)
         try:
             self.executor.collective_rpc("add_lora", (request,))
         except Exception as e:  # a worker's LoRAError arrives as its failure reply

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ from treadle.outputs import (
 from treadle.sampling_params import SamplingParams, generation_defaults
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
-from treadle.wire.engine import MultiModalInput, SchedulerStats
+from treadle.wire.engine import LoRARequest, MultiModalInput, SchedulerStats
 
 logger = init_logger(__name__)
 
@@ -74,6 +75,7 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._loras: dict[int, str] = {}  # adapters the engine has read: id -> path
         self._sampling_defaults = generation_defaults(self.config.model)
 
     @property
@@ -128,19 +130,31 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts.
         Every prompt and its parameters are checked first (`InvalidRequest`, a `ValueError`,
         naming the field); if the engine core still refuses one, its output finishes with
         `finish_reason` "error" and the reason in `stop_reason`. A prompt may be
-        `{"prompt_embeds": tensor}` ([tokens, hidden_size], with `enable_prompt_embeds=True`)."""
+        `{"prompt_embeds": tensor}` ([tokens, hidden_size], with `enable_prompt_embeds=True`).
+        `lora_request`: the adapter every prompt runs with, or one per prompt (vLLM's;
+        `enable_lora=True`)."""
         prompt_list = _as_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
         priorities = priority or [0] * len(prompt_list)
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompt_list)
+        )
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompt_list)} prompts")
         # Prepare everything before queueing anything: a bad prompt leaves the engine as it was.
         requests = [
-            self._prepare(prompt, params, prio)
-            for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True)
+            self._prepare(prompt, params, prio, lora)
+            for prompt, params, prio, lora in zip(
+                prompt_list, params_list, priorities, loras, strict=True
+            )
         ]
         for request in requests:
             self._add(request)
@@ -218,21 +232,39 @@ class LLM:
         yield from self._run()
 
     def _prepare(
-        self, prompt: PromptType, params: SamplingParams, priority: int
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int,
+        lora: LoRARequest | None = None,
     ) -> PreparedRequest:
         request_id = str(next(self._ids))
+        if lora is not None:
+            self._engine_has(lora)
+        prepare = functools.partial(self.input_processor.prepare, lora_request=lora)
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             embeds = self.input_processor.check_embeds(prompt["prompt_embeds"])
-            return self.input_processor.prepare(request_id, None, [], params, priority, embeds)
+            return prepare(request_id, None, [], params, priority, embeds)
         if isinstance(prompt, dict) and "multi_modal_data" in prompt:
             rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
             text, tokens = self.input_processor.tokenize(rest)
             tokens, images = self._images(tokens, prompt["multi_modal_data"])
-            return self.input_processor.prepare(
-                request_id, text, tokens, params, priority, mm_inputs=images
-            )
+            return prepare(request_id, text, tokens, params, priority, mm_inputs=images)
         text, tokens = self.input_processor.tokenize(prompt)
-        return self.input_processor.prepare(request_id, text, tokens, params, priority)
+        return prepare(request_id, text, tokens, params, priority)
+
+    def _engine_has(self, lora: LoRARequest) -> None:
+        """The engine reads the adapter now (once), so that a bad one fails this call."""
+        if self.config.lora is None:
+            raise InvalidRequest("lora_request", "LoRA adapters need LLM(enable_lora=True)")
+        if not isinstance(lora, LoRARequest):
+            raise InvalidRequest("lora_request", "must be a treadle.LoRARequest(name, id, path)")
+        if self._loras.get(lora.lora_int_id) != lora.lora_path:
+            try:
+                self.engine.call_utility("add_lora", lora)
+            except Exception as e:  # the engine's refusal, as the caller's error
+                raise InvalidRequest("lora_request", str(e).split("InvalidRequest: ")[-1]) from None
+            self._loras[lora.lora_int_id] = lora.lora_path
 
     def _images(self, tokens: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
         """vLLM's `multi_modal_data`: `{"image": PIL.Image or a list of them}`, one per

@@ -32,7 +32,7 @@ from treadle.frontend.output_processor import child_params, child_request_ids
 from treadle.sampling_params import SamplingParams
 from treadle.structured_outputs import GrammarCompiler
 from treadle.validation import InvalidRequest, ModelLimits, check_request
-from treadle.wire.engine import EngineCoreRequest, MultiModalInput
+from treadle.wire.engine import EngineCoreRequest, LoRARequest, MultiModalInput
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -240,6 +240,7 @@ class InputProcessor:
         priority: int = 0,
         prompt_embeds: torch.Tensor | None = None,
         mm_inputs: list[MultiModalInput] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """The request of one prompt: cut to `params.truncate_prompt_tokens` (its text dropped
         if that cut it), checked once against the model (`_check`), and fanned out into its
@@ -248,7 +249,7 @@ class InputProcessor:
         With `prompt_embeds` (checked by `decode_embeds` or `check_embeds`), the embeddings are
         the prompt (cut to their last rows the same way) and `prompt_token_ids` is ignored.
         `mm_inputs`: the prompt's images (its ids already expanded: `ImageInputs.prompt`);
-        such a prompt is never cut."""
+        such a prompt is never cut. `lora_request`: the adapter it runs with."""
         if prompt_embeds is not None:
             prompt_embeds = self._embeds_prompt(prompt_embeds, params)
             prompt_token_ids = embeds_format.placeholder_ids(prompt_embeds.shape[0])
@@ -275,6 +276,7 @@ class InputProcessor:
                 client_index=self.client_index,
                 prompt_embeds=prompt_embeds,
                 mm_inputs=mm_inputs or None,
+                lora_request=lora_request,
             )
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]

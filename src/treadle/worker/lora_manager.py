@@ -1,14 +1,12 @@
-"""`LoRAManager`: the adapters this rank has read (at most `max_cpu_loras`, least recently used
-dropped first when not in a slot) and the `max_loras` slots of the model's layers that hold
-the ones a step uses (`model/lora.py`).
+"""`LoRAManager`: the adapters this rank has read (those the engine core keeps: at most
+`--max-cpu-loras`) and the `max_loras` slots of the model's layers that hold the ones a step
+uses (`model/lora.py`).
 
 Adapters arrive by `LoRARequest` (name, id, PEFT directory): through `add` (the engine core
 asks every rank once, before a request that names it runs) or, failing that, with the first
 request that names it. Ids are the server's, unique per adapter."""
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import torch
 
@@ -18,30 +16,21 @@ from treadle.wire.engine import LoRARequest
 
 
 class LoRAManager:
-    def __init__(
-        self, model: LlamaForCausalLM, max_loras: int, max_cpu_loras: int, max_rank: int
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, max_loras: int, max_rank: int) -> None:
         self.model = model
         self.batch = model.enable_lora()
-        self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
-        self.adapters: OrderedDict[int, Adapter] = OrderedDict()
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.adapters: dict[int, Adapter] = {}
         self.slot_of: dict[int, int] = {}  # adapter id -> slot
         self.device = next(model.parameters()).device
 
     def add(self, request: LoRARequest) -> int:
-        """Read the adapter unless it is here; returns its bytes. Raises `LoRAError`."""
+        """Read the adapter unless it is here; returns its bytes. Raises `LoRAError`. (Which
+        adapters stay is the engine core's choice: `core/loras.py`.)"""
         adapter = self.adapters.get(request.lora_int_id)
-        if adapter is not None:
-            self.adapters.move_to_end(request.lora_int_id)
+        if adapter is not None and adapter.path == request.lora_path:
             return adapter.nbytes
-        if len(self.adapters) >= self.max_cpu_loras:
-            idle = [i for i in self.adapters if i not in self.slot_of]
-            if not idle:
-                raise LoRAError(
-                    f"{len(self.adapters)} adapters are loaded and in use "
-                    f"(--max-cpu-loras {self.max_cpu_loras}): unload one or raise it"
-                )
-            del self.adapters[idle[0]]
+        self.remove(request.lora_int_id)
         adapter = read_adapter(
             request.lora_path, self.max_rank, self.model.lora_shapes(), self.model.arch.num_layers
         )

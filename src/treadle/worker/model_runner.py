@@ -94,11 +94,7 @@ class ModelRunner:
         # Pipeline parallelism: this stage's link to its neighbours (`_run_stage`).
         self.link: StageLink | None = None
         # LoRA adapters (None: not enabled).
-        self.lora = (
-            None
-            if lora is None
-            else LoRAManager(model, lora.max_loras, lora.loaded, lora.max_lora_rank)
-        )
+        self.lora = None if lora is None else LoRAManager(model, lora.max_loras, lora.max_lora_rank)
         # A vision-language model's image features by image hash (None: text only).
         self.encoder_cache = (
             EncoderCache(model.encode_images, device)
