@@ -375,6 +375,8 @@ class FrontendConfig:
     """Accept a chat template sent in a request (`chat_template`, or in `chat_template_kwargs`); templates run code-like Jinja on the server."""
     tool_call_parser: str | None = None
     """How to read tool calls out of the model's text for `tool_choice: "auto"` (`hermes`: JSON in <tool_call> tags, as SmolLM2, Qwen2/3 and many Llama fine-tunes write them); set only with --enable-auto-tool-choice."""
+    reasoning_parser: str | None = None
+    """Split chat answers' `<think>...</think>` into `reasoning_content` beside `content`, as vLLM: `deepseek_r1` (the text before `</think>` is reasoning, with or without `<think>`) or `qwen3` (reasoning only in `<think>...</think>`)."""
     exclude_tools_when_tool_choice_none: bool = False
     """With `tool_choice: "none"`, keep the tools out of the chat template too."""
     chat_template: str | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from treadle.config import FrontendConfig, RestartConfig
 from treadle.engine_args import arg, from_namespace, parse_bytes
+from treadle.entrypoints.openai.reasoning import check_reasoning_parser
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -67,6 +68,7 @@ class FrontendArgs:
     """Let the model decide when to call tools (`tool_choice: "auto"`, the default when a request has tools); needs --tool-call-parser."""
     tool_call_parser: str | None = arg(None, group="frontend", area=FrontendConfig)
     exclude_tools_when_tool_choice_none: bool = arg(False, group="frontend", area=FrontendConfig)
+    reasoning_parser: str | None = arg(None, group="frontend", area=FrontendConfig)
     max_request_body_bytes: int = arg(
         FrontendConfig.max_request_body_bytes,
         group="frontend",
@@ -119,6 +121,7 @@ class FrontendArgs:
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', not {self.root_path!r}")
         self.chat_template_text()
+        check_reasoning_parser(self.reasoning_parser)
         self.restart_config().check()
         media = self.allowed_local_media_path
         if media is not None and not os.path.isdir(os.path.expanduser(media)):
@@ -146,6 +149,7 @@ class FrontendArgs:
             trust_request_chat_template=self.trust_request_chat_template,
             tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None,
             exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none,
+            reasoning_parser=self.reasoning_parser,
             chat_template=self.chat_template_text(),
             enable_log_requests=self.enable_log_requests,
             allowed_local_media_path=None

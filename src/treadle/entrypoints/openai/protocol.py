@@ -318,6 +318,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call per choice
+    include_reasoning: bool = True  # vLLM's: false drops --reasoning-parser's reasoning
 
 
 class TokenizeRequest(OpenAIModel):

@@ -1,6 +1,7 @@
 """`POST /v1/chat/completions`: messages in (through the chat template, with the tools the
-plan lets reach it), a `chat.completion` body or its stream out; with tools, each choice's
-text goes through the plan's parser and becomes `content` and `tool_calls`."""
+plan lets reach it), a `chat.completion` body or its stream out; with --reasoning-parser, each
+choice's thinking is split off first (`reasoning.py`); with tools, the rest of its text goes
+through the plan's parser and becomes `content` and `tool_calls`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ from fastapi.responses import Response
 
 from treadle.entrypoints.openai.logprobs import LogprobWriter, prompt_logprobs_json
 from treadle.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
+from treadle.entrypoints.openai.reasoning import (
+    Mode,
+    ReasoningSplit,
+    first_mode,
+    reasoning_fields,
+    split_reasoning,
+)
 from treadle.entrypoints.openai.serving_base import (
     ChoiceProgress,
     Outputs,
@@ -75,8 +83,13 @@ class ChatServing:
             )
         except InvalidRequest as e:
             raise e.renamed(names) from None
+        mode = None
+        if front.reasoning_parser is not None:
+            shown = base.tokenizer.decode(ids) if text is None else text  # (cut: text None)
+            mode = first_mode(front.reasoning_parser, shown, req.chat_template_kwargs)
+            _check_constraint(mode, requests[0].params.structured_outputs is not None, plan)
         writer = LogprobWriter(base.token_text, req.return_tokens_as_token_ids)
-        job = _Chat(req, plan, ids, rid, base.model_name, writer)
+        job = _Chat(req, plan, ids, rid, base.model_name, writer, mode)
         outputs = base.run(requests, rank)
         if req.stream:
             return base.stream(job.events(outputs), outputs, rid)
@@ -90,10 +103,25 @@ class ChatServing:
         return await self.base.inputs.run(logprob_work([final]), job.body, final)
 
 
+def _check_constraint(mode: Mode, constrained: bool, plan: ToolPlan) -> None:
+    """vLLM applies a request's structured output after the thinking; treadle's would
+    constrain the thinking too, so a constrained request must come with thinking closed."""
+    if constrained and mode != "content":
+        raise InvalidRequest(
+            "tool_choice" if plan.structured_outputs is not None else "response_format",
+            "structured outputs (a JSON schema, grammar, or a required or named tool choice) "
+            "are not supported together with --reasoning-parser while the model thinks: the "
+            "constraint would apply to the thinking too; turn the thinking off (e.g. "
+            '`chat_template_kwargs: {"enable_thinking": false}`) or leave the constraint out',
+        )
+
+
 @dataclass
 class _Progress(ChoiceProgress):
     parser: ToolCallStream | None = None
     """The choice's tool call parser (None when the plan has no tools to parse)."""
+    split: ReasoningSplit | None = None
+    """The choice's reasoning splitter (None without --reasoning-parser)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +134,8 @@ class _Chat:
     rid: str
     model_name: str
     writer: LogprobWriter
+    reasoning: Mode | None = None
+    """Where each choice's output starts (None: no reasoning parser)."""
 
     def body(self, final: RequestOutput) -> dict[str, Any]:
         """The response to the final output."""
@@ -114,9 +144,14 @@ class _Chat:
         for comp in final.outputs:
             completion_tokens += len(comp.token_ids)
             message: dict[str, Any] = {"role": "assistant", "content": comp.text}
+            text = comp.text
+            if self.reasoning is not None:
+                thought, content = split_reasoning(self.reasoning, comp.text)
+                message["content"], text = content, content or ""
+                message |= reasoning_fields(thought if req.include_reasoning else None)
             calls = 0
             if self.plan.mode != "none":
-                parsed = self.plan.parse(comp.text)
+                parsed = self.plan.parse(text)
                 tool_calls = (
                     parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
                 )
@@ -184,7 +219,10 @@ class _Chat:
         ]
 
     def _progress(self) -> _Progress:
-        return _Progress(parser=None if self.plan.mode == "none" else self.plan.stream())
+        return _Progress(
+            parser=None if self.plan.mode == "none" else self.plan.stream(),
+            split=None if self.reasoning is None else ReasoningSplit(self.reasoning),
+        )
 
     def _chunks(self, comp: CompletionOutput, choice: _Progress) -> list[dict[str, Any]]:
         """The choice's chunks for `comp` (and `choice` moved on): each delta its own chunk,
@@ -193,7 +231,7 @@ class _Chat:
         text, ids = choice.new(comp)
         if not text and not ids and not comp.finished:
             return []  # as vLLM: a chunk per output that brings tokens, or the end
-        pieces, calls = self._deltas(choice.parser, text, comp.finished)
+        pieces, calls = self._deltas(choice, text, comp.finished)
         logprobs = (
             None
             if comp.logprobs is None
@@ -217,12 +255,30 @@ class _Chat:
         choice.sent(comp)
         return chunks
 
-    def _deltas(
-        self, parser: ToolCallStream | None, text: str, finished: bool
+    def _deltas(self, choice: _Progress, text: str, finished: bool) -> tuple[list[Delta], int]:
+        """A choice's deltas for its new text, and the tool calls it has made so far. With a
+        reasoning parser, the thinking comes first and only the rest reaches the tool parser;
+        thinking and plain content that arrive in one output share one delta (as vLLM's)."""
+        if choice.split is None:
+            return self._content_deltas(choice.parser, text, finished)
+        thought, content = choice.split.feed(text) if text else ("", "")
+        if finished:
+            more_thought, more_content = choice.split.finish()
+            thought, content = thought + more_thought, content + more_content
+        out, calls = self._content_deltas(choice.parser, content, finished, quiet=True)
+        if thought and self.req.include_reasoning:
+            first = reasoning_fields(thought)
+            if out and set(out[0]) == {"content"}:
+                return [{**first, **out[0]}, *out[1:]], calls
+            return [first, *out], calls
+        return out, calls
+
+    def _content_deltas(
+        self, parser: ToolCallStream | None, text: str, finished: bool, quiet: bool = False
     ) -> tuple[list[Delta], int]:
-        """A choice's deltas for its new text, and the tool calls it has made so far."""
+        """The deltas of the answer's text (`quiet`: none for no text)."""
         if parser is None:
-            return [{"content": text}], 0
+            return ([{"content": text}] if text or not quiet else []), 0
         out = parser.feed(text) if text else []
         if finished:
             out += parser.finish()
