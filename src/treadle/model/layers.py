@@ -118,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(x, self.bias)
         if self.lora is not None and self.lora.batch.rows:
-            self.lora.add_delta(x, y)
+            self.lora.add_delta(x, y)  # (y is this call's own tensor)
         return y
 
 

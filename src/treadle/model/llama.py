@@ -265,18 +265,26 @@ class LlamaForCausalLM(nn.Module):
             "down_proj": (a.hidden_size, a.intermediate_size),
         }
 
-    def enable_lora(self) -> LoRABatch:
-        """Give every linear layer of this stage a `LoRALayer`; returns the step's rows per
-        adapter slot, which they all read (the model runner sets them around a step)."""
-        batch = LoRABatch()
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoRABatch:
+        """Give every linear layer of this stage a `LoRALayer` of `max_loras` slots of rank
+        up to `max_rank`; returns the step's rows per slot, which they all read (the model
+        runner sets them around a step)."""
+        batch = LoRABatch(max_loras)
         for layer in self.decoder_layers():
-            for linear in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            ):
-                linear.lora = LoRALayer(batch)
+            attn, mlp = layer.self_attn, layer.mlp
+            for column in (attn.qkv_proj, mlp.gate_up_proj):
+                w = column.weight
+                column.lora = LoRALayer(
+                    batch,
+                    len(column.local_sizes) * max_rank,
+                    w.shape[1],
+                    w.shape[0],
+                    w.dtype,
+                    w.device,
+                )
+            for row in (attn.o_proj, mlp.down_proj):
+                w = row.weight
+                row.lora = LoRALayer(batch, max_rank, w.shape[1], w.shape[0], w.dtype, w.device)
         self.lora_batch = batch
         return batch
 
@@ -301,20 +309,22 @@ class LlamaForCausalLM(nn.Module):
                         if (i, name) in adapter.weights
                     ]
                 )
-                linear.lora.slots.pop(slot, None)
-                if pieces and adapter is not None:
-                    linear.lora.slots[slot] = column_share(
+                linear.lora.set_slot(
+                    slot,
+                    column_share(
                         pieces, linear.local_sizes, linear.shard_sources(), adapter.scale, dtype
                     )
+                    if pieces and adapter is not None
+                    else None,
+                )
             for row, name in ((attn.o_proj, "o_proj"), (mlp.down_proj, "down_proj")):
                 assert row.lora is not None, "enable_lora first"
-                row.lora.slots.pop(slot, None)
+                share = None
                 if adapter is not None and (i, name) in adapter.weights:
                     a, b = adapter.weights[(i, name)]
                     start = row.tp_rank * row.local_in
-                    row.lora.slots[slot] = row_share(
-                        a, b, start, row.local_in, adapter.scale, dtype
-                    )
+                    share = row_share(a, b, start, row.local_in, adapter.scale, dtype)
+                row.lora.set_slot(slot, share)
 
     @property
     def attention_backend(self) -> AttentionBackend:

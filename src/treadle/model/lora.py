@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -155,31 +155,68 @@ class SlotWeights:
 
 class LoRABatch:
     """The step's rows of each adapter slot, shared by every target layer of the model (the
-    model runner sets it around the forward pass; empty: no adapter in this step)."""
+    model runner sets it around the forward pass; no rows: no adapter in this step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.num_rows = 0
         self.rows: list[tuple[int, torch.Tensor]] = []
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def set(self, num_rows: int, rows: list[tuple[int, torch.Tensor]]) -> None:
+        self.num_rows, self.rows, self._masks = num_rows, rows, {}
+
+    def mask(self, width: int, like: torch.Tensor) -> torch.Tensor:
+        """[rows, slots x width]: 1 where a row's slot's columns are (made once a step)."""
+        mask = self._masks.get(width)
+        if mask is None:
+            mask = torch.zeros(self.num_rows, self.num_slots * width, dtype=like.dtype)
+            for slot, rows in self.rows:
+                mask[rows.cpu(), slot * width : (slot + 1) * width] = 1.0
+            mask = self._masks[width] = mask.to(like.device)
+        return mask
 
 
-@dataclass
 class LoRALayer:
-    """The adapters' weights of one linear layer on this rank, by slot, and the step's rows."""
+    """Every slot's adapter weights of one linear layer on this rank, stacked: slot s owns
+    columns [s W, (s + 1) W) of `h = x A^T` (W = its shards x the largest rank), and B is
+    laid out to match, scaled. A step's update of all its rows is then two products,
+    `((x A^T) * mask) B^T`, whatever adapters its rows use (the mask keeps each row to its
+    own slot's columns; a slot an adapter does not fill holds zeros)."""
 
-    batch: LoRABatch
-    slots: dict[int, SlotWeights] = field(default_factory=dict)
+    def __init__(
+        self,
+        batch: LoRABatch,
+        width: int,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.batch, self.width = batch, width
+        columns = batch.num_slots * width
+        self.a = torch.zeros(columns, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(out_features, columns, dtype=dtype, device=device)
+
+    def set_slot(self, slot: int, weights: SlotWeights | None) -> None:
+        """Put an adapter's share in `slot` (None: empty it)."""
+        first = slot * self.width
+        self.a[first : first + self.width].zero_()
+        self.b[:, first : first + self.width].zero_()
+        if weights is None:
+            return
+        rows = weights.a.shape[0]
+        if rows > self.width:
+            raise LoRAError(f"an adapter share of rank {rows} over the slot's {self.width}")
+        self.a[first : first + rows] = weights.a
+        for col, at, b in weights.bs:
+            self.b[col : col + b.shape[0], first + at : first + at + b.shape[1]] = b * weights.scale
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Add each slot's low-rank update to its rows of `out` (in place)."""
-        for slot, rows in self.batch.rows:
-            weights = self.slots.get(slot)
-            if weights is None:
-                continue  # this adapter does not target this layer
-            h = x.index_select(0, rows).to(weights.a.dtype) @ weights.a.t()  # [rows, sum r]
-            update = torch.zeros(rows.shape[0], out.shape[1], dtype=h.dtype, device=out.device)
-            for col, first, b in weights.bs:
-                r = b.shape[1]
-                update[:, col : col + b.shape[0]] += h[:, first : first + r] @ b.t()
-            out.index_add_(0, rows, (update * weights.scale).to(out.dtype))
+        """Add each row's adapter update to `out` (in place)."""
+        h = x.to(self.a.dtype) @ self.a.t()
+        h.mul_(self.batch.mask(self.width, h))
+        out.add_((h @ self.b.t()).to(out.dtype))
 
 
 def column_share(

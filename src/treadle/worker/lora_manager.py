@@ -18,7 +18,7 @@ from treadle.wire.engine import LoRARequest
 class LoRAManager:
     def __init__(self, model: LlamaForCausalLM, max_loras: int, max_rank: int) -> None:
         self.model = model
-        self.batch = model.enable_lora()
+        self.batch = model.enable_lora(max_loras, max_rank)
         self.max_loras, self.max_rank = max_loras, max_rank
         self.adapters: dict[int, Adapter] = {}
         self.slot_of: dict[int, int] = {}  # adapter id -> slot
@@ -73,9 +73,10 @@ class LoRAManager:
             slot = free.pop()
             self.model.set_lora(slot, self.adapters[lora_id])
             self.slot_of[lora_id] = slot
-        self.batch.rows = [
-            (self.slot_of[i], torch.tensor(r, device=self.device)) for i, r in rows.items()
-        ]
+        self.batch.set(
+            first,
+            [(self.slot_of[i], torch.tensor(r, device=self.device)) for i, r in rows.items()],
+        )
 
     def end_step(self) -> None:
-        self.batch.rows = []
+        self.batch.set(0, [])
