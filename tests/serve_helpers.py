@@ -58,7 +58,7 @@ class RemoteServer:
                     self.url = m.group(1)
             if self.url:
                 try:
-                    # /health is 200 while the engines start; /health/startup once loaded.
+                    # (/health too is 200 only once every engine is ready: health.py)
                     if httpx.get(self.url + "/health/startup", timeout=5).status_code == 200:
                         return
                 except httpx.HTTPError:
