@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 from openai import OpenAI
+from test_leftovers import push_forged_control_frames
 
 from serve_helpers import TREADLE, RemoteServer, assert_no_leftovers
 
@@ -151,6 +152,36 @@ def test_kill_9_of_the_engine_core_twice_resumes_every_stream(server: RemoteServ
     log = server.output()
     assert "is back" in log and "resuming" in log
     assert Streams(server.url, texts[:1]).results() == reference[:1]  # still serving
+
+
+def test_forged_control_frames_change_nothing_and_sigterm_to_the_engine_alone_is_a_death(
+    server: RemoteServer,
+) -> None:
+    """Issue 42 item 9: a forged ENGINE_CORE_STOPPED stopped the whole server (exit 0), and a
+    forged death report was blamed on the next real death; a SIGTERM to the engine core alone
+    stopped the server too. Now the forgeries are refused (logged) and the SIGTERM is a death:
+    restarted, its streams resumed with the very text."""
+    texts = prompts(4)
+    reference = Streams(server.url, texts, max_tokens=400).results()
+    refused = server.output().count("on the output socket")
+    assert push_forged_control_frames(server.rpc_dir) >= 1
+    deadline = time.monotonic() + 10
+    while server.output().count("on the output socket") < refused + 4:
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
+        time.sleep(0.05)
+    restarts = metric(server, "engine_restarts_total")
+    streams = Streams(server.url, texts, max_tokens=400)
+    streams.wait_all_started()
+    pid = server.pid_of("treadle::EngineCore_DP0")
+    os.kill(pid, signal.SIGTERM)  # it serves on while it waits for its front end to ask
+    assert min(streams.tokens) < 300, streams.tokens  # (so the streams outlive it)
+    assert streams.results() == reference
+    wait_ready(server, timeout=60)
+    assert engine_pid(server) != pid and server.proc.poll() is None
+    assert metric(server, "engine_restarts_total") == restarts + 1
+    death = httpx.get(server.url + "/topology", timeout=30).json()["engines"][0]["last_death"]
+    assert "SIGTERM was sent to this engine core alone" in death["error"], death
+    assert "forged" not in server.output()
 
 
 def test_a_request_that_crashes_the_engine_twice_fails_and_the_others_resume(

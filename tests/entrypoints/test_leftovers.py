@@ -1,6 +1,7 @@
 """Every stop and crash path leaves /dev/shm and the ipc directory as it found them (issue
-28, items 5 and 12): an engine core killed -9 (and restarted), an API server told by a forged
-ENGINE_CORE_DEAD frame that its engine died, an API server killed -9.
+28, items 5 and 12): an engine core killed -9 (and restarted), an engine core sent SIGTERM alone
+under --max-engine-restarts 0 (after forged control frames that changed nothing), an API server
+killed -9.
 
 Other sessions run servers on this machine at the same time, so /dev/shm is not compared as a
 whole: the test collects the inodes of every /dev/shm file that the server's processes map
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import psutil
 import pytest
 import zmq
 
 from serve_helpers import RemoteServer
+from treadle.wire.control import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED, DeathReport
 
 ARGS = ["--kv-cache-memory", "8MiB", "--max-model-len", "256"]
 
@@ -97,24 +100,52 @@ def test_a_killed_engine_leaves_no_semaphore(model: str, tmp_path: Path) -> None
         server.stop()
 
 
-def test_a_forged_engine_core_dead_leaves_nothing(model: str, tmp_path: Path) -> None:
+def push_forged_control_frames(rpc_dir: Path) -> int:
+    """Push a forged ENGINE_CORE_STOPPED, ENGINE_CORE_DEAD and death report into every socket
+    file of a server that takes a PUSH (its output PULL), as any local process of its user
+    can; returns how many sockets took them."""
+    report = msgspec.msgpack.encode(DeathReport(0, "RuntimeError: forged"))
+    ctx: zmq.Context[Any] = zmq.Context()
+    took = 0
+    try:
+        for path in rpc_dir.iterdir():
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"ipc://{path}")
+            if sock.poll(2000, zmq.POLLOUT):  # (only a PULL takes a PUSH as its peer)
+                took += 1
+                sock.send(ENGINE_CORE_STOPPED)
+                sock.send(ENGINE_CORE_DEAD)
+                sock.send_multipart([ENGINE_CORE_DEAD, report])
+                sock.send_multipart([ENGINE_CORE_DEAD, report, b"\x00" * 40])
+            sock.close()
+    finally:
+        ctx.term()
+    return took
+
+
+def test_forged_control_frames_change_nothing_and_an_unasked_engine_stop_ends_it(
+    model: str, tmp_path: Path
+) -> None:
+    """Under --max-engine-restarts 0 a forged ENGINE_CORE_DEAD ended the server with exit 1
+    (and ENGINE_CORE_STOPPED with exit 0); now each is refused and logged, and the server
+    serves on. A SIGTERM to the engine core alone is a death (never a clean exit 0): with
+    no restarts, exit 1, leaving nothing behind."""
     server = RemoteServer([model, *ARGS, "--max-engine-restarts", "0"], tmp_path)
     try:
         complete(server)
         inodes = shm_inodes(server)
         family = server.family()
-        ctx: zmq.Context[Any] = zmq.Context()
-        try:  # to every socket file of the server, its PULL among them, as any local process
-            for path in server.rpc_dir.iterdir():
-                sock = ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
-                sock.connect(f"ipc://{path}")
-                if sock.poll(2000, zmq.POLLOUT):  # (only a PULL takes a PUSH as its peer)
-                    sock.send(b"ENGINE_CORE_DEAD")
-                sock.close()
-        finally:
-            ctx.term()
-        assert server.proc.wait(60) == 1  # "engine reported dead": the server ends
+        assert push_forged_control_frames(server.rpc_dir) >= 1
+        deadline = time.monotonic() + 10
+        while server.output().count("on the output socket") < 4:
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
+            time.sleep(0.05)
+        complete(server)
+        assert httpx.get(server.url + "/health").status_code == 200
+        os.kill(server.pid_of("treadle::EngineCore_DP0"), signal.SIGTERM)
+        assert server.proc.wait(60) == 1, server.output()[-3000:]
+        assert "SIGTERM was sent to this engine core alone" in server.output()
         wait_gone(family)
         assert left_in_dev_shm(inodes) == []
         assert list(server.rpc_dir.iterdir()) == []

@@ -17,6 +17,7 @@ from treadle.config import CacheConfig, EngineConfig, ModelConfig
 from treadle.frontend.async_client import AsyncMPClient
 from treadle.frontend.core_client import EngineDeadError
 from treadle.frontend.output_reader import OutputReader
+from treadle.ipc.engine_auth import EngineIdentities, engine_token, new_key, seal_control
 from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound
 from treadle.ipc.serial import MsgpackEncoder
 from treadle.sampling_params import SamplingParams
@@ -57,6 +58,20 @@ def out(**kwargs: Any) -> EngineCoreOutputs:
     return EngineCoreOutputs(0, [EngineCoreOutput("r", **kwargs)])
 
 
+KEY = new_key()
+
+
+def reader_of(num_engines: int = 2) -> OutputReader:
+    """A reader whose engine 1 is at launch 1 (engine 0 has not connected yet)."""
+    engines = EngineIdentities(KEY, num_engines)
+    engines.admit(b"engine 1", 1, 1, engine_token(KEY, 1, 1))
+    return OutputReader(engines, vocab_size=100)
+
+
+def sealed(*frames: bytes, rank: int = 1, launch: int = 1) -> list[bytes]:
+    return seal_control([engine_token(KEY, rank, launch)], rank, launch, list(frames))[0]
+
+
 GOOD_LOGPROBS = Logprobs(token_ids=[[5, 6]], logprobs=[[-0.1, -2.0]], ranks=[1])
 
 
@@ -88,7 +103,7 @@ GOOD_LOGPROBS = Logprobs(token_ids=[[5, 6]], logprobs=[[-0.1, -2.0]], ranks=[1])
 def test_output_reader_drops_and_logs_what_cannot_be_used(
     message: list[bytes], why: str, records: list[logging.LogRecord]
 ) -> None:
-    reader = OutputReader(num_engines=2, vocab_size=100)
+    reader = reader_of()
     assert reader.read(message) is None
     assert reader.drops.dropped == 1
     assert len(records) == 1 and records[0].levelno == logging.ERROR
@@ -96,12 +111,34 @@ def test_output_reader_drops_and_logs_what_cannot_be_used(
 
 
 def test_output_reader_passes_good_outputs_and_control_frames() -> None:
-    reader = OutputReader(num_engines=2, vocab_size=100)
+    reader = reader_of()
     good = out(new_token_ids=[5], new_logprobs=GOOD_LOGPROBS)
     assert reader.read(frames(good)) == good
-    assert reader.read([ENGINE_CORE_DEAD]) == ENGINE_CORE_DEAD
-    assert reader.read([ENGINE_CORE_STOPPED]) == ENGINE_CORE_STOPPED
-    assert reader.drops.dropped == 0
+    assert reader.read(sealed(ENGINE_CORE_STOPPED)) == ENGINE_CORE_STOPPED
+    assert reader.read(sealed(ENGINE_CORE_STOPPED, rank=0)) == ENGINE_CORE_STOPPED
+    assert reader.drops.dropped == reader.refusals.dropped == 0
+
+
+def test_control_frames_without_their_senders_proof_are_refused(
+    records: list[logging.LogRecord],
+) -> None:
+    """Any local process can push into the PULL (issue 42 item 9): a stop or a death (with a
+    report to be blamed on the next real death) counts only with the engine's proof."""
+    reader = reader_of()
+    report = msgspec.msgpack.encode(DeathReport(1, "RuntimeError: forged"))
+    for message in (
+        [ENGINE_CORE_STOPPED],
+        [ENGINE_CORE_DEAD],
+        [ENGINE_CORE_DEAD, report],
+        [ENGINE_CORE_DEAD, report, b"\x01\x00\x00\x00\x01\x00\x00\x00" + b"m" * 32],
+        seal_control([engine_token(new_key(), 1, 1)], 1, 1, [ENGINE_CORE_STOPPED])[0],
+        sealed(ENGINE_CORE_STOPPED, launch=0),  # an older launch
+        [*sealed(ENGINE_CORE_DEAD, report)[:1], sealed(ENGINE_CORE_DEAD, report)[2]],
+    ):
+        assert reader.read(message) is None, message
+    assert reader.refusals.dropped == 7 and reader.drops.dropped == 0
+    assert all("nothing stops" in r.getMessage() for r in records)
+    assert "Refused ENGINE_CORE_STOPPED on the output socket" in records[0].getMessage()
 
 
 def raised_report(engine_index: int = 1) -> DeathReport:
@@ -125,28 +162,28 @@ def test_a_death_report_is_bounded_and_says_what_raised_where() -> None:
     assert len(report.log_tail) == MAX_LOG_LINES and report.log_tail[-1].startswith("INFO line 19")
     assert all(len(line) <= MAX_LINE_CHARS for line in report.log_tail + report.frames)
     assert report.describe() == f"{report.error} (at {report.frames[-1]})"
-    reader = OutputReader(num_engines=2, vocab_size=100)
-    assert reader.read([ENGINE_CORE_DEAD, msgspec.msgpack.encode(report)]) == report
+    reader = reader_of()
+    assert reader.read(sealed(ENGINE_CORE_DEAD, msgspec.msgpack.encode(report))) == report
 
 
 @pytest.mark.parametrize(
     ("payload", "why"),
     [
         (b"\xc1", "malformed death report"),
-        (msgspec.msgpack.encode([0, "E", [], [], "extra"]), "malformed death report"),
+        (msgspec.msgpack.encode([1, "E", [], [], "extra"]), "malformed death report"),
         (msgspec.msgpack.encode([-1, "E"]), "malformed death report"),
-        (msgspec.msgpack.encode([2, "E"]), "unknown engine index 2"),
-        (msgspec.msgpack.encode([0, "E" * (MAX_ERROR_CHARS + 1)]), "malformed death report"),
-        (msgspec.msgpack.encode([0, "E", ["f"] * (MAX_FRAMES + 1)]), "malformed death report"),
-        (msgspec.msgpack.encode([0, "E", [], ["l" * 10_000]]), "malformed death report"),
+        (msgspec.msgpack.encode([0, "E"]), "engine index 0 from engine 1"),
+        (msgspec.msgpack.encode([1, "E" * (MAX_ERROR_CHARS + 1)]), "malformed death report"),
+        (msgspec.msgpack.encode([1, "E", ["f"] * (MAX_FRAMES + 1)]), "malformed death report"),
+        (msgspec.msgpack.encode([1, "E", [], ["l" * 10_000]]), "malformed death report"),
         (b"\x00" * 100_000, "too large"),
     ],
 )
 def test_a_bad_death_report_is_dropped_but_the_death_stays(
     payload: bytes, why: str, records: list[logging.LogRecord]
 ) -> None:
-    reader = OutputReader(num_engines=2, vocab_size=100)
-    assert reader.read([ENGINE_CORE_DEAD, payload]) == ENGINE_CORE_DEAD
+    reader = reader_of()
+    assert reader.read(sealed(ENGINE_CORE_DEAD, payload)) == ENGINE_CORE_DEAD
     assert reader.drops.dropped == 1 and why in records[0].getMessage()
 
 

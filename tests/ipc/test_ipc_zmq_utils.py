@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ from treadle.ipc.zmq_utils import (
     get_ip,
     get_open_zmq_ipc_path,
     get_tcp_uri,
+    ipc_listening,
     make_zmq_socket,
+    remove_ipc_files,
     split_zmq_path,
     zmq_socket_ctx,
 )
@@ -172,3 +175,20 @@ def test_host_ip_is_the_source_of_tcp_connections(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("TREADLE_HOST_IP", "host-b")
     with pytest.raises(ValueError, match="TREADLE_HOST_IP='host-b': give this host's IP"):
         get_ip()
+
+
+def test_ipc_listening_says_whether_a_front_end_still_listens() -> None:
+    """What the engine core's log line of a dropped front end rests on (issue 42 item 9): a
+    front end that stopped or died does not listen; one that dropped a peer still does."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    address = get_open_zmq_ipc_path()
+    try:
+        sock = make_zmq_socket(ctx, address, zmq.ROUTER, linger=0)
+        assert ipc_listening(address)
+        sock.close(linger=0)
+        time.sleep(0.1)
+        assert not ipc_listening(address)
+        assert not ipc_listening("ipc:///nowhere/at-all")
+    finally:
+        ctx.term()
+        remove_ipc_files([address])

@@ -7,8 +7,9 @@ which release the GIL and overlap the model step.
   polls them and the DP coordinator's XSUB, decodes, checks and puts `(type, payload)` on the
   input queue; ABORTs also go on the eager aborts queue.
 - `OutputWriter` takes `(client_index, EngineCoreOutputs)` from the output queue, encodes it
-  into reused buffers and sends it zero-copy on that client's PUSH; a list of frames (the
-  `ENGINE_CORE_DEAD` message, `ENGINE_CORE_STOPPED`) goes to every front end; `None` ends it.
+  into reused buffers and sends it zero-copy on that client's PUSH; a control message (the
+  `ENGINE_CORE_DEAD` message, `ENGINE_CORE_STOPPED`), one list of frames per front end
+  (each sealed with its token: `ipc/engine_auth.py`), goes to every front end; `None` ends it.
 
 Neither thread can die silently. A message that cannot be used (malformed, of an unknown
 type, naming a client index with no socket, too large to send) is dropped and logged, and the
@@ -18,6 +19,7 @@ through `on_failure`, which makes the engine core die loudly (ENGINE_CORE_DEAD, 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -32,7 +34,7 @@ from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import DropLog, MessageTooLargeError, check_outbound, inbound_options
 from treadle.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from treadle.ipc.tensor_ring import TensorRingReader, ring_name
-from treadle.ipc.zmq_utils import make_zmq_socket, split_zmq_path
+from treadle.ipc.zmq_utils import ipc_listening, make_zmq_socket, split_zmq_path
 from treadle.logger import init_logger
 from treadle.wire.control import COORDINATOR, UtilityRequest
 from treadle.wire.engine import (
@@ -53,7 +55,8 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 _RECONNECT_S = 1.0
 
 InputItem = tuple[EngineCoreRequestType, Any]
-OutputItem = tuple[int, EngineCoreOutputs] | list[bytes] | None  # (client, outputs) | frames
+# (client, outputs) | a control message's frames for each front end | the end
+OutputItem = tuple[int, EngineCoreOutputs] | list[list[bytes]] | None
 
 
 class FrontEndGone(RuntimeError):
@@ -72,11 +75,13 @@ class InputReader:
         input_queue: queue.Queue[InputItem],
         aborts_queue: queue.Queue[list[str]],
         on_failure: Callable[[str], None],
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.ctx = ctx
         self.addresses = addresses
         self.coordinator_address = coordinator_address
         self.ready_messages = ready_messages  # one per front end
+        self.stopping = stopping  # asked to stop: the front ends close too, as they should
         self.input_queue = input_queue
         self.aborts_queue = aborts_queue
         self.on_failure = on_failure
@@ -178,11 +183,20 @@ class InputReader:
             reason = f"the front end at {addr} disconnected; exiting"
             self.input_queue.put((EngineCoreRequestType.FRONTEND_GONE, reason))
             return
-        logger.warning(
-            "The connection to the front end at %s dropped (it closed, or it sent a message "
-            "larger than TREADLE_ZMQ_MAX_MSG_BYTES); connecting again",
-            addr,
-        )
+        if ipc_listening(addr):
+            logger.warning(
+                "The connection to the front end at %s dropped while it listens (it sent a "
+                "message larger than TREADLE_ZMQ_MAX_MSG_BYTES, or broke the protocol); "
+                "connecting again",
+                addr,
+            )
+        else:
+            logger.log(
+                logging.DEBUG if self.stopping() else logging.WARNING,
+                "The connection to the front end at %s dropped: its API server stopped or "
+                "died; connecting again (to its successor, if any)",
+                addr,
+            )
         self.input_queue.put((EngineCoreRequestType.FRONTEND_DROPPED, index))
         for old in (monitor, sock):
             self.poller.unregister(old)
@@ -279,8 +293,8 @@ class OutputWriter:
         try:
             while (item := self.output_queue.get()) is not None:
                 if isinstance(item, list):  # ENGINE_CORE_DEAD / STOPPED go to every front end
-                    for sock in sockets:
-                        sock.send_multipart(item)
+                    for sock, frames in zip(sockets, item, strict=True):
+                        sock.send_multipart(frames)
                     continue
                 try:
                     self._send(sockets, coordinator, *item)
@@ -341,10 +355,11 @@ class OutputWriter:
             self._in_flight.append((buf, tracker))
 
 
-def send_to_all(ctx: zmq.Context[Any], addresses: list[str], frames: list[bytes]) -> None:
-    """Send one message to every front end from the calling thread (when the output thread
-    is gone and the engine must still say that it died)."""
-    for addr in addresses:
+def send_to_all(ctx: zmq.Context[Any], addresses: list[str], messages: list[list[bytes]]) -> None:
+    """Send a control message (its frames for each front end) to every front end from the
+    calling thread (when the output thread is gone and the engine must still say that it
+    died)."""
+    for addr, frames in zip(addresses, messages, strict=True):
         sock = make_zmq_socket(ctx, addr, zmq.PUSH, linger=LINGER_MS)
         try:
             sock.send_multipart(frames)

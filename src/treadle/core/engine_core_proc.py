@@ -13,16 +13,16 @@ ADDRESSES, PHASE while the engine loads, READY); then the engine's first message
 DEALER (a fresh random routing identity) is a ready message with that front end's token, which
 binds the engine's rank to the connection there (`ipc/engine_auth.py`).
 
-Ends:
-- Stopped: a first SIGTERM/SIGINT lets running requests finish (`--shutdown-timeout`) and
-  answers new ADDs with ABORT; a second one aborts them now; a third exits at once. A signal
-  while the model loads exits at once (nothing runs yet). A worker that is asked to stop asks
-  its engine core (SIGUSR1), and a worker that exits 0 stops it too. Every running request
-  gets its final (aborted) output, then every front end gets the frame `ENGINE_CORE_STOPPED`;
-  the process logs a clean shutdown and exits 0.
-- Failed: any other error (the executor, a worker dying, an IO thread) is logged with its
-  traceback; every front end gets `ENGINE_CORE_DEAD` with a `DeathReport` (the error, its
-  last frames, the last lines logged here); exit 1.
+Ends (both messages sealed with this launch's proof for each front end, `ipc/engine_auth.py`):
+- Stopped: asked (SIGUSR1, `engine_stop.py`: from a front end, the supervisor, or a worker
+  that was asked to stop), it lets running requests finish (`--shutdown-timeout`) and answers
+  new ADDs with ABORT; a second SIGTERM/SIGINT aborts them now; a third exits at once. A
+  signal while the model loads exits at once (nothing runs yet); a worker that exits 0 stops
+  it too. Every running request gets its final (aborted) output, then every front end gets
+  `ENGINE_CORE_STOPPED`; the process logs a clean shutdown and exits 0.
+- Failed: any other error (the executor, a worker dying, an IO thread, a SIGTERM/SIGINT that
+  no front end asked for) is logged; every front end gets `ENGINE_CORE_DEAD` with a
+  `DeathReport` (the error, its last frames, the last lines logged here); exit 1.
 
 A local front end whose connection drops (an API server killed -9, which the supervisor
 starts again on the same sockets) has its requests aborted here, and is connected to again.
@@ -39,7 +39,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -57,8 +56,10 @@ from treadle.core.engine_core_io import (
     send_to_all,
 )
 from treadle.core.engine_handshake import join_front_end
+from treadle.core.engine_stop import Shutdown, StoppedUnasked
 from treadle.core.engine_waves import EngineWaves
 from treadle.executor.base import ExecutorStoppedError
+from treadle.ipc.engine_auth import seal_control
 from treadle.ipc.fast_exit import exit_now
 from treadle.ipc.process import ReadyPipe, at_parent_death, freeze_startup_heap
 from treadle.ipc.tensor_ring import remove_orphaned_rings
@@ -93,19 +94,6 @@ logger = init_logger(__name__)
 _POLL_MS = 1000
 
 
-@dataclass
-class _Shutdown:
-    """What the signal handlers tell the busy loop."""
-
-    signals: int = 0  # SIGTERM/SIGINT received
-    asked: bool = False  # a worker asked to stop (SIGUSR1)
-    running: bool = False  # the busy loop runs (before it, a signal exits at once)
-
-    @property
-    def requested(self) -> bool:
-        return self.signals > 0 or self.asked
-
-
 def run_engine_core(
     ready: ReadyPipe,
     config: EngineConfig,
@@ -118,25 +106,10 @@ def run_engine_core(
     launcher gave this launch, to show in the handshake."""
     name = f"EngineCore_DP{dp_rank}"
     set_process_name(name)
-    shutdown = _Shutdown()
+    shutdown = Shutdown()
 
     def on_signal(signum: int, frame: Any) -> None:
-        sig = signal.Signals(signum).name
-        if not shutdown.running:
-            logger.info("Received %s while starting; exiting", sig)
-            raise SystemExit(0)
-        if signum == signal.SIGUSR1:
-            shutdown.asked = True
-            logger.info("Asked to stop (SIGUSR1, from a front end or a worker); shutting down")
-            return
-        shutdown.signals += 1
-        if shutdown.signals == 1:
-            logger.info("Received %s; shutting down", sig)
-        elif shutdown.signals == 2:
-            logger.info("Received %s again; aborting the running requests", sig)
-        else:
-            logger.info("Received %s a third time; exiting now", sig)
-            raise SystemExit(0)
+        shutdown.on_signal(signum, frame, logger)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, on_signal)
@@ -156,7 +129,7 @@ class EngineCoreProc:
         config: EngineConfig,
         handshake_address: str,
         dp_rank: int,
-        shutdown: _Shutdown,
+        shutdown: Shutdown,
         shutdown_timeout: float,
         secret: bytes = b"",
         log_tail: LogTail | None = None,
@@ -193,6 +166,8 @@ class EngineCoreProc:
             self.ctx, handshake_address, dp_rank, secret, load
         )
         self.output_addresses = addresses.outputs
+        # Control messages carry this launch's proof to each front end (`ipc/engine_auth.py`)
+        self.seal = lambda frames: seal_control(addresses.tokens, dp_rank, addresses.launch, frames)
         # A front end killed -9 leaves its ROUTER's and PULL's socket files (and its handshake
         # socket's, kept open while it serves); if it was this process's parent (one API
         # server), this engine removes them as it goes too.
@@ -209,6 +184,7 @@ class EngineCoreProc:
             self.input_queue,
             self.aborts_queue,
             self._io_failed,
+            stopping=lambda: self.shutdown.requested,
         )
         self.writer = OutputWriter(
             self.ctx,
@@ -243,6 +219,10 @@ class EngineCoreProc:
         except ExecutorStoppedError as e:
             logger.info("%s; shutting down", e)
             self._stop()
+        except StoppedUnasked as e:
+            logger.error("%s", e)
+            self._die(self._death_report(e))
+            raise SystemExit(1) from None
         except SystemExit as e:
             if e.code not in (0, None):
                 self._die(self._death_report(e))
@@ -264,7 +244,7 @@ class EngineCoreProc:
             self._abort_all()
         except Exception:  # the scheduler may be half way through a step that was cut short
             logger.warning("Could not abort the running requests", exc_info=True)
-        self.output_queue.put([ENGINE_CORE_STOPPED])
+        self.output_queue.put(self.seal([ENGINE_CORE_STOPPED]))
         self.output_queue.put(None)
         self.output_thread.join(10.0)
         self.engine.shutdown()
@@ -280,7 +260,7 @@ class EngineCoreProc:
         if the output thread is gone); the workers are stopped, or exiting would wait on
         them."""
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        dead = [ENGINE_CORE_DEAD, msgspec.msgpack.encode(report)]
+        dead = self.seal([ENGINE_CORE_DEAD, msgspec.msgpack.encode(report)])
         if self.output_thread.is_alive():
             self.output_queue.put(dead)
             self.output_queue.put(None)
@@ -293,6 +273,7 @@ class EngineCoreProc:
         engine = self.engine
         deadline: float | None = None
         while True:
+            self.shutdown.check_unasked()
             if self.shutdown.requested:
                 if deadline is None:
                     deadline = time.monotonic() + self.shutdown_timeout

@@ -200,7 +200,7 @@ class MPClient:
             self.info = self._wait_for_engines()
             if attach is not None and reuse:  # a replacement is ready once its engines are
                 attach.report([*mine, self.key.hex()])
-            self.reader = OutputReader(self.num_engines, self.info.vocab_size)
+            self.reader = OutputReader(self.engines, self.info.vocab_size)
             if coordinator_address:
                 self.coordinator_socket = make_zmq_socket(
                     self.ctx, coordinator_address, zmq.SUB, linger=0, options=limits

@@ -22,8 +22,9 @@ mode is `RestartMode`, set once per client:
 | process sentinel (`ProcessMonitor`), OWN | our engine core exits non-zero | `died` | `restart_child`: spend the budget, `down`, restart the rank, `back`; none left or the restart fails: `lost` while another engine is not (its failed process killed), else the client ends |
 | process sentinel, OWN | our DP coordinator exits non-zero | `coordinator_died` | `restart_child` on the same addresses (it holds no request) |
 | process sentinel, OFF (or exit 0) | an engine or the coordinator ends | client dead (or stopped) | every request fails, /health 503, exit 1 (stopped: exit 0) |
-| `ENGINE_CORE_DEAD` frame | an engine raised (its `DeathReport`) | OFF: client dead | else logged and kept: its exit follows and is reported with it |
-| `ENGINE_CORE_STOPPED` frame | an engine stopped on purpose | client stopped | the server stops cleanly |
+| `ENGINE_CORE_DEAD` frame, with its sender's proof | an engine raised, or was sent SIGTERM alone (its `DeathReport`) | OFF: client dead | else logged and kept: its exit follows and is reported with it |
+| `ENGINE_CORE_STOPPED` frame, with its sender's proof | an engine was asked to stop (SIGUSR1) | client stopped | the server stops cleanly |
+| either frame without a proof that holds (`OutputReader`) | another process pushed it | nothing | refused and logged |
 | pid watch (psutil), FOLLOW | the supervisor's engine's pid is gone | `down` | new requests wait, its requests are staged |
 | hello of a new launch, FOLLOW | the supervisor restarted it | `down` (if not seen), `back` | staged requests resume one at a time |
 | hello of a new launch, OWN | our restart's new process | (ends `restart_child`) | `back` |

@@ -2,9 +2,11 @@
 
 A message is one of:
 - `ENGINE_CORE_DEAD` (an engine failed) with its `DeathReport` (decoded within its bounds,
-  and for a known engine; a bad one is dropped, and the death stays, without a report), or
-  the single frame `ENGINE_CORE_STOPPED` (an engine was stopped on purpose, after answering
-  every request it had);
+  and for the engine that sent it; a bad one is dropped, and the death stays, without a
+  report), or `ENGINE_CORE_STOPPED` (an engine was stopped on purpose, after answering
+  every request it had). Each ends with its sender's proof (`ipc/engine_auth.py`: the rank,
+  the launch, an HMAC under that launch's token): one without a proof that holds is refused
+  and logged, and nothing stops, dies or is blamed;
 - `[msgpack EngineCoreOutputs][aux...]` from engine `engine_index`, whose token ids lie in the
   vocabulary and whose logprobs have one row of matching lengths per token.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from treadle.ipc.engine_auth import EngineIdentities, EngineRefusedError
 from treadle.ipc.inbound import DropLog
 from treadle.ipc.serial import MsgpackDecoder
 from treadle.logger import init_logger
@@ -33,25 +36,29 @@ from treadle.wire.engine import EngineCoreOutput, EngineCoreOutputs
 logger = init_logger(__name__)
 
 _CONTROL = {len(f): f for f in (ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED)}
+_FRAMES = {ENGINE_CORE_STOPPED: 2, ENGINE_CORE_DEAD: 3}  # with the proof
 
 
 class OutputReader:
-    """Decodes and checks one message at a time (one thread or task: it keeps state)."""
+    """Decodes and checks one message at a time (one thread or task: it keeps state);
+    `engines` (the client's, kept current) checks control messages' proofs."""
 
-    def __init__(self, num_engines: int, vocab_size: int) -> None:
-        self.num_engines = num_engines
+    def __init__(self, engines: EngineIdentities, vocab_size: int) -> None:
+        self.engines = engines
+        self.num_engines = engines.num_engines
         self.vocab_size = vocab_size
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
         self.drops = DropLog(logger)
+        self.refusals = DropLog(logger)  # control messages without a proof that holds
 
     def read(self, frames: Sequence[Any]) -> EngineCoreOutputs | DeathReport | bytes | None:
         """The outputs, an engine's death report, a control frame (`ENGINE_CORE_DEAD` without
         a usable report, `ENGINE_CORE_STOPPED`), or None for a message that was dropped (and
         logged)."""
-        if len(frames) in (1, 2) and len(frames[0]) in _CONTROL:
+        if 1 <= len(frames) <= 3 and len(frames[0]) in _CONTROL:
             control = _CONTROL[len(frames[0])]
             if bytes(frames[0]) == control:
-                return self._death_report(frames[1]) if len(frames) == 2 else control
+                return self._control(control, [bytes(f) for f in frames])
         try:
             outputs: EngineCoreOutputs = self.decoder.decode(frames)
         except Exception as e:
@@ -68,11 +75,26 @@ class OutputReader:
             return None
         return outputs
 
-    def _death_report(self, payload: Any) -> DeathReport | bytes:
+    def _control(self, control: bytes, frames: list[bytes]) -> DeathReport | bytes | None:
         try:
-            report = decode_death_report(bytes(payload))
-            if report.engine_index >= self.num_engines:
-                raise ValueError(f"unknown engine index {report.engine_index}")
+            if len(frames) != _FRAMES[control]:
+                raise EngineRefusedError(f"{len(frames)} frames, not {_FRAMES[control]}")
+            rank = self.engines.check_control(frames)
+        except EngineRefusedError as e:
+            self.refusals.drop(
+                "Refused %s on the output socket: %s (not from an engine of this front end); "
+                "nothing stops",
+                control.decode(),
+                e,
+            )
+            return None
+        return self._death_report(frames[1], rank) if control == ENGINE_CORE_DEAD else control
+
+    def _death_report(self, payload: bytes, rank: int) -> DeathReport | bytes:
+        try:
+            report = decode_death_report(payload)
+            if report.engine_index != rank:
+                raise ValueError(f"engine index {report.engine_index} from engine {rank}")
         except Exception as e:
             self.drops.drop("Dropped a malformed death report (%d bytes): %s", len(payload), e)
             return ENGINE_CORE_DEAD

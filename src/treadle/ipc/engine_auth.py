@@ -16,6 +16,13 @@ one it has:
 
 There is no `ROUTER_HANDOVER`: a peer that claims a bound routing identity is ignored by
 libzmq, and routing identities are random, so that no peer can squat on one either.
+
+The output PULL cannot tell its peers apart, so an engine's control messages there (it
+stopped, it died, and why) carry their own proof as their last frame: `seal_control` appends
+`(rank, launch)` and an HMAC of the message under that launch's token, and the front end
+(`EngineIdentities.check_control`) acts on one only if the proof holds for a launch not
+older than the one it has. Any other process of the same user can push into the PULL; it
+cannot stop, kill or blame an engine.
 """
 
 from __future__ import annotations
@@ -23,10 +30,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import struct
+from collections.abc import Sequence
 
-__all__ = ["EngineIdentities", "EngineRefusedError", "engine_token", "new_key", "routing_id"]
+__all__ = [
+    "EngineIdentities",
+    "EngineRefusedError",
+    "engine_token",
+    "new_key",
+    "routing_id",
+    "seal_control",
+]
 
 _KEY_BYTES = 32
+_PROOF = struct.Struct("<II")  # a control message's last frame: (rank, launch), then the MAC
+_MAC_BYTES = hashlib.sha256().digest_size
 
 
 def new_key() -> bytes:
@@ -42,6 +60,23 @@ def engine_token(key: bytes, rank: int, launch: int) -> bytes:
     """What launch `launch` of engine `rank` shows the front end that owns `key`."""
     msg = b"treadle-engine:%d:%d" % (rank, launch)
     return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def _control_mac(token: bytes, frames: Sequence[bytes]) -> bytes:
+    mac = hmac.new(token, b"treadle-control", hashlib.sha256)
+    for frame in frames:
+        mac.update(len(frame).to_bytes(8, "little"))
+        mac.update(frame)
+    return mac.digest()
+
+
+def seal_control(
+    tokens: Sequence[bytes], rank: int, launch: int, frames: list[bytes]
+) -> list[list[bytes]]:
+    """The control message `frames` of launch `launch` of engine `rank`, for each front end
+    (`tokens`: that launch's token of each), with its proof as the last frame."""
+    proof = _PROOF.pack(rank, launch)
+    return [[*frames, proof + _control_mac(token, frames)] for token in tokens]
 
 
 class EngineRefusedError(ValueError):
@@ -73,6 +108,26 @@ class EngineIdentities:
         self._routes[rank] = routing
         self._launches[rank] = launch
         return launch > current
+
+    def check_control(self, frames: Sequence[bytes]) -> int:
+        """The rank of the engine that sent the control message `frames` (its last frame the
+        proof of `seal_control`). Raises `EngineRefusedError` when the proof is missing or
+        wrong, or names an unknown rank or an older launch than the current one."""
+        *body, proof = frames
+        if len(proof) != _PROOF.size + _MAC_BYTES:
+            raise EngineRefusedError("no proof of which engine sent it")
+        rank, launch = _PROOF.unpack_from(proof)
+        if not 0 <= rank < self.num_engines:
+            raise EngineRefusedError(f"unknown engine rank {rank} ({self.num_engines} engines)")
+        mac = _control_mac(engine_token(self.key, rank, launch), body)
+        if not hmac.compare_digest(proof[_PROOF.size :], mac):
+            raise EngineRefusedError(f"a wrong proof for engine rank {rank}")
+        if launch < self._launches[rank]:
+            raise EngineRefusedError(
+                f"launch {launch} of engine rank {rank} is older than the current one "
+                f"({self._launches[rank]})"
+            )
+        return rank
 
     def resize(self, n: int) -> None:
         """Ranks added (not connected yet) or the highest removed (`POST /scale`)."""

@@ -228,6 +228,21 @@ def zmq_socket_ctx(
         ctx.term()
 
 
+_ACCEPTING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's flags: a listening socket
+
+
+def ipc_listening(address: str) -> bool:
+    """Whether some process listens on the ipc socket `address` now (Linux's /proc/net/unix;
+    False where that cannot be read). A front end that stopped or died does not."""
+    path = split_zmq_path(address)[1]
+    with contextlib.suppress(OSError, ValueError), open("/proc/net/unix") as table:
+        for line in table:
+            fields = line.split()
+            if len(fields) == 8 and fields[7] == path and int(fields[3], 16) & _ACCEPTING:
+                return True
+    return False
+
+
 def remove_ipc_files(addresses: Iterable[str]) -> None:
     """Remove the socket files of `ipc://` addresses that a child bound and, killed, could not
     remove itself (call once the child is gone)."""
