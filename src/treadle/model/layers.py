@@ -66,6 +66,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.in_features = in_features
         self.full_sizes = shard_sizes
         self.local_sizes = [s // self.tp_size for s in shard_sizes]
         self.weight = _attach_loader(
@@ -175,6 +176,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.out_features = out_features
         self.local_in = in_features // self.tp_size
         self.weight = _attach_loader(
             nn.Parameter(torch.empty(out_features, self.local_in)), self.weight_loader

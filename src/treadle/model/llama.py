@@ -272,19 +272,15 @@ class LlamaForCausalLM(nn.Module):
         batch = LoRABatch(max_loras)
         for layer in self.decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
+            # (a weight held as GGUF blocks has no float32 matrix to read sizes from)
+            norm = layer.input_layernorm.weight
+            dtype, device = norm.dtype, norm.device
             for column in (attn.qkv_proj, mlp.gate_up_proj):
-                w = column.weight
-                column.lora = LoRALayer(
-                    batch,
-                    len(column.local_sizes) * max_rank,
-                    w.shape[1],
-                    w.shape[0],
-                    w.dtype,
-                    w.device,
-                )
+                width = len(column.local_sizes) * max_rank
+                out = sum(column.local_sizes)
+                column.lora = LoRALayer(batch, width, column.in_features, out, dtype, device)
             for row in (attn.o_proj, mlp.down_proj):
-                w = row.weight
-                row.lora = LoRALayer(batch, max_rank, w.shape[1], w.shape[0], w.dtype, w.device)
+                row.lora = LoRALayer(batch, max_rank, row.local_in, row.out_features, dtype, device)
         self.lora_batch = batch
         return batch
 

@@ -155,34 +155,39 @@ class SlotWeights:
 
 class LoRABatch:
     """The step's rows of each adapter slot, shared by every target layer of the model (the
-    model runner sets it around the forward pass; no rows: no adapter in this step)."""
+    model runner sets it around the forward pass; no rows: no adapter in this step).
+
+    The rows are laid out once a step for batched products: slot s's rows go to places
+    [s n, s n + its rows) of a `slots x n` grid (n: the most rows of one slot; the grid's
+    other places repeat row 0 and are dropped after the products)."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self.num_rows = 0
         self.rows: list[tuple[int, torch.Tensor]] = []
-        self._masks: dict[int, torch.Tensor] = {}
+        self.per_slot = 0  # n
+        self.gather = self.places = self.dest = torch.empty(0, dtype=torch.long)
 
-    def set(self, num_rows: int, rows: list[tuple[int, torch.Tensor]]) -> None:
-        self.num_rows, self.rows, self._masks = num_rows, rows, {}
-
-    def mask(self, width: int, like: torch.Tensor) -> torch.Tensor:
-        """[rows, slots x width]: 1 where a row's slot's columns are (made once a step)."""
-        mask = self._masks.get(width)
-        if mask is None:
-            mask = torch.zeros(self.num_rows, self.num_slots * width, dtype=like.dtype)
-            for slot, rows in self.rows:
-                mask[rows.cpu(), slot * width : (slot + 1) * width] = 1.0
-            mask = self._masks[width] = mask.to(like.device)
-        return mask
+    def set(self, rows: list[tuple[int, torch.Tensor]]) -> None:
+        self.rows = rows
+        if not rows:
+            return
+        n = max(r.shape[0] for _, r in rows)
+        device = rows[0][1].device
+        gather = torch.zeros(self.num_slots * n, dtype=torch.long, device=device)
+        places, dest = [], []
+        for slot, r in rows:
+            gather[slot * n : slot * n + r.shape[0]] = r
+            places.append(torch.arange(slot * n, slot * n + r.shape[0], device=device))
+            dest.append(r)
+        self.per_slot, self.gather = n, gather
+        self.places, self.dest = torch.cat(places), torch.cat(dest)
 
 
 class LoRALayer:
-    """Every slot's adapter weights of one linear layer on this rank, stacked: slot s owns
-    columns [s W, (s + 1) W) of `h = x A^T` (W = its shards x the largest rank), and B is
-    laid out to match, scaled. A step's update of all its rows is then two products,
-    `((x A^T) * mask) B^T`, whatever adapters its rows use (the mask keeps each row to its
-    own slot's columns; a slot an adapter does not fill holds zeros)."""
+    """Every slot's adapter weights of one linear layer on this rank, stacked: A^T as
+    [slots, in, W] and B^T as [slots, W, out] (W = its shards x the largest rank; B scaled; a
+    slot an adapter does not fill holds zeros). A step's update is two batched products
+    over the rows gathered by slot (`LoRABatch`), whatever adapters its rows use."""
 
     def __init__(
         self,
@@ -194,29 +199,31 @@ class LoRALayer:
         device: torch.device,
     ) -> None:
         self.batch, self.width = batch, width
-        columns = batch.num_slots * width
-        self.a = torch.zeros(columns, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(out_features, columns, dtype=dtype, device=device)
+        slots = batch.num_slots
+        # Stored as the products read them (A^T, B^T): a transposed view costs bmm 3x.
+        self.a_t = torch.zeros(slots, in_features, width, dtype=dtype, device=device)
+        self.b_t = torch.zeros(slots, width, out_features, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, weights: SlotWeights | None) -> None:
         """Put an adapter's share in `slot` (None: empty it)."""
-        first = slot * self.width
-        self.a[first : first + self.width].zero_()
-        self.b[:, first : first + self.width].zero_()
+        self.a_t[slot].zero_()
+        self.b_t[slot].zero_()
         if weights is None:
             return
         rows = weights.a.shape[0]
         if rows > self.width:
             raise LoRAError(f"an adapter share of rank {rows} over the slot's {self.width}")
-        self.a[first : first + rows] = weights.a
+        self.a_t[slot, :, :rows] = weights.a.t()
         for col, at, b in weights.bs:
-            self.b[col : col + b.shape[0], first + at : first + at + b.shape[1]] = b * weights.scale
+            self.b_t[slot, at : at + b.shape[1], col : col + b.shape[0]] = b.t() * weights.scale
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add each row's adapter update to `out` (in place)."""
-        h = x.to(self.a.dtype) @ self.a.t()
-        h.mul_(self.batch.mask(self.width, h))
-        out.add_((h @ self.b.t()).to(out.dtype))
+        batch = self.batch
+        grid = x.index_select(0, batch.gather).to(self.a_t.dtype)
+        grid = grid.view(batch.num_slots, batch.per_slot, x.shape[1])
+        y = torch.bmm(torch.bmm(grid, self.a_t), self.b_t).view(-1, out.shape[1])
+        out.index_add_(0, batch.dest, y.index_select(0, batch.places).to(out.dtype))
 
 
 def column_share(

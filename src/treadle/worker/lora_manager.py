@@ -74,9 +74,8 @@ class LoRAManager:
             self.model.set_lora(slot, self.adapters[lora_id])
             self.slot_of[lora_id] = slot
         self.batch.set(
-            first,
-            [(self.slot_of[i], torch.tensor(r, device=self.device)) for i, r in rows.items()],
+            [(self.slot_of[i], torch.tensor(r, device=self.device)) for i, r in rows.items()]
         )
 
     def end_step(self) -> None:
-        self.batch.set(0, [])
+        self.batch.set([])
