@@ -26,6 +26,7 @@ from treadle.ipc.process import (
     describe_exit,
     get_mp_context,
     shutdown_processes,
+    signal_children,
     start_process,
     wait_for_ready,
 )
@@ -312,3 +313,19 @@ def test_a_process_freezes_its_startup_heap_and_still_collects_later_garbage() -
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.startswith("ok")
+
+
+def test_signalling_children_reaps_none_of_them(children: list[ChildProcess]) -> None:
+    """Only the process monitor reaps (issue 42 item 8): `signal_children` (and the
+    launcher's and the start-up's checks) read an exit without reaping it, else the monitor's
+    own wait could lose the race and read the exit code as None."""
+    children.append(start_process(ipc_children.exit_before_ready, "Quitter", (3,), ctx=FORK))
+    pid = children[0].pid
+    assert pid is not None
+    deadline = time.monotonic() + 30
+    while children[0].exitcode is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    signal_children(children, signal.SIGTERM)
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # not reaped yet
+    assert info is not None and info.si_status == 3 and children[0].exitcode == 3

@@ -146,7 +146,7 @@ class EngineLauncher:
         old = self.coordinator
         addresses = self._coordinator_addresses
         assert old is not None and addresses is not None
-        if old.process.is_alive():
+        if old.exitcode is None:  # (read without reaping: the process monitor reaps)
             old.process.kill()
         shutdown_processes([old], timeout=1.0)
         return self._start_coordinator(addresses)
@@ -281,7 +281,7 @@ class EngineLauncher:
         of the same config and rank, which then says HELLO (to `desk`, kept open)."""
         i = rank - self.start_rank
         old = self.engines[i]
-        if old.process.is_alive():
+        if old.exitcode is None:  # (read without reaping: the process monitor reaps)
             old.process.kill()
         shutdown_processes([old], timeout=1.0)
         self.engines[i] = new = self._start_engine(rank)
@@ -342,7 +342,7 @@ class EngineLauncher:
         # after `timeout`.
         signal_children(self.engines, signal.SIGUSR1)
         for child in self.children:
-            if child not in self.engines and child.process.is_alive():
+            if child not in self.engines and child.exitcode is None:
                 child.process.terminate()
         shutdown_processes(self.children, timeout=timeout)
         if self._coordinator_addresses is not None:  # in case it was killed

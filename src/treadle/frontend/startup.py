@@ -85,7 +85,7 @@ class StartupProgress:
         self.stopping = True
         self.heard.set()  # (nothing more will come: what waits for it answers now)
         for child in self.children():
-            if child.process.is_alive():
+            if child.exitcode is None:  # (without reaping it: the monitor does)
                 child.process.terminate()
 
 

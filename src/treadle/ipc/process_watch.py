@@ -212,7 +212,7 @@ def stop_watched(children: Sequence[ChildProcess], timeout: float) -> None:
 def signal_children(children: Sequence[ChildProcess], sig: int) -> None:
     """Send `sig` to each child that still runs."""
     for child in children:
-        if child.pid is not None and child.process.is_alive():
+        if child.pid is not None and child.exitcode is None:  # (without reaping it)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, sig)
 
