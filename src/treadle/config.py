@@ -377,6 +377,8 @@ class FrontendConfig:
     """How to read tool calls out of the model's text for `tool_choice: "auto"` (`hermes`: JSON in <tool_call> tags, as SmolLM2, Qwen2/3 and many Llama fine-tunes write them); set only with --enable-auto-tool-choice."""
     reasoning_parser: str | None = None
     """Split chat answers' `<think>...</think>` into `reasoning_content` beside `content`, as vLLM: `deepseek_r1` (the text before `</think>` is reasoning, with or without `<think>`) or `qwen3` (reasoning only in `<think>...</think>`)."""
+    parallel: int | None = None
+    """llama-server's slots for /completion and /infill in each API server (`-np`); default: --max-num-seqs."""
     exclude_tools_when_tool_choice_none: bool = False
     """With `tool_choice: "none"`, keep the tools out of the chat template too."""
     chat_template: str | None = None

@@ -69,6 +69,7 @@ class FrontendArgs:
     tool_call_parser: str | None = arg(None, group="frontend", area=FrontendConfig)
     exclude_tools_when_tool_choice_none: bool = arg(False, group="frontend", area=FrontendConfig)
     reasoning_parser: str | None = arg(None, group="frontend", area=FrontendConfig)
+    parallel: int | None = arg(None, "-np", "--parallel", group="frontend", area=FrontendConfig)
     max_request_body_bytes: int = arg(
         FrontendConfig.max_request_body_bytes,
         group="frontend",
@@ -122,6 +123,8 @@ class FrontendArgs:
             raise ValueError(f"--root-path must start with '/', not {self.root_path!r}")
         self.chat_template_text()
         check_reasoning_parser(self.reasoning_parser)
+        if self.parallel is not None and self.parallel < 1:
+            raise ValueError(f"--parallel (-np) must be at least 1, not {self.parallel}")
         self.restart_config().check()
         media = self.allowed_local_media_path
         if media is not None and not os.path.isdir(os.path.expanduser(media)):
@@ -150,6 +153,7 @@ class FrontendArgs:
             tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None,
             exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none,
             reasoning_parser=self.reasoning_parser,
+            parallel=self.parallel,
             chat_template=self.chat_template_text(),
             enable_log_requests=self.enable_log_requests,
             allowed_local_media_path=None

@@ -1,7 +1,7 @@
 """llama.cpp's `llama-server` endpoints that tools and UIs read (issue 26 item 5), with its
 field names:
 
-- `GET /props`: the context size, the slot count (`--max-num-seqs`), the chat template, the BOS
+- `GET /props`: the context size, the slot count (`--parallel`, default `--max-num-seqs`), the chat template, the BOS
   and EOS tokens, the default sampling parameters and the build. llama.cpp reports the model's
   file path in `model_path`; treadle never reports a file-system path, so `model_path` and
   `model_alias` are the served name.
@@ -10,7 +10,7 @@ field names:
 
 - `POST /completion` (and `/completions`) and `POST /infill`: llama.cpp's own generation
   endpoints (item 1), in `llamacpp_completion.py`.
-- `POST /slots/{id}?action=save|restore|erase` and `/prompt_cache/save|restore`: prompts' KV
+- `GET /slots` and `POST /slots/{id}?action=save|restore|erase` and `/prompt_cache/save|restore`: prompts' KV
   saved to files and restored (item 2), in `llamacpp_slots.py`.
 
 All are guarded by `--api-key` (`KEYED_PATHS`), as llama.cpp guards them.
@@ -30,7 +30,7 @@ from treadle.entrypoints.openai.llamacpp_completion import (
     LlamaCompletionServing,
 )
 from treadle.entrypoints.openai.llamacpp_slots import KEYED_PATHS as SLOT_PATHS
-from treadle.entrypoints.openai.llamacpp_slots import PromptFiles, add_slot_routes
+from treadle.entrypoints.openai.llamacpp_slots import PromptFiles, add_slot_routes, slot_count
 from treadle.entrypoints.openai.openapi_responses import errors
 from treadle.entrypoints.openai.protocol import ChatMessage
 from treadle.entrypoints.openai.serving import OpenAIServing
@@ -70,7 +70,7 @@ def props(serving: OpenAIServing) -> dict[str, Any]:
                 "stream": False,
             },
         },
-        "total_slots": engine.config.scheduler.max_num_seqs,
+        "total_slots": slot_count(serving),
         "model_alias": name,
         "model_path": name,
         "modalities": {"vision": False, "audio": False},

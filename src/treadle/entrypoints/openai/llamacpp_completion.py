@@ -16,9 +16,9 @@ server-sent `data:` events (no `[DONE]`, as llama.cpp). What llama.cpp's fields 
   order is treadle's (vLLM's: penalties, temperature, top-k, top-p, min-p, then infill).
 - `repeat_penalty` covers the whole context (vLLM's `repetition_penalty`), not only the last
   `repeat_last_n` tokens.
-- `id_slot` and `cache_prompt`: treadle has no slots; its prefix cache serves any request's
-  earlier prompt, so a slot id in [-1, --max-num-seqs) is accepted and echoed back, and
-  `cache_prompt: false` (which the shared cache cannot honour per request) is refused.
+- `id_slot`: the slot to run in, or -1 (the default) for the one llama-server would pick
+  (`llamacpp_slots.py`); every answer says which. `cache_prompt: false` (which treadle's
+  shared prefix cache cannot honour per request) is refused.
 - `response_fields`: the response holds only these fields (`"timings/prompt_n"` style paths
   become keys), as llama.cpp.
 - `grammar` (GBNF) and `json_schema` constrain the output.
@@ -48,6 +48,7 @@ from treadle.entrypoints.openai.fim import (
 )
 from treadle.entrypoints.openai.fim import tokenize_mixed as mixed_ids
 from treadle.entrypoints.openai.llamacpp_progress import SAMPLERS, CompletionJob
+from treadle.entrypoints.openai.llamacpp_slots import Slots
 from treadle.entrypoints.openai.serving_base import Outputs, ServingBase, _data
 from treadle.logger import init_logger
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
@@ -111,8 +112,8 @@ class LlamaCompletionRequest(BaseModel):
 
 
 class LlamaCompletionServing:
-    def __init__(self, base: ServingBase, slots: dict[int, list[int]] | None = None):
-        """`slots`: where requests with an `id_slot` leave their tokens."""
+    def __init__(self, base: ServingBase, slots: Slots):
+        """`slots`: the API server's slots, one of which each request runs in."""
         self.base = base
         self.slots = slots
         eos = base.engine.input_processor.eos_token_id
@@ -123,7 +124,8 @@ class LlamaCompletionServing:
         base = self.base
         base.check_model(req.model)
         started = time.monotonic()
-        _check_fields(req, base.engine.config.scheduler.max_num_seqs)
+        _check_fields(req)
+        self.slots.check(req.id_slot, auto=True)
         n_predict = _n_predict(req)
         ids = await base.inputs.run(_size(req), self._prompt_ids, req, infill, n_predict)
         params = self._params(req, n_predict, len(ids))
@@ -134,11 +136,21 @@ class LlamaCompletionServing:
             prepared = await base.inputs.run(len(ids), prepare, f"{rid}-0", None, ids, params)
         except InvalidRequest as e:
             raise e.renamed(names) from None
-        job = CompletionJob(req, ids, n_predict == 0, base.model_name, started, slots=self.slots)
-        outputs = base.run([prepared], base.dp_rank(raw))
-        if req.stream:
-            return StreamingResponse(_sse(job, outputs, rid), media_type="text/event-stream")
-        return await base.until_done(raw, job.body(outputs))
+        rank = base.dp_rank(raw)
+        slot = await self.slots.acquire(req.id_slot, ids, _slot_params(req, n_predict))
+        job = CompletionJob(req, ids, n_predict == 0, base.model_name, started, slot=slot)
+        try:
+            outputs = base.run([prepared], rank)
+            if req.stream:
+                stream = _sse(job, outputs, rid, self.slots)
+                return StreamingResponse(stream, media_type="text/event-stream")
+            return await base.until_done(raw, job.body(outputs))
+        except BaseException:
+            self.slots.release(slot, job.tokens())
+            raise
+        finally:
+            if not req.stream:
+                self.slots.release(slot, job.tokens())
 
     def _prompt_ids(self, req: LlamaCompletionRequest, infill: bool, n_predict: int) -> list[int]:
         processor = self.base.engine.input_processor
@@ -220,7 +232,21 @@ class LlamaCompletionServing:
         )
 
 
-def _check_fields(req: LlamaCompletionRequest, slots: int) -> None:
+def _slot_params(req: LlamaCompletionRequest, n_predict: int) -> dict[str, Any]:
+    """The request's settings as `GET /slots` shows them (llama-server's `params`)."""
+    return {
+        "n_predict": n_predict,
+        "seed": req.seed,
+        "temperature": req.temperature,
+        "top_k": req.top_k,
+        "top_p": req.top_p,
+        "min_p": req.min_p,
+        "stop": req.stop,
+        "stream": req.stream,
+    }
+
+
+def _check_fields(req: LlamaCompletionRequest) -> None:
     extra = dict(req.model_extra or {})
     for name, off in _OFF_FIELDS.items():
         if name in extra and extra.pop(name) not in (off, None):
@@ -234,8 +260,6 @@ def _check_fields(req: LlamaCompletionRequest, slots: int) -> None:
             raise InvalidRequest(
                 "samplers", f"unknown sampler {name!r}; treadle has {', '.join(SAMPLERS)}"
             )
-    if not -1 <= req.id_slot < slots:
-        raise InvalidRequest("id_slot", f"must be -1 or in [0, {slots}), got {req.id_slot}")
     if not req.cache_prompt:
         raise InvalidRequest(
             "cache_prompt",
@@ -279,8 +303,9 @@ def _parsed_mixed(tokenizer: Any, prompt: Any, vocab: int, processor: Any) -> li
     return ids
 
 
-async def _sse(job: CompletionJob, outputs: Outputs, rid: str) -> AsyncIterator[str]:
-    """The stream: a `data:` event per new text, then the final one (llama.cpp's shape)."""
+async def _sse(job: CompletionJob, outputs: Outputs, rid: str, slots: Slots) -> AsyncIterator[str]:
+    """The stream: a `data:` event per new text, then the final one (llama.cpp's shape); its
+    slot is released when it ends."""
     try:
         async for _, out in outputs:
             over = job.take(out)
@@ -296,3 +321,5 @@ async def _sse(job: CompletionJob, outputs: Outputs, rid: str) -> AsyncIterator[
         yield _data(error_for(e)[1])
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
+        if job.slot is not None:
+            slots.release(job.slot, job.tokens())

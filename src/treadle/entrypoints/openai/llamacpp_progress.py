@@ -12,6 +12,7 @@ from treadle.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from treadle.entrypoints.openai.llamacpp_completion import LlamaCompletionRequest
+    from treadle.entrypoints.openai.llamacpp_slots import Slot
     from treadle.entrypoints.openai.serving_base import Outputs
 
 SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "temperature", "infill")
@@ -37,8 +38,8 @@ class CompletionJob:
     has_new_line: bool = False
     last_nl: int = 0
     sent: int = 0
-    slots: dict[int, list[int]] | None = None
-    """Where a request with an `id_slot` leaves its tokens (`llamacpp_slots.py`)."""
+    slot: Slot | None = None
+    """The slot it runs in (`llamacpp_slots.py`), whose progress it keeps up to date."""
 
     def take(self, out: RequestOutput) -> bool:
         """Take an output; True when the request is over (the engine's end or an early stop)."""
@@ -59,6 +60,8 @@ class CompletionJob:
         timed_out = self.has_new_line and late
         self.text, self.token_ids = comp.text, list(comp.token_ids)
         self.has_new_line = self.has_new_line or "\n" in self.text
+        if self.slot is not None:
+            self.slot.n_decoded, self.slot.has_new_line = len(self.token_ids), self.has_new_line
         if self._short_indent() or (timed_out and not comp.finished):
             self.stop_type, self.finished = "limit", now
             return True
@@ -110,14 +113,20 @@ class CompletionJob:
             "content": delta,
             "tokens": [],
             "stop": False,
-            "id_slot": self.req.id_slot,
+            "id_slot": self.id_slot,
             "tokens_predicted": len(self.token_ids),
             "tokens_evaluated": len(self.prompt_ids),
         }
 
+    @property
+    def id_slot(self) -> int:
+        return self.req.id_slot if self.slot is None else self.slot.id
+
+    def tokens(self) -> list[int]:
+        """The prompt and what was generated of it (what its slot keeps)."""
+        return [*self.prompt_ids, *([] if self.prompt_only else self.token_ids)]
+
     def final(self, streamed: bool) -> dict[str, Any]:
-        if self.slots is not None and self.req.id_slot >= 0:
-            self.slots[self.req.id_slot] = [*self.prompt_ids, *self.token_ids]
         end = self.finished or time.monotonic()
         first = self.first_token or end
         predicted = 0 if self.prompt_only else len(self.token_ids)
@@ -129,7 +138,7 @@ class CompletionJob:
             "index": 0,
             "content": "" if streamed else ("" if self.prompt_only else self.text),
             "tokens": [] if streamed or self.prompt_only else self.token_ids,
-            "id_slot": req.id_slot,
+            "id_slot": self.id_slot,
             "stop": True,
             "model": self.model_name,
             "tokens_predicted": predicted,
