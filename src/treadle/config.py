@@ -387,6 +387,8 @@ class FrontendConfig:
     """Log each request as it arrives (id, prompt length, sampling parameters) and as it finishes."""
     allowed_local_media_path: str | None = None
     """A folder whose images requests may name as `file://` URLs (a real path; `..` and symlinks out of it are refused); unset: no `file://` URL is taken."""
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
+    """LoRA adapters served by name (vLLM's `--lora-modules name=path`, or its JSON `{"name", "path", "base_model_name"}`); needs --enable-lora. A name is a request's `model`; /v1/models lists each with its `parent`."""
     allowed_media_domains: tuple[str, ...] = ()
     """Hosts whose `http(s)://` image URLs requests may name (exact names; a redirect must stay among them, and no host may resolve to a loopback, private or link-local address); none by default."""
     disable_log_stats: bool = False

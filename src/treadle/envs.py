@@ -264,3 +264,11 @@ def media_allow_private_addresses() -> bool:
     resolve to loopback, private and link-local addresses (a test on one machine, a
     deployment inside a private network); off by default (SSRF)."""
     return _bool("TREADLE_MEDIA_ALLOW_PRIVATE_ADDRESSES", False)
+
+
+def allow_runtime_lora_updating() -> bool:
+    """TREADLE_ALLOW_RUNTIME_LORA_UPDATING=1 (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=1):
+    the API takes POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    return _bool("TREADLE_ALLOW_RUNTIME_LORA_UPDATING", False) or _bool(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING", False
+    )

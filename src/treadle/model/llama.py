@@ -26,7 +26,14 @@ from treadle.model.layers import (
     VocabParallelEmbedding,
     apply_rotary,
 )
-from treadle.model.lora import Adapter, LoRABatch, LoRALayer, column_share, row_share
+from treadle.model.lora import (
+    Adapter,
+    LoRABatch,
+    LoRALayer,
+    column_share,
+    lora_shapes,
+    row_share,
+)
 from treadle.model.parallel import tp_size
 
 # Checkpoint name fragment -> (our parameter name fragment, shard index in a packed matrix).
@@ -253,17 +260,7 @@ class LlamaForCausalLM(nn.Module):
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
         """Each module an adapter may target: its full (out, in) in the checkpoint."""
-        a = self.arch
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        return {
-            "q_proj": (q, a.hidden_size),
-            "k_proj": (kv, a.hidden_size),
-            "v_proj": (kv, a.hidden_size),
-            "o_proj": (a.hidden_size, q),
-            "gate_proj": (a.intermediate_size, a.hidden_size),
-            "up_proj": (a.intermediate_size, a.hidden_size),
-            "down_proj": (a.hidden_size, a.intermediate_size),
-        }
+        return lora_shapes(self.arch)
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoRABatch:
         """Give every linear layer of this stage a `LoRALayer` of `max_loras` slots of rank

@@ -22,8 +22,24 @@ from dataclasses import dataclass
 
 import torch
 
+from treadle.model.arch import ModelArch
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The modules an adapter may target (PEFT's names); embeddings and the LM head are refused."""
+
+
+def lora_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
+    """Each module an adapter may target: its full (out, in) in the base checkpoint."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return {
+        "q_proj": (q, arch.hidden_size),
+        "k_proj": (kv, arch.hidden_size),
+        "v_proj": (kv, arch.hidden_size),
+        "o_proj": (arch.hidden_size, q),
+        "gate_proj": (arch.intermediate_size, arch.hidden_size),
+        "up_proj": (arch.intermediate_size, arch.hidden_size),
+        "down_proj": (arch.hidden_size, arch.intermediate_size),
+    }
 
 
 class LoRAError(ValueError):

@@ -34,6 +34,7 @@ from treadle.entrypoints.openai.dashboard import add_dashboard_routes
 from treadle.entrypoints.openai.errors import HANDLED, APIError, error_for
 from treadle.entrypoints.openai.health import Health, add_health_routes
 from treadle.entrypoints.openai.llamacpp import add_llamacpp_routes
+from treadle.entrypoints.openai.lora_routes import add_lora_routes
 from treadle.entrypoints.openai.openapi_responses import (
     GENERATED,
     INVOCATIONS_BODY,
@@ -163,6 +164,7 @@ def build_app(
     add_chat_routes(app)
     add_llamacpp_routes(app, serving)
     add_scale_routes(app, engine)
+    add_lora_routes(app, serving)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from treadle.config import FrontendConfig, RestartConfig
 from treadle.engine_args import arg, from_namespace, parse_bytes
 from treadle.entrypoints.openai.reasoning import check_reasoning_parser
+from treadle.frontend.loras import parse_lora_module
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -77,6 +78,7 @@ class FrontendArgs:
     )
     """Largest HTTP request body; a larger one gets 413. Accepts 8MiB or bytes (default 8MiB)."""
     max_prompt_chars: int | None = arg(None, group="frontend", area=FrontendConfig)
+    lora_modules: tuple[str, ...] = arg((), group="frontend", area=FrontendConfig, nargs="+")
     allowed_local_media_path: str | None = arg(None, group="frontend", area=FrontendConfig)
     allowed_media_domains: tuple[str, ...] = arg(
         (), group="frontend", area=FrontendConfig, nargs="+"
@@ -126,6 +128,8 @@ class FrontendArgs:
         if self.parallel is not None and self.parallel < 1:
             raise ValueError(f"--parallel (-np) must be at least 1, not {self.parallel}")
         self.restart_config().check()
+        for module in self.lora_modules:
+            parse_lora_module(module)  # (raises ValueError with what to change)
         media = self.allowed_local_media_path
         if media is not None and not os.path.isdir(os.path.expanduser(media)):
             raise ValueError(f"--allowed-local-media-path {media!r}: not a directory")
@@ -156,6 +160,10 @@ class FrontendArgs:
             parallel=self.parallel,
             chat_template=self.chat_template_text(),
             enable_log_requests=self.enable_log_requests,
+            lora_modules=tuple(
+                (m.name, m.path, m.base_model_name)
+                for m in map(parse_lora_module, self.lora_modules)
+            ),
             allowed_local_media_path=None
             if self.allowed_local_media_path is None
             else os.path.realpath(os.path.expanduser(self.allowed_local_media_path)),

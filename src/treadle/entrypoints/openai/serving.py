@@ -35,12 +35,18 @@ class OpenAIServing(ServingBase):
     def model_cards(self) -> list[ModelCard]:
         """/v1/models: a card per served name, as vLLM's; `root` is the first served name (the
         path as given unless --served-model-name says otherwise: never a resolved path)."""
-        return [self._card(name) for name in self.listed_names]
+        cards = [self._card(name) for name in self.listed_names]
+        return cards + [self._adapter_card(*adapter) for adapter in self.loras.cards()]
 
     def model_card(self, model: str) -> ModelCard:
         """/v1/models/{model}: its card, for any name the model answers to; 404 otherwise."""
-        self.check_model(model)
+        if self.check_model(model) is not None:
+            return next(self._adapter_card(*a) for a in self.loras.cards() if a[0] == model)
         return self._card(model)
+
+    def _adapter_card(self, name: str, path: str, parent: str) -> ModelCard:
+        """A LoRA adapter's card, as vLLM's: `root` its directory, `parent` its base model."""
+        return ModelCard(id=name, root=path, parent=parent, max_model_len=self.engine.max_model_len)
 
     def _card(self, name: str) -> ModelCard:
         return ModelCard(id=name, root=self.model_name, max_model_len=self.engine.max_model_len)

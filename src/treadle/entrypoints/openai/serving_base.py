@@ -6,6 +6,7 @@ comes (server-sent events: errors as error events, `[DONE]` last)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,17 +16,20 @@ import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from treadle.config import resolve_model
 from treadle.entrypoints.openai.errors import APIError, error_body, error_for, is_bug
 from treadle.entrypoints.openai.inputs import INLINE_CHARS, Prompt, PromptInputs, Truncation
 from treadle.entrypoints.openai.params import AnyRequest, check_fields, sampling_params
 from treadle.entrypoints.openai.protocol import StreamOptions, UsageInfo
 from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.input_processor import PreparedRequest
+from treadle.frontend.loras import FrontendLoRAs, LoRAModule
 from treadle.logger import init_logger
+from treadle.model.loader import read_arch
 from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams, generation_defaults
 from treadle.validation import InvalidRequest, check_batch, check_max_tokens, is_int64, parse_int
-from treadle.wire.engine import MultiModalInput
+from treadle.wire.engine import LoRARequest, MultiModalInput
 
 logger = init_logger(__name__)
 
@@ -46,6 +50,15 @@ class ServingBase:
         """The names /v1/models lists, as vLLM's (every served name)."""
         self.model_names = (*self.listed_names, *model.also_served_as)
         """Every name a request's `model` may be."""
+        self.loras = FrontendLoRAs(
+            tuple(LoRAModule(*m) for m in engine.config.frontend.lora_modules),
+            self.listed_names,
+            engine.config.lora is not None,
+        )
+        """The adapters a request's `model` may name (`frontend/loras.py`)."""
+        if engine.config.lora is not None and self.loras.adapters:
+            arch = read_arch(resolve_model(engine.config.model.model))
+            self.loras.check_files(arch, engine.config.lora.max_lora_rank)
         self.tokenizer = engine.tokenizer
         self.token_text = engine.output_processor.token_texts
         self.inputs = PromptInputs(engine.input_processor, engine.config.frontend)
@@ -57,11 +70,28 @@ class ServingBase:
                 self.sampling_defaults,
             )
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            served = ", ".join(f"`{name}`" for name in self.listed_names)  # as /v1/models
-            message = f"The model `{model}` does not exist. This server serves {served}."
-            raise APIError(message, 404, "NotFoundError", "model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for a name not served."""
+        lora = self.loras.resolve(model)
+        if lora is not None or model is None or model in self.model_names:
+            return lora
+        names = [*self.listed_names, *self.loras.adapters]
+        served = ", ".join(f"`{name}`" for name in names)  # as /v1/models
+        message = f"The model `{model}` does not exist. This server serves {served}."
+        raise APIError(message, 404, "NotFoundError", "model")
+
+    def shown_model(self, lora: LoRARequest | None) -> str:
+        """The name responses report: the adapter's, or the first served name."""
+        return self.model_name if lora is None else lora.lora_name
+
+    async def on_every_engine(self, method: str, args: list[Any]) -> None:
+        """A utility call on every engine core; its refusal is the client's 400."""
+        client = self.engine.client
+        for rank in range(client.num_engines):
+            try:
+                await client.call_utility(method, *args, engine=rank)
+            except RuntimeError as e:
+                raise InvalidRequest("lora_path", str(e).split("InvalidRequest: ")[-1]) from None
 
     def check_without_prompt(self, req: AnyRequest) -> Truncation | None:
         """The request's checks that need no prompt; returns the truncation asked for."""
@@ -103,6 +133,7 @@ class ServingBase:
         tool_constraint: StructuredOutputsParams | None = None,
         embeds: list[torch.Tensor] | None = None,
         images: list[list[MultiModalInput]] | None = None,
+        lora: LoRARequest | None = None,
     ) -> list[PreparedRequest]:
         """The request's `SamplingParams` (the HTTP rule first: prompt + max_tokens fit the
         context), and each prompt prepared with them as `{rid}-{i}`: checked once against the
@@ -133,7 +164,15 @@ class ServingBase:
         # A grammar compiles on its first use: off the event loop.
         size = INLINE_CHARS if params.structured_outputs is not None else 0
         return await self.inputs.run(
-            size, self._prepare, prompts, params, rid, req.priority, embeds or [], images or []
+            size,
+            self._prepare,
+            prompts,
+            params,
+            rid,
+            req.priority,
+            embeds or [],
+            images or [],
+            lora,
         )
 
     def _prepare(
@@ -144,8 +183,9 @@ class ServingBase:
         priority: int,
         embeds: list[torch.Tensor],
         images: list[list[MultiModalInput]],
+        lora: LoRARequest | None,
     ) -> list[PreparedRequest]:
-        prepare = self.engine.input_processor.prepare
+        prepare = functools.partial(self.engine.input_processor.prepare, lora_request=lora)
         return [
             prepare(
                 f"{rid}-{i}",

@@ -46,7 +46,7 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         base = self.base
-        base.check_model(req.model)
+        lora = base.check_model(req.model)
         rank = base.dp_rank(raw)
         truncate = base.check_without_prompt(req)
         if req.top_logprobs and not req.logprobs:
@@ -80,6 +80,7 @@ class ChatServing:
                 truncate,
                 plan.structured_outputs,
                 images=[images],
+                lora=lora,
             )
         except InvalidRequest as e:
             raise e.renamed(names) from None
@@ -89,7 +90,7 @@ class ChatServing:
             mode = first_mode(front.reasoning_parser, shown, req.chat_template_kwargs)
             _check_constraint(mode, requests[0].params.structured_outputs is not None, plan)
         writer = LogprobWriter(base.token_text, req.return_tokens_as_token_ids)
-        job = _Chat(req, plan, ids, rid, base.model_name, writer, mode)
+        job = _Chat(req, plan, ids, rid, base.shown_model(lora), writer, mode)
         outputs = base.run(requests, rank)
         if req.stream:
             return base.stream(job.events(outputs), outputs, rid)

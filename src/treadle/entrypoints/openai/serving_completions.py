@@ -36,7 +36,7 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         base = self.base
-        base.check_model(req.model)
+        lora = base.check_model(req.model)
         rank = base.dp_rank(raw)
         truncate = base.check_without_prompt(req)
         prompt_only = req.max_tokens == 0
@@ -53,10 +53,18 @@ class CompletionServing:
         max_tokens = 1 if prompt_only else req.max_tokens
         rid = random_id("cmpl")
         requests = await base.prepare(
-            req, rid, max_tokens, prompts, req.logprobs, prompt_lps, truncate, embeds=embeds
+            req,
+            rid,
+            max_tokens,
+            prompts,
+            req.logprobs,
+            prompt_lps,
+            truncate,
+            embeds=embeds,
+            lora=lora,
         )
         writer = LogprobWriter(base.token_text, req.return_tokens_as_token_ids)
-        job = _Completion(req, prompts, prompt_only, rid, base.model_name, writer)
+        job = _Completion(req, prompts, prompt_only, rid, base.shown_model(lora), writer)
         outputs = base.run(requests, rank)
         if req.stream:
             return base.stream(job.events(outputs), outputs, rid)

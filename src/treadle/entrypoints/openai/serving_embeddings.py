@@ -45,7 +45,10 @@ class EmbeddingServing:
 
     async def create(self, req: EmbeddingRequest, raw: Request) -> Response:
         base = self.base
-        base.check_model(req.model)
+        if base.check_model(req.model) is not None:
+            raise InvalidRequest(
+                "model", "LoRA adapters serve generation; embed with the base model"
+            )
         if req.dimensions is not None:
             raise InvalidRequest(
                 "dimensions", "is not supported: this model's embeddings have one size"

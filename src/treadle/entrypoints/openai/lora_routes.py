@@ -1,0 +1,49 @@
+"""`POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (vLLM's, with
+TREADLE_ALLOW_RUNTIME_LORA_UPDATING=1 or vLLM's variable): adapters loaded and unloaded while
+serving (`frontend/loras.py` says what is checked)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+
+from treadle.entrypoints.openai.errors import APIError
+from treadle.entrypoints.openai.serving_base import ServingBase
+from treadle.validation import InvalidRequest
+
+KEYED_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # (under /v1: keyed)
+
+
+async def _body(raw: Request, fields: set[str]) -> dict[str, Any]:
+    try:
+        body = await raw.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"JSON decode error: {e}", 400, "BadRequestError") from e
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise InvalidRequest(unknown[0], "is not a field of this endpoint")
+    return body
+
+
+def add_lora_routes(app: FastAPI, serving: ServingBase) -> None:
+    loras = serving.loras
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(raw: Request) -> str:
+        body = await _body(raw, {"lora_name", "lora_path", "load_inplace"})
+        if body.get("load_inplace"):
+            raise InvalidRequest("load_inplace", "is not supported: unload the adapter first")
+        name = body.get("lora_name")
+        await loras.load(name, body.get("lora_path"), serving.on_every_engine)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(raw: Request) -> str:
+        body = await _body(raw, {"lora_name", "lora_int_id"})
+        name = body.get("lora_name")
+        await loras.unload(name, serving.on_every_engine)
+        return f"Success: LoRA adapter '{name}' removed successfully."
