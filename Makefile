@@ -96,6 +96,8 @@ bench: install-test bench-peers
 	$(BIN)/python benchmarks/embed_bench.py
 	$(BIN)/python benchmarks/spec_bench.py
 	$(BIN)/python benchmarks/kv_dtype_bench.py
+	$(BIN)/python benchmarks/image_bench.py
+	$(BIN)/python benchmarks/lora_bench.py
 	$(BIN)/python benchmarks/quality.py
 	$(BIN)/python benchmarks/quality.py --activations int8
 	$(BIN)/python benchmarks/quality.py --kv-cache-dtype int8
