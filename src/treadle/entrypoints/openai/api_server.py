@@ -164,7 +164,7 @@ def build_app(
     add_chat_routes(app)
     add_llamacpp_routes(app, serving)
     add_scale_routes(app, engine)
-    add_lora_routes(app, serving)
+    add_lora_routes(app, serving, several=server.api_servers(engine.config) > 1)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

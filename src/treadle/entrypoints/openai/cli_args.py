@@ -11,7 +11,7 @@ import os
 import typing
 from dataclasses import dataclass
 
-from treadle.config import FrontendConfig, RestartConfig
+from treadle.config import EngineConfig, FrontendConfig, RestartConfig
 from treadle.engine_args import arg, from_namespace, parse_bytes
 from treadle.entrypoints.openai.reasoning import check_reasoning_parser
 from treadle.frontend.loras import parse_lora_module
@@ -133,6 +133,12 @@ class FrontendArgs:
         media = self.allowed_local_media_path
         if media is not None and not os.path.isdir(os.path.expanduser(media)):
             raise ValueError(f"--allowed-local-media-path {media!r}: not a directory")
+
+    def api_servers(self, config: EngineConfig) -> int:
+        """How many API servers share the HTTP port (`--api-server-count`, default the data
+        parallel size)."""
+        count = self.api_server_count
+        return config.parallel.data_parallel_size if count is None else count
 
     def chat_template_text(self) -> str | None:
         """--chat-template as vLLM reads it: a file's contents, or the template itself."""

@@ -29,11 +29,23 @@ async def _body(raw: Request, fields: set[str]) -> dict[str, Any]:
     return body
 
 
-def add_lora_routes(app: FastAPI, serving: ServingBase) -> None:
+def add_lora_routes(app: FastAPI, serving: ServingBase, several: bool = False) -> None:
+    """`several`: this is one of several API servers on one port, where a load would reach
+    only the one that took the connection: refused, with the way out."""
     loras = serving.loras
+
+    def check_one_server() -> None:
+        if several:
+            raise InvalidRequest(
+                "lora_name",
+                "loading adapters while serving needs one API server (--api-server-count 1): "
+                "with several, a load would reach only the one that took this connection; "
+                "give the adapters with --lora-modules instead",
+            )
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(raw: Request) -> str:
+        check_one_server()
         body = await _body(raw, {"lora_name", "lora_path", "load_inplace"})
         if body.get("load_inplace"):
             raise InvalidRequest("load_inplace", "is not supported: unload the adapter first")
@@ -43,6 +55,7 @@ def add_lora_routes(app: FastAPI, serving: ServingBase) -> None:
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(raw: Request) -> str:
+        check_one_server()
         body = await _body(raw, {"lora_name", "lora_int_id"})
         name = body.get("lora_name")
         await loras.unload(name, serving.on_every_engine)
