@@ -334,6 +334,11 @@ def test_a_dead_tp_worker_restarts_its_engine_and_the_stream_goes_on(
     said = f"Worker_TP1 (pid {worker}) died: killed by signal 9 (SIGKILL)"
     assert said in death["error"], death
     assert any(said in line and "Restarting it" in line for line in srv.output().splitlines())
+    # The dead worker's reply queue (and those of the ranks killed with it) are removed and
+    # forgotten by the resource tracker: no "leaked shared_memory objects" at the end.
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(60) == 0
+    assert "leaked shared_memory" not in srv.log_path.read_text(), srv.output()[-3000:]
 
 
 def streams_across_a_kill(

@@ -21,6 +21,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
 from treadle import envs
 from treadle.config import EngineConfig, pp_layer_partition
@@ -173,10 +174,15 @@ class MultiprocExecutor(Executor):
         shutdown_processes(self.workers, timeout=5.0)
         for queue in self.reply_queues:
             queue.close()
-        # A worker killed -9 never removed the reply queue it created: do it for it.
+        # A worker killed -9 never removed the reply queue it created: do it for it, and
+        # tell the resource tracker that it shares with this process (fork and spawn pass it
+        # on), which would otherwise warn of "leaked shared_memory objects" at exit.
         for worker, handle in zip(self.workers, self.reply_handles, strict=False):
             if worker.exitcode is not None and worker.exitcode < 0:
                 remove_orphaned_queue(handle)
+                if handle.buffer_handle:
+                    with contextlib.suppress(Exception):  # (no tracker, or one gone)
+                        resource_tracker.unregister("/" + handle.buffer_handle[3], "shared_memory")
         if broadcast is not None:
             broadcast.close()
         # A stage worker killed -9 leaves its socket file behind.
