@@ -83,6 +83,17 @@ def test_refusals_name_the_part(url: object, needle: str) -> None:
     assert e.value.param == WHERE
 
 
+def test_a_truncated_jpeg_is_refused() -> None:
+    from llava_helpers import random_image
+
+    buf = io.BytesIO()
+    random_image(1, 64, 64).save(buf, format="JPEG")
+    cut = buf.getvalue()[: len(buf.getvalue()) // 2]
+    with pytest.raises(InvalidRequest, match="could not be decoded") as e:
+        load_image(data_uri(cut, "image/jpeg"), MediaPolicy(), WHERE)
+    assert e.value.param == WHERE
+
+
 def test_other_formats_are_not_decoded_even_in_image_clothes() -> None:
     for fmt in ("BMP", "TIFF", "PPM"):
         buf = io.BytesIO()
