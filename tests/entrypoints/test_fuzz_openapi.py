@@ -3,7 +3,9 @@ the server's own OpenAPI schema (valid ones, and ones that break it), a bounded 
 operation. No answer may be a 5xx (nor a 5xx error event inside a stream), every answer's
 status and content type must be documented (issue 28: 400/404/413 were not, and the probes
 answer without a content type), nothing may crash in the server, and it must give the same
-greedy text afterwards. Routes that never end (`text/event-stream` alone) are not called."""
+greedy text afterwards. Routes that never end (`text/event-stream` alone) are not called.
+The server takes `prompt_embeds` (--enable-prompt-embeds), so generated ones reach their
+decoder, and some must be refused by it rather than by the flag's absence."""
 
 from __future__ import annotations
 
@@ -33,14 +35,20 @@ CHECKS = [status_code_conformance, content_type_conformance]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iterator[RemoteServer]:  # type: ignore[no-untyped-def]
     # A short context keeps every generated request quick on two cores.
-    args = [str(tiny_model_factory("llama")), "--max-model-len", "64"]
+    args = [str(tiny_model_factory("llama")), "--max-model-len", "64", "--enable-prompt-embeds"]
     srv = RemoteServer(args, tmp_path_factory.mktemp("fuzz"))
     yield srv
     srv.stop()
 
 
-def _fuzz(server: RemoteServer, operation: schemathesis.APIOperation, mode: GenerationMode) -> int:
-    """Send up to EXAMPLES generated requests; returns how many were sent."""
+def _fuzz(
+    server: RemoteServer,
+    operation: schemathesis.APIOperation,
+    mode: GenerationMode,
+    decoded: list[str],
+) -> int:
+    """Send up to EXAMPLES generated requests; returns how many were sent. `decoded` gets the
+    message of each refusal of a `prompt_embeds` by its decoder."""
     sent = 0
 
     @settings(
@@ -66,6 +74,10 @@ def _fuzz(server: RemoteServer, operation: schemathesis.APIOperation, mode: Gene
         if "text/event-stream" in str(response.headers.get("content-type")):
             assert '"code": 5' not in response.text, f"{where} -> {response.text:.400}"
         case.validate_response(response, checks=CHECKS)
+        error = response.json().get("error") if response.status_code == 400 else None
+        if isinstance(error, dict) and error.get("param") == "prompt_embeds":
+            assert "--enable-prompt-embeds" not in error["message"], error
+            decoded.append(error["message"])
 
     try:
         check()
@@ -119,11 +131,12 @@ def test_generated_requests_get_documented_answers_never_a_5xx(server: RemoteSer
     streams = {op.path for op in operations if _only_streams(op)}
     assert streams == {"/dashboard/events"}
     operations = [op for op in operations if op.path not in streams]
-    sent = 0
+    sent, decoded = 0, []
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            sent += _fuzz(server, operation, mode)
+            sent += _fuzz(server, operation, mode, decoded)
     assert sent >= len(operations) * 2
+    assert decoded  # generated prompt_embeds reached the decoder
 
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     after = httpx.post(server.url + "/v1/completions", json=GREEDY, timeout=30).json()

@@ -210,7 +210,7 @@ def _answer(result: dict[str, Any]) -> dict[str, Any]:
 def add_slot_routes(app: FastAPI, serving: OpenAIServing, files: PromptFiles) -> None:
     slots = files.slots
 
-    @app.get("/slots", responses=errors(503))
+    @app.get("/slots", responses=errors(400, 503))
     async def list_slots(fail_on_no_slot: bool = False) -> list[dict[str, Any]]:
         """llama-server's slot list: each slot's state and its running request's progress."""
         if fail_on_no_slot and all(s.id_task is not None for s in slots.all):
