@@ -97,10 +97,16 @@ def test_equal_embeddings_share_blocks_and_others_none(llm: LLM, table: torch.Te
 
 
 def test_half_precision_rows_run_in_the_model_dtype(llm: LLM, table: torch.Tensor) -> None:
-    ids = ids_of(llm, TEXTS[1])
+    """float16 / bfloat16 rows give what the same values as float32 rows give: the tokens and
+    their log-probabilities (the rows are cast, not reinterpreted, scaled or dropped)."""
+    ids = ids_of(llm, TEXTS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     for dtype in (torch.float16, torch.bfloat16):
-        out = llm.generate({"prompt_embeds": table[ids].to(dtype)}, GREEDY, use_tqdm=False)[0]
-        assert len(out.outputs[0].token_ids) == 12
+        rows = table[ids].to(dtype)
+        out = llm.generate({"prompt_embeds": rows}, params, use_tqdm=False)[0].outputs[0]
+        ref = llm.generate({"prompt_embeds": rows.float()}, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ref.token_ids, dtype
+        assert out.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4), dtype
 
 
 @pytest.mark.parametrize(
