@@ -339,10 +339,13 @@ class EngineLauncher:
             self.desk.close()
         # The engine cores are asked to stop (SIGUSR1, as a front end asks: a normal end,
         # logged as one, not as "Received SIGTERM"); SIGTERM follows for any still running
-        # after `timeout`.
-        signal_children(self.engines, signal.SIGUSR1)
+        # after `timeout`. A stop during the start-up terminates them all at once, as before
+        # (an engine that is stopping already ignores SIGUSR1).
+        stopped_early = self.progress is not None and self.progress.stopping
+        asked = [] if stopped_early else self.engines
+        signal_children(asked, signal.SIGUSR1)
         for child in self.children:
-            if child not in self.engines and child.exitcode is None:
+            if child not in asked and child.exitcode is None:
                 child.process.terminate()
         shutdown_processes(self.children, timeout=timeout)
         if self._coordinator_addresses is not None:  # in case it was killed
