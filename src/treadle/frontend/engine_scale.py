@@ -13,7 +13,7 @@ stops what it started and leaves the size as it was.
 Scale in, ranks N..old-1 (the highest): they are `draining` (no new request; a request pinned
 to one gets 503), what they run finishes there; after the drain timeout what is left moves to
 the others through the resume path (`EngineRestarts.lost`: sent again with what its client
-has, so greedy text is the same). Then each process gets SIGTERM and stops cleanly (its
+has, so greedy text is the same). Then each process is asked to stop (SIGUSR1) and stops (its
 `ENGINE_CORE_STOPPED` frame and exit 0 are expected, not the server's stop), the lists shrink
 and the coordinator is replaced. A `lost` rank is removed the same way, with nothing to drain.
 """
@@ -21,13 +21,14 @@ and the coordinator is replaced. A `lost` rank is removed the same way, with not
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from treadle.frontend.engine_state import Death, EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
-from treadle.ipc.process import ChildProcess, stop_watched
+from treadle.ipc.process import ChildProcess, signal_children, stop_watched
 from treadle.logger import init_logger
 
 if TYPE_CHECKING:
@@ -192,8 +193,9 @@ class EngineScaler:
         )
 
     async def _stop(self, n: int) -> None:
-        """Stop the processes of the ranks from `n` up: each that still runs gets SIGTERM
-        (what it still has was moved and aborted there), says STOPPED and exits 0."""
+        """Stop the processes of the ranks from `n` up: each that still runs is asked to stop
+        (SIGUSR1: a SIGTERM alone is a death, `core/engine_stop.py`; what it still has was
+        moved and aborted there), says STOPPED and exits 0."""
         client = self.client
         assert client.launcher is not None
         for rank in range(n, client.num_engines):
@@ -203,8 +205,7 @@ class EngineScaler:
         # (By its sentinel: `is_alive` would reap it, which is the process monitor's job.)
         running = [child for child in children if not wait([child.sentinel], 0)]
         client.watch.expected_stops += len(running)
-        for child in running:
-            child.process.terminate()
+        signal_children(running, signal.SIGUSR1)
         await asyncio.to_thread(stop_watched, children, 30.0)
         for child in running:
             logger.info("Scaling in: %s stopped", child.describe())
