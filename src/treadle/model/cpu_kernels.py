@@ -198,6 +198,7 @@ _SIGNATURES = {
     "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
     "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
     "silu_and_mul_f32": [ptr, i64, i64, ptr, c_int],
+    "lora_apply_f32": [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i64, c_int],
     "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, c_int],
     "decode_layers_f32": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int],
     "apply_token_bitmask_f32": [ptr, i64, ptr, i64, ptr, i64, i64, c_int],
@@ -356,6 +357,21 @@ class Kernels:
             gate_up.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads()
         )
         return out
+
+    def lora_apply(
+        self,
+        x: torch.Tensor,  # [rows, in] float32, rows `stride(0)` apart
+        slot: torch.Tensor,  # [rows] int64: each row's adapter slot, -1 for none
+        a_t: torch.Tensor,  # [slots, in, w] float32 contiguous
+        b_t: torch.Tensor,  # [slots, w, n_out] float32 contiguous, scaled
+        out: torch.Tensor,  # [rows, n_out] float32, rows `stride(0)` apart: updated in place
+    ) -> None:
+        """Each row's LoRA update added to `out`, its own adapter's only (`model/lora.py`)."""
+        self._lib.lora_apply_f32(
+            x.data_ptr(), x.stride(0), x.shape[0], slot.data_ptr(), a_t.data_ptr(),
+            b_t.data_ptr(), a_t.shape[1], a_t.shape[2], b_t.shape[2], out.data_ptr(),
+            out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
 
     def write_kv(
         self,

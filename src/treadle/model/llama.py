@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         """Give every linear layer of this stage a `LoRALayer` of `max_loras` slots of rank
         up to `max_rank`; returns the step's rows per slot, which they all read (the model
         runner sets them around a step)."""
-        batch = LoRABatch(max_loras)
+        batch = LoRABatch(max_loras, self.kernels)
         for layer in self.decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
             # (a weight held as GGUF blocks has no float32 matrix to read sizes from)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from treadle.model.arch import ModelArch
+from treadle.model.cpu_kernels import Kernels
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The modules an adapter may target (PEFT's names); embeddings and the LM head are refused."""
@@ -177,16 +178,25 @@ class LoRABatch:
     [s n, s n + its rows) of a `slots x n` grid (n: the most rows of one slot; the grid's
     other places repeat row 0 and are dropped after the products)."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, kernels: Kernels | None = None) -> None:
+        """`kernels`: the C kernels' `lora_apply` does the update of float32 rows (each row
+        its own adapter's product); otherwise batched products over the grid."""
         self.num_slots = num_slots
+        self.kernels = kernels
         self.rows: list[tuple[int, torch.Tensor]] = []
         self.per_slot = 0  # n
         self.gather = self.places = self.dest = torch.empty(0, dtype=torch.long)
+        self.slot_of_row = torch.empty(0, dtype=torch.long)  # (for `kernels`) -1: none
 
-    def set(self, rows: list[tuple[int, torch.Tensor]]) -> None:
+    def set(self, rows: list[tuple[int, torch.Tensor]], num_rows: int = 0) -> None:
         self.rows = rows
         if not rows:
             return
+        if self.kernels is not None:
+            slot_of_row = torch.full((num_rows,), -1, dtype=torch.long)
+            for slot, r in rows:
+                slot_of_row[r.cpu()] = slot
+            self.slot_of_row = slot_of_row
         n = max(r.shape[0] for _, r in rows)
         device = rows[0][1].device
         gather = torch.zeros(self.num_slots * n, dtype=torch.long, device=device)
@@ -236,6 +246,17 @@ class LoRALayer:
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add each row's adapter update to `out` (in place)."""
         batch = self.batch
+        kernels = batch.kernels
+        if (
+            kernels is not None
+            and x.dtype == out.dtype == self.a_t.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.stride(1) == 1
+            and out.stride(1) == 1
+            and x.shape[0] == batch.slot_of_row.shape[0]
+        ):
+            kernels.lora_apply(x, batch.slot_of_row, self.a_t, self.b_t, out)
+            return
         grid = x.index_select(0, batch.gather).to(self.a_t.dtype)
         grid = grid.view(batch.num_slots, batch.per_slot, x.shape[1])
         y = torch.bmm(torch.bmm(grid, self.a_t), self.b_t).view(-1, out.shape[1])

@@ -74,7 +74,8 @@ class LoRAManager:
             self.model.set_lora(slot, self.adapters[lora_id])
             self.slot_of[lora_id] = slot
         self.batch.set(
-            [(self.slot_of[i], torch.tensor(r, device=self.device)) for i, r in rows.items()]
+            [(self.slot_of[i], torch.tensor(r, device=self.device)) for i, r in rows.items()],
+            first,
         )
 
     def end_step(self) -> None:

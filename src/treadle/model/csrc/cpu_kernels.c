@@ -677,6 +677,51 @@ void silu_and_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out,
     }
 }
 
+/* LoRA updates of a step's rows (model/lora.py): row r with slot[r] >= 0 gets
+   out[r] += (x[r] A_t[s]) B_t[s], with A_t[s] [in, w] and B_t[s] [w, n_out] (B scaled). Each
+   row reads its own adapter only; a row of the base model (slot -1) is left alone. h
+   (rows x w) first, then out's columns in blocks across the threads. */
+void lora_apply_f32(const float* x, int64_t x_stride, int64_t rows, const int64_t* slot,
+                    const float* a_t, const float* b_t, int64_t in, int64_t w, int64_t n_out,
+                    float* out, int64_t out_stride, int num_threads) {
+    float* h = (float*)calloc((size_t)(rows * w), sizeof(float));
+    if (h == NULL) return;
+    #pragma omp parallel num_threads(num_threads) if (rows * n_out * w >= 4 * PARALLEL_MIN_FLOATS)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (slot[r] < 0) continue;
+            const float* a = a_t + slot[r] * in * w;
+            const float* xr = x + r * x_stride;
+            float* hr = h + r * w;
+            for (int64_t i = 0; i < in; i++) {
+                const float xi = xr[i];
+                const float* ai = a + i * w;
+                #pragma omp simd
+                for (int64_t j = 0; j < w; j++) hr[j] += xi * ai[j];
+            }
+        }
+        const int64_t block = 256;
+        #pragma omp for schedule(static)
+        for (int64_t c0 = 0; c0 < n_out; c0 += block) {
+            const int64_t c1 = c0 + block < n_out ? c0 + block : n_out;
+            for (int64_t r = 0; r < rows; r++) {
+                if (slot[r] < 0) continue;
+                const float* b = b_t + slot[r] * w * n_out;
+                const float* hr = h + r * w;
+                float* o = out + r * out_stride;
+                for (int64_t j = 0; j < w; j++) {
+                    const float hj = hr[j];
+                    const float* bj = b + j * n_out;
+                    #pragma omp simd
+                    for (int64_t c = c0; c < c1; c++) o[c] += hj * bj[c];
+                }
+            }
+        }
+    }
+    free(h);
+}
+
 /* The new tokens' K and V into the paged cache: caches [num_kv, slots] rows of head size d
    and type kv_type (common.h), row t of k and v (num_kv heads of size d each, rows k_stride
    and v_stride apart) to slot slots[t], converted (rounded, or quantized) on the way. */
