@@ -28,9 +28,13 @@ def test_a_signal_alone_is_a_death_after_the_grace(monkeypatch: pytest.MonkeyPat
     group.check_unasked()
     with pytest.raises(StoppedUnasked, match="SIGTERM was sent to this engine core alone"):
         alone.check_unasked()
-    alone.on_signal(signal.SIGTERM, None, LOG)
+    again = Shutdown(running=True)
+    again.on_signal(signal.SIGTERM, None, LOG)
+    again.on_signal(signal.SIGTERM, None, LOG)  # a second one unasked: a death now
+    with pytest.raises(StoppedUnasked):
+        again.check_unasked()
     with pytest.raises(SystemExit) as exited:  # a third: at once, as a death
-        alone.on_signal(signal.SIGTERM, None, LOG)
+        again.on_signal(signal.SIGTERM, None, LOG)
     assert exited.value.code == 1
     group.on_signal(signal.SIGINT, None, LOG)
     with pytest.raises(SystemExit) as exited:

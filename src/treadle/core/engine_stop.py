@@ -8,11 +8,11 @@ ENGINE_CORE_STOPPED and exits 0.
 
 SIGTERM or SIGINT is not such a request by itself: Ctrl-C sends SIGINT to the whole process
 group, and the front end's SIGUSR1 follows within moments. One that no SIGUSR1 follows within
-`ASK_GRACE_S` was sent to this engine core alone (an operator, an orchestrator, the OOM
-killer's warning): the engine serves on meanwhile, then dies (`StoppedUnasked`: a death
-report, exit 1) without aborting anything, so that its front end restarts it and resumes its
-requests as after kill -9, instead of the whole server stopping with exit 0. A third signal
-exits at once (0 when asked, else 1).
+`ASK_GRACE_S` was sent to this engine core alone (an operator's `kill`, an orchestrator): the
+engine serves on meanwhile, then dies (`StoppedUnasked`: a death report, exit 1) without
+aborting anything, so that its front end restarts it and resumes its requests as after
+kill -9, instead of the whole server stopping with exit 0; a second such signal does so at
+once. Asked, a second signal aborts the running requests, a third exits at once.
 """
 
 from __future__ import annotations
@@ -47,13 +47,14 @@ class Shutdown:
         return self.asked
 
     def check_unasked(self) -> None:
-        """Raise `StoppedUnasked` once a signal has waited `ASK_GRACE_S` for no SIGUSR1."""
+        """Raise `StoppedUnasked` once a signal has waited `ASK_GRACE_S` for no SIGUSR1 (or
+        a second one came)."""
         waited = time.monotonic() - self.first_signal_at
-        if self.signals and not self.asked and waited > ASK_GRACE_S:
+        if self.signals and not self.asked and (self.signals >= 2 or waited > ASK_GRACE_S):
             raise StoppedUnasked(
                 f"{self.first_signal} was sent to this engine core alone (no front end asked "
-                f"it to stop within {ASK_GRACE_S:g} s): exiting as a death, so that it is "
-                "restarted and its requests resume"
+                "it to stop): exiting as a death, so that it is restarted and its requests "
+                "resume"
             )
 
     def on_signal(self, signum: int, frame: Any, logger: logging.Logger) -> None:
@@ -75,7 +76,8 @@ class Shutdown:
                 ASK_GRACE_S,
             )
         elif self.signals == 2:
-            logger.info("Received %s again; aborting the running requests", sig)
+            then = "aborting the running requests" if self.asked else "exiting as a death"
+            logger.info("Received %s again; %s", sig, then)
         else:
             logger.info("Received %s a third time; exiting now", sig)
             raise SystemExit(0 if self.asked else 1)
