@@ -172,6 +172,45 @@ def test_infill_lays_out_the_prompt_as_llama_cpp(
     assert set(out["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms"}
 
 
+@pytest.mark.parametrize("long", [False, True])
+def test_the_endpoints_prompt_ids_are_llama_cpps_layout(tokenizer: Any, long: bool) -> None:
+    """The ids `/infill` sends to the engine (its own code path, `_prompt_ids`, on this
+    tokenizer and the server's n_batch and n_ctx) are exactly llama.cpp's layout, token by
+    token; short inputs, and long ones that are cut."""
+    from types import SimpleNamespace
+
+    from treadle.entrypoints.openai.llamacpp_completion import (
+        LlamaCompletionRequest,
+        LlamaCompletionServing,
+    )
+    from treadle.frontend.input_processor import InputProcessor
+    from treadle.validation import ModelLimits
+
+    processor = InputProcessor(tokenizer, ModelLimits(len(tokenizer), N_CTX))
+    scheduler = SimpleNamespace(max_num_batched_tokens=N_BATCH)
+    engine = SimpleNamespace(input_processor=processor, config=SimpleNamespace(scheduler=scheduler))
+    serving = object.__new__(LlamaCompletionServing)
+    serving.base = SimpleNamespace(engine=engine)  # type: ignore[assignment]
+    body = vscode_request()
+    if long:
+        body["input_prefix"] = "".join(f"line_{i} = {i}\n" for i in range(200))
+        body["input_suffix"] = "".join(f"after_{i}()\n" for i in range(100))
+        body["input_extra"] = [
+            {"filename": f"f{i}.py", "text": f"x{i} = {i}\n" * 20} for i in range(10)
+        ]
+    req = LlamaCompletionRequest(**body)
+    got = serving._prompt_ids(req, True, body["n_predict"])
+    expected = llama_cpp_layout(
+        tokenizer,
+        body["input_prefix"],
+        body["input_suffix"],
+        body["input_extra"],
+        body["prompt"],
+        body["n_predict"],
+    )
+    assert got == expected
+
+
 def test_long_inputs_are_cut_as_llama_cpp_cuts_them(
     server: RemoteServer, tokenizer: Any, end_ids: list[int]
 ) -> None:
@@ -201,14 +240,49 @@ def test_infill_streams_the_same_text(server: RemoteServer) -> None:
     assert "".join(e["content"] for e in events) == whole["content"]
 
 
+def _chain(body: dict[str, Any]) -> Any:
+    """The `SamplingParams` the endpoint makes of a request body."""
+    from types import SimpleNamespace
+
+    from treadle.entrypoints.openai.llamacpp_completion import (
+        LlamaCompletionRequest,
+        LlamaCompletionServing,
+    )
+    from treadle.validation import ModelLimits
+
+    processor = SimpleNamespace(limits=ModelLimits(50000, N_CTX))
+    serving = object.__new__(LlamaCompletionServing)
+    serving.base = SimpleNamespace(  # type: ignore[assignment]
+        engine=SimpleNamespace(input_processor=processor), sampling_defaults={}
+    )
+    serving.end_ids = []
+    return serving._params(LlamaCompletionRequest(**body), body["n_predict"], 10)
+
+
 def test_llama_vscode_sampler_chain_and_llama_vim_warm_up(server: RemoteServer) -> None:
-    """llama.vscode's own sampling (top_k 40, top_p 0.99, the infill sampler) answers; llama.vim's
-    warm-up (n_predict 0) reads the prompt only; `response_fields` picks the fields."""
-    body = vscode_request(samplers=["top_k", "top_p", "infill"], seed=7)
+    """llama.vscode's own sampling runs its chain: top_k 40, top_p 0.99 and the infill sampler,
+    no temperature sampler (so 1.0), no penalties; a sampler left out of `samplers` is off
+    (top_k 1 alone is greedy; top_k 1 left out is not); llama.vim's warm-up (n_predict 0) reads
+    the prompt only; `response_fields` picks the fields."""
+    body = vscode_request(samplers=["top_k", "top_p", "infill"], seed=7, repeat_penalty=1.3)
     del body["temperature"]
+    params = _chain(body)
+    assert (params.top_k, params.top_p, params.temperature) == (40, 0.99, 1.0)
+    assert (params.min_p, params.repetition_penalty, params.infill) == (0.0, 1.0, True)
     r = httpx.post(server.url + "/infill", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["tokens_predicted"] <= 8
+    assert httpx.post(server.url + "/infill", json=body, timeout=60).json() | {"timings": 0} == (
+        r.json() | {"timings": 0}
+    )  # the seed makes it repeat
+    greedy = httpx.post(server.url + "/infill", json=vscode_request(), timeout=60).json()
+    one = vscode_request(samplers=["top_k"], top_k=1, temperature=1.5, seed=7)
+    assert (
+        httpx.post(server.url + "/infill", json=one, timeout=60).json()["tokens"]
+        == (greedy["tokens"])
+    )
+    hot = httpx.post(server.url + "/infill", json={**one, "samplers": ["temperature"]}, timeout=60)
+    assert hot.json()["tokens"] != greedy["tokens"]
     warm = vscode_request(n_predict=0, samplers=[], response_fields=[""])
     r = httpx.post(server.url + "/infill", json=warm, timeout=60)
     assert r.status_code == 200, r.text
