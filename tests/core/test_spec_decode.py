@@ -1,6 +1,7 @@
 """N-gram speculative decoding (issue 27): the proposer, and greedy outputs identical with and
-without speculation (the default model, offline, in one process), also when a stop rule ends
-a request inside its accepted tokens, and beside requests that do not speculate."""
+without speculation (the default model on its exact float32 path, and on int8, offline, in one
+process; a tiny model under -tp 2), also when a stop rule ends a request inside its accepted
+tokens, and beside requests that do not speculate."""
 
 from __future__ import annotations
 
@@ -163,7 +164,8 @@ def fused_rows(llm: LLM) -> list[int]:
 
 @pytest.fixture(scope="module")
 def outputs() -> Iterator[dict[str, object]]:
-    """Each prompt's greedy tokens and the speculation counters, plain and with n-gram."""
+    """Each prompt's greedy tokens and the speculation counters, plain and with n-gram, on the
+    exact float32 path (every GGUF block widened to float32)."""
     os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
     results: dict[str, object] = {}
     try:
@@ -171,8 +173,9 @@ def outputs() -> Iterator[dict[str, object]]:
             ("plain", None),
             ("ngram", {"method": "ngram", "num_speculative_tokens": 5}),
         ):
-            llm = LLM(max_model_len=512, speculative_config=spec)
+            llm = LLM(max_model_len=512, speculative_config=spec, cpu_activation_dtype="float32")
             try:
+                assert llm.config.model.cpu_activation_dtype == "float32"
                 greedy = SamplingParams(temperature=0.0, max_tokens=48)
                 cut = SamplingParams(temperature=0.0, max_tokens=11)
                 sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=16)
@@ -271,6 +274,31 @@ def test_int8_activations_speculate_to_their_own_plain_tokens(
             got[name] = [list(o.outputs[0].token_ids) for o in [*alone, *batch]]
             if spec:
                 assert llm.engine_core.scheduler.spec_accepted_tokens > 0
+        finally:
+            llm.shutdown()
+    assert got["ngram"] == got["plain"]
+
+
+def test_ngram_under_tensor_parallel_gives_plain_tokens(tiny_model_factory: Any) -> None:
+    """-tp 2 with n-gram speculation: every rank verifies the same proposals, so the greedy
+    tokens are plain decoding's (alone and batched), and proposals are accepted. (The engine
+    core runs in its own process: two -tp 2 engines one after the other inside one process
+    fail today, the second's Worker_TP0 exiting mid-step.)"""
+    model = str(tiny_model_factory("llama"))
+    prompts = ["1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", "a b c d a b c d a b c d a b", "x y x y x y x"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = {}
+    for name, extra in (
+        ("plain", {}),
+        ("ngram", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
+    ):
+        llm = LLM(model, dtype="float32", max_model_len=128, tensor_parallel_size=2, **extra)  # type: ignore[arg-type]
+        try:
+            alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts[:1]]
+            batch = llm.generate(prompts, greedy, use_tqdm=False)
+            got[name] = [list(o.outputs[0].token_ids) for o in [*alone, *batch]]
+            if extra:
+                assert llm.get_stats().spec_decode_num_accepted_tokens > 0
         finally:
             llm.shutdown()
     assert got["ngram"] == got["plain"]
