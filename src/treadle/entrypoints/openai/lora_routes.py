@@ -7,13 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from treadle.entrypoints.openai.errors import APIError
+from treadle.entrypoints.openai.openapi_responses import errors
 from treadle.entrypoints.openai.serving_base import ServingBase
 from treadle.validation import InvalidRequest
 
 KEYED_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # (under /v1: keyed)
+# (not response_class=PlainTextResponse: the schema would say errors are text too)
+ANSWERS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Success: ... (text, as vLLM's)", "content": {"text/plain": {}}},
+    **errors(400),
+}
 
 
 async def _body(raw: Request, fields: set[str]) -> dict[str, Any]:
@@ -43,20 +49,20 @@ def add_lora_routes(app: FastAPI, serving: ServingBase, several: bool = False) -
                 "give the adapters with --lora-modules instead",
             )
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
-    async def load_lora_adapter(raw: Request) -> str:
+    @app.post("/v1/load_lora_adapter", response_class=Response, responses=ANSWERS)
+    async def load_lora_adapter(raw: Request) -> Response:
         check_one_server()
         body = await _body(raw, {"lora_name", "lora_path", "load_inplace"})
         if body.get("load_inplace"):
             raise InvalidRequest("load_inplace", "is not supported: unload the adapter first")
         name = body.get("lora_name")
         await loras.load(name, body.get("lora_path"), serving.on_every_engine)
-        return f"Success: LoRA adapter '{name}' added successfully."
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
-    async def unload_lora_adapter(raw: Request) -> str:
+    @app.post("/v1/unload_lora_adapter", response_class=Response, responses=ANSWERS)
+    async def unload_lora_adapter(raw: Request) -> Response:
         check_one_server()
         body = await _body(raw, {"lora_name", "lora_int_id"})
         name = body.get("lora_name")
         await loras.unload(name, serving.on_every_engine)
-        return f"Success: LoRA adapter '{name}' removed successfully."
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
