@@ -255,11 +255,12 @@ def test_malformed_frames_to_a_live_engine_core(front_end: FrontEnd) -> None:
     refused = next(o for out in front_end.outputs() for o in out.outputs if o.request_id == "img")
     assert refused.finish_reason == FinishReason.ERROR and "text only" in str(refused.stop_reason)
     frames = MsgpackEncoder().encode(EngineCoreRequest("lying", PROMPT, params, mm_inputs=[image]))
+    mm_field = EngineCoreRequest.__struct_fields__.index("mm_inputs")
     raw = msgspec.msgpack.decode(
         bytes(frames[0]), ext_hook=lambda code, data: msgspec.msgpack.Ext(code, bytes(data))
     )
     for header in (("float32", [10**6, 10**6], b"\0" * 512), ("float32", [3, 28, 28], 9)):
-        raw[-1][0][0] = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(header))
+        raw[mm_field][0][0] = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(header))
         front_end.send(ADD, msgspec.msgpack.encode(raw))
     assert front_end.greedy("after-bad-images") == expected
     log = front_end.log_path.read_text()
