@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from random_weights import randomize
+
 os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,12 +57,7 @@ def build_tiny_model(path: Path, family: str, seed: int = 0, **overrides: object
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_tiny_config(family, **overrides), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(0.05 * torch.randn_like(param))
+    randomize(model)
     model.save_pretrained(path, safe_serialization=True)
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path

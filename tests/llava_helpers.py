@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from random_weights import randomize
+
 IMAGE_TOKEN = "<image>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}"
@@ -72,12 +74,7 @@ def build_tiny_llava(path: Path, seed: int = 0) -> Path:
         vision_feature_select_strategy="default",
     )
     model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(0.05 * torch.randn_like(param))
+    randomize(model)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     CLIPImageProcessor(

@@ -17,7 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
-from llava_helpers import Reference, bomb_png, build_tiny_llava, random_image
+from llava_helpers import Reference, bomb_png, random_image
 from serve_helpers import RemoteServer
 
 QUESTION = "What is in the picture?"
@@ -45,13 +45,8 @@ def image_message(url: str, text: str = QUESTION, **extra: Any) -> list[dict[str
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(llava: Path) -> Reference:
-    return Reference(llava)
+def reference(llava_reference: Reference) -> Reference:
+    return llava_reference
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llava_helpers import Reference, build_tiny_llava, random_image
+from llava_helpers import Reference, random_image
 from treadle import LLM, SamplingParams
 from treadle.validation import InvalidRequest
 
@@ -23,13 +23,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX)
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(llava: Path) -> Reference:
-    return Reference(llava)
+def reference(llava_reference: Reference) -> Reference:
+    return llava_reference
 
 
 @pytest.fixture(scope="module")

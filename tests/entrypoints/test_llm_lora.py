@@ -24,8 +24,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_factory) -> Path:  # type: ignore[no-untyped-def]
-    return Path(tiny_model_factory("llama"))
+def base(lora_base: Path) -> Path:
+    return lora_base
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,8 @@ def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 
 @pytest.fixture(scope="module")
-def reference(base: Path) -> MergedReference:
-    return MergedReference(base)
+def reference(merged_reference: MergedReference) -> MergedReference:
+    return merged_reference
 
 
 @pytest.fixture(scope="module")

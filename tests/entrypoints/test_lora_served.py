@@ -28,8 +28,8 @@ MAX = 12
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_factory) -> Path:  # type: ignore[no-untyped-def]
-    return Path(tiny_model_factory("llama"))
+def base(lora_base: Path) -> Path:
+    return lora_base
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,8 @@ def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 
 @pytest.fixture(scope="module")
-def reference(base: Path) -> MergedReference:
-    return MergedReference(base)
+def reference(merged_reference: MergedReference) -> MergedReference:
+    return merged_reference
 
 
 @pytest.fixture(scope="module")
