@@ -362,14 +362,14 @@ class Kernels:
         self,
         x: torch.Tensor,  # [rows, in] float32, rows `stride(0)` apart
         slot: torch.Tensor,  # [rows] int64: each row's adapter slot, -1 for none
-        a_t: torch.Tensor,  # [slots, in, w] float32 contiguous
+        a: torch.Tensor,  # [slots, w, in] float32 contiguous
         b_t: torch.Tensor,  # [slots, w, n_out] float32 contiguous, scaled
         out: torch.Tensor,  # [rows, n_out] float32, rows `stride(0)` apart: updated in place
     ) -> None:
         """Each row's LoRA update added to `out`, its own adapter's only (`model/lora.py`)."""
         self._lib.lora_apply_f32(
-            x.data_ptr(), x.stride(0), x.shape[0], slot.data_ptr(), a_t.data_ptr(),
-            b_t.data_ptr(), a_t.shape[1], a_t.shape[2], b_t.shape[2], out.data_ptr(),
+            x.data_ptr(), x.stride(0), x.shape[0], slot.data_ptr(), a.data_ptr(),
+            b_t.data_ptr(), a.shape[2], a.shape[1], b_t.shape[2], out.data_ptr(),
             out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
 

@@ -40,6 +40,10 @@ class _Layer(ctypes.Structure):  # decode_layer
         ("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("o", _p), ("gate_up", _p),
         ("down", _p), ("qkv_bias", _p), ("k_cache", _p), ("v_cache", _p), ("qkv_kind", _i32),
         ("o_kind", _i32), ("gate_up_kind", _i32), ("down_kind", _i32),
+        ("qkv_lora_a", _p), ("qkv_lora_b", _p), ("o_lora_a", _p), ("o_lora_b", _p),
+        ("gate_up_lora_a", _p), ("gate_up_lora_b", _p), ("down_lora_a", _p),
+        ("down_lora_b", _p), ("qkv_lora_w", _i64), ("o_lora_w", _i64),
+        ("gate_up_lora_w", _i64), ("down_lora_w", _i64),
     ]  # fmt: skip
 
 
@@ -48,7 +52,7 @@ class _Model(ctypes.Structure):  # decode_model
         ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("num_layers", _i64), ("num_blocks", _i64),
         ("block_size", _i64), ("eps", _f), ("scale", _f), ("final_norm", _p),
-        ("int8_activations", _i32), ("kv_type", _i32),
+        ("int8_activations", _i32), ("kv_type", _i32), ("lora_slot", _p),
     ]  # fmt: skip
 
 
@@ -105,6 +109,11 @@ class FusedDecoder:
                 assert isinstance(method, GGUFLinear)
                 setattr(spec, name, method.quant.tiles.data_ptr())
                 setattr(spec, f"{name}_kind", method.quant.kind)
+                lora = linear.lora  # adapters' slots (`model/lora.py`), if enabled
+                if lora is not None:
+                    setattr(spec, f"{name}_lora_a", lora.a.data_ptr())
+                    setattr(spec, f"{name}_lora_b", lora.b_t.data_ptr())
+                    setattr(spec, f"{name}_lora_w", lora.width)
             bias = attn.qkv_proj.bias
             spec.qkv_bias = bias.data_ptr() if bias is not None else None
             spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -145,6 +154,11 @@ class FusedDecoder:
         out = torch.empty_like(embeddings)
         cos, sin = cos_sin
         table = meta.decode_block_table
+        lora = self._model.lora_batch  # each row's adapter slot, when the step has adapters
+        rows = lora.slot_of_row if lora is not None and lora.rows else None
+        if rows is not None and rows.shape[0] != embeddings.shape[0]:
+            raise ValueError(f"{rows.shape[0]} LoRA rows for {embeddings.shape[0]} tokens")
+        self._spec.lora_slot = None if rows is None else rows.data_ptr()
         self.kernels.decode_layers(
             ctypes.addressof(self._spec), ctypes.addressof(layers), embeddings.data_ptr(),
             embeddings.shape[0],

@@ -248,8 +248,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError("a pipeline stage after the first needs the previous one's output")
             x, residual = intermediate
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
-        lora = self.lora_batch
-        if self.fused is not None and self.fused.applies(meta) and not (lora and lora.rows):
+        if self.fused is not None and self.fused.applies(meta):  # (adapters' updates too)
             return self.fused.forward(x, cos_sin, kv_caches, meta)
         for layer, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)

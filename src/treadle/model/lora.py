@@ -197,6 +197,8 @@ class LoRABatch:
             for slot, r in rows:
                 slot_of_row[r.cpu()] = slot
             self.slot_of_row = slot_of_row
+            if rows[0][1].device.type == "cpu":
+                return  # (the C kernel reads only this; other layouts are the fallback's)
         n = max(r.shape[0] for _, r in rows)
         device = rows[0][1].device
         gather = torch.zeros(self.num_slots * n, dtype=torch.long, device=device)
@@ -210,8 +212,8 @@ class LoRABatch:
 
 
 class LoRALayer:
-    """Every slot's adapter weights of one linear layer on this rank, stacked: A^T as
-    [slots, in, W] and B^T as [slots, W, out] (W = its shards x the largest rank; B scaled; a
+    """Every slot's adapter weights of one linear layer on this rank, stacked: A as
+    [slots, W, in] and B^T as [slots, W, out] (W = its shards x the largest rank; B scaled; a
     slot an adapter does not fill holds zeros). A step's update is two batched products
     over the rows gathered by slot (`LoRABatch`), whatever adapters its rows use."""
 
@@ -226,20 +228,21 @@ class LoRALayer:
     ) -> None:
         self.batch, self.width = batch, width
         slots = batch.num_slots
-        # Stored as the products read them (A^T, B^T): a transposed view costs bmm 3x.
-        self.a_t = torch.zeros(slots, in_features, width, dtype=dtype, device=device)
+        # A as the C kernel reads it (rows of `in`: one dot product per rank), B^T as both
+        # read it (a transposed view costs bmm 3x).
+        self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)
         self.b_t = torch.zeros(slots, width, out_features, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, weights: SlotWeights | None) -> None:
         """Put an adapter's share in `slot` (None: empty it)."""
-        self.a_t[slot].zero_()
+        self.a[slot].zero_()
         self.b_t[slot].zero_()
         if weights is None:
             return
         rows = weights.a.shape[0]
         if rows > self.width:
             raise LoRAError(f"an adapter share of rank {rows} over the slot's {self.width}")
-        self.a_t[slot, :, :rows] = weights.a.t()
+        self.a[slot, :rows] = weights.a
         for col, at, b in weights.bs:
             self.b_t[slot, at : at + b.shape[1], col : col + b.shape[0]] = b.t() * weights.scale
 
@@ -247,19 +250,18 @@ class LoRALayer:
         """Add each row's adapter update to `out` (in place)."""
         batch = self.batch
         kernels = batch.kernels
-        if (
-            kernels is not None
-            and x.dtype == out.dtype == self.a_t.dtype == torch.float32
-            and x.device.type == "cpu"
-            and x.stride(1) == 1
-            and out.stride(1) == 1
-            and x.shape[0] == batch.slot_of_row.shape[0]
-        ):
-            kernels.lora_apply(x, batch.slot_of_row, self.a_t, self.b_t, out)
+        if kernels is not None:  # (only a float32 model on the CPU has them)
+            x = x if x.stride(1) == 1 else x.contiguous()
+            if out.stride(1) == 1:
+                kernels.lora_apply(x, batch.slot_of_row, self.a, self.b_t, out)
+            else:  # (never so far: the layers' outputs are their own row-major tensors)
+                update = torch.zeros(out.shape, dtype=out.dtype)
+                kernels.lora_apply(x, batch.slot_of_row, self.a, self.b_t, update)
+                out.add_(update)
             return
-        grid = x.index_select(0, batch.gather).to(self.a_t.dtype)
+        grid = x.index_select(0, batch.gather).to(self.a.dtype)
         grid = grid.view(batch.num_slots, batch.per_slot, x.shape[1])
-        y = torch.bmm(torch.bmm(grid, self.a_t), self.b_t).view(-1, out.shape[1])
+        y = torch.bmm(torch.bmm(grid, self.a.transpose(1, 2)), self.b_t).view(-1, out.shape[1])
         out.index_add_(0, batch.dest, y.index_select(0, batch.places).to(out.dtype))
 
 

@@ -678,41 +678,39 @@ void silu_and_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out,
 }
 
 /* LoRA updates of a step's rows (model/lora.py): row r with slot[r] >= 0 gets
-   out[r] += (x[r] A_t[s]) B_t[s], with A_t[s] [in, w] and B_t[s] [w, n_out] (B scaled). Each
-   row reads its own adapter only; a row of the base model (slot -1) is left alone. h
-   (rows x w) first, then out's columns in blocks across the threads. */
+   out[r] += (x[r] A[s]^T) B_t[s], with A[s] [w, in] and B_t[s] [w, n_out] (B scaled). Each
+   row reads its own adapter only; a row of the base model (slot -1) is left alone. h = x A^T
+   (rows x w dot products over `in`) first, then out's columns in blocks across the threads. */
 void lora_apply_f32(const float* x, int64_t x_stride, int64_t rows, const int64_t* slot,
-                    const float* a_t, const float* b_t, int64_t in, int64_t w, int64_t n_out,
+                    const float* a, const float* b_t, int64_t in, int64_t w, int64_t n_out,
                     float* out, int64_t out_stride, int num_threads) {
     float* h = (float*)calloc((size_t)(rows * w), sizeof(float));
     if (h == NULL) return;
     #pragma omp parallel num_threads(num_threads) if (rows * n_out * w >= 4 * PARALLEL_MIN_FLOATS)
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t rj = 0; rj < rows * w; rj++) {
+            const int64_t r = rj / w, j = rj % w;
             if (slot[r] < 0) continue;
-            const float* a = a_t + slot[r] * in * w;
-            const float* xr = x + r * x_stride;
-            float* hr = h + r * w;
-            for (int64_t i = 0; i < in; i++) {
-                const float xi = xr[i];
-                const float* ai = a + i * w;
-                #pragma omp simd
-                for (int64_t j = 0; j < w; j++) hr[j] += xi * ai[j];
-            }
+            const float* restrict ar = a + (slot[r] * w + j) * in;
+            const float* restrict xr = x + r * x_stride;
+            float acc = 0.f;
+            #pragma omp simd reduction(+ : acc)
+            for (int64_t i = 0; i < in; i++) acc += xr[i] * ar[i];
+            h[rj] = acc;
         }
-        const int64_t block = 256;
+        const int64_t block = 512;
         #pragma omp for schedule(static)
         for (int64_t c0 = 0; c0 < n_out; c0 += block) {
             const int64_t c1 = c0 + block < n_out ? c0 + block : n_out;
             for (int64_t r = 0; r < rows; r++) {
                 if (slot[r] < 0) continue;
-                const float* b = b_t + slot[r] * w * n_out;
-                const float* hr = h + r * w;
-                float* o = out + r * out_stride;
+                const float* restrict b = b_t + slot[r] * w * n_out;
+                const float* restrict hr = h + r * w;
+                float* restrict o = out + r * out_stride;
                 for (int64_t j = 0; j < w; j++) {
                     const float hj = hr[j];
-                    const float* bj = b + j * n_out;
+                    const float* restrict bj = b + j * n_out;
                     #pragma omp simd
                     for (int64_t c = c0; c < c1; c++) o[c] += hj * bj[c];
                 }
@@ -800,6 +798,11 @@ typedef struct {
     void* k_cache;          /* [num_kv, num_blocks, block_size] rows of kv_type (common.h) */
     void* v_cache;
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    /* LoRA slots of each linear layer (model/lora.py: A [slots, w, in], B^T [slots, w, out]),
+       or NULL; read only when decode_model.lora_slot is set */
+    const float *qkv_lora_a, *qkv_lora_b, *o_lora_a, *o_lora_b;
+    const float *gate_up_lora_a, *gate_up_lora_b, *down_lora_a, *down_lora_b;
+    int64_t qkv_lora_w, o_lora_w, gate_up_lora_w, down_lora_w;
 } decode_layer;
 
 typedef struct {
@@ -809,7 +812,17 @@ typedef struct {
     const float* final_norm;
     int32_t int8_activations;  /* the linear layers on gguf_linear_i8 (1), _i8x2 (2), or _f32 */
     int32_t kv_type;           /* the KV cache's rows (common.h's KV_*) */
+    const int64_t* lora_slot;  /* [M] each row's LoRA slot (-1: none), or NULL: no adapters */
 } decode_model;
+
+/* A linear layer's LoRA updates, where the step has adapters and the layer holds slots. */
+static void decode_lora(const decode_model* m, const float* in, int64_t in_dim, int64_t M,
+                        const float* a, const float* b, int64_t w, float* out, int64_t out_dim,
+                        int num_threads) {
+    if (m->lora_slot != NULL && a != NULL)
+        lora_apply_f32(in, in_dim, M, m->lora_slot, a, b, in_dim, w, out_dim, out, out_dim,
+                       num_threads);
+}
 
 void decode_layers_f32(
     const decode_model* m, const decode_layer* layers,
@@ -839,6 +852,8 @@ void decode_layers_f32(
         if (l == 0) rms_norm_f32(residual, H, M, H, L->input_norm, m->eps, h, H, num_threads);
         else add_rms_norm_f32(residual, x, M, H, L->input_norm, m->eps, h, num_threads);
         linear(h, H, M, H, L->qkv, L->qkv_kind, qkv_size, qkv, qkv_size, num_threads);
+        decode_lora(m, h, H, M, L->qkv_lora_a, L->qkv_lora_b, L->qkv_lora_w, qkv, qkv_size,
+                    num_threads);
         if (L->qkv_bias)
             for (int64_t r = 0; r < M; r++)
                 for (int64_t i = 0; i < qkv_size; i++) qkv[r * qkv_size + i] += L->qkv_bias[i];
@@ -851,11 +866,17 @@ void decode_layers_f32(
                                    m->num_blocks, m->block_size, m->scale, max_len, num_threads,
                                    m->kv_type);
         linear(attn, q_size, M, q_size, L->o, L->o_kind, H, x, H, num_threads);
+        decode_lora(m, attn, q_size, M, L->o_lora_a, L->o_lora_b, L->o_lora_w, x, H,
+                    num_threads);
         add_rms_norm_f32(residual, x, M, H, L->post_norm, m->eps, h, num_threads);
         linear(h, H, M, H, L->gate_up, L->gate_up_kind, 2 * I, gate_up, 2 * I,
                         num_threads);
+        decode_lora(m, h, H, M, L->gate_up_lora_a, L->gate_up_lora_b, L->gate_up_lora_w,
+                    gate_up, 2 * I, num_threads);
         silu_and_mul_f32(gate_up, M, I, act, num_threads);
         linear(act, I, M, I, L->down, L->down_kind, H, x, H, num_threads);
+        decode_lora(m, act, I, M, L->down_lora_a, L->down_lora_b, L->down_lora_w, x, H,
+                    num_threads);
     }
     add_rms_norm_f32(residual, x, M, H, m->final_norm, m->eps, out, num_threads);
     free(residual); free(h); free(x); free(qkv); free(attn); free(gate_up); free(act);
