@@ -176,6 +176,10 @@ def test_forged_control_frames_change_nothing_and_sigterm_to_the_engine_alone_is
     os.kill(pid, signal.SIGTERM)  # it serves on while it waits for its front end to ask
     assert min(streams.tokens) < 300, streams.tokens  # (so the streams outlive it)
     assert streams.results() == reference
+    deadline = time.monotonic() + 30  # (the streams may end within its 3 s of grace)
+    while engine_pid(server) in (pid, None):
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
+        time.sleep(0.1)
     wait_ready(server, timeout=60)
     assert engine_pid(server) != pid and server.proc.poll() is None
     assert metric(server, "engine_restarts_total") == restarts + 1
