@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,9 +218,9 @@ class _Gate:
                             mon.setsockopt(zmq.LINGER, 0)
                             mon.connect(addr)
                             poller.register(mon, zmq.POLLIN)
-                            monitors[mon] = {"peers": {}, "failed": 0}
+                            monitors[mon] = {"peers": {}, "failed": 0, "queue": deque()}
                     else:
-                        if not self._event(sock, monitors[sock]):
+                        if not self._events(sock, monitors[sock]):
                             poller.unregister(sock)
                             del monitors[sock]
                             sock.close()
@@ -247,20 +248,42 @@ class _Gate:
         status = (b"200", b"OK") if ok else (b"400", b"not a member of this cluster")
         self._zap.send_multipart([version, request_id, *status, b"", b""])
 
-    def _event(self, mon: zmq.Socket[Any], state: dict[str, Any]) -> bool:
-        """Read one monitor event; False once the monitor has stopped (its socket closed)."""
-        event = parse_monitor_message(mon.recv_multipart())
+    def _events(self, mon: zmq.Socket[Any], state: dict[str, Any]) -> bool:
+        """Read the monitor's waiting events, in order; False once it has stopped (its socket
+        closed)."""
+        queue: deque[dict[str, Any]] = state["queue"]
+        _drain(mon, queue)
+        while queue:
+            if not self._event(mon, queue.popleft(), state):
+                return False
+        return True
+
+    def _event(self, mon: zmq.Socket[Any], event: dict[str, Any], state: dict[str, Any]) -> bool:
         kind, value, endpoint = event["event"], event["value"], event["endpoint"]
         peers: dict[int, str] = state["peers"]
         if kind == zmq.EVENT_MONITOR_STOPPED:
             return False
         if kind == zmq.EVENT_ACCEPTED:
             peers[value] = _peer_of(value)
+            # libzmq reports a connection's disconnect before it closes its fd, and the fd
+            # may then serve another connection of this process (once in CI a refusal named
+            # such a neighbour). So the address read is this connection's only if its
+            # disconnect is not yet among the events waiting behind this one.
+            queue: deque[dict[str, Any]] = state["queue"]
+            _drain(mon, queue)
+            for later in queue:
+                if later["value"] == value and later["event"] == zmq.EVENT_ACCEPTED:
+                    break
+                if later["value"] == value and later["event"] == zmq.EVENT_DISCONNECTED:
+                    peers[value] = "?"
+                    break
         elif kind & _FAILED:
             state["failed"] += 1
         elif kind == zmq.EVENT_DISCONNECTED:
             peer = peers.pop(value, "?")
             if state["failed"]:
+                # The io thread reports a failed handshake and then that connection's
+                # disconnect, one after the other: this is the refused peer's.
                 state["failed"] -= 1
                 where = endpoint.decode(errors="replace")
                 self._refused(peer, f"no CURVE handshake with the cluster's keys on {where}")
@@ -280,6 +303,12 @@ class _Gate:
             peer,
             why,
         )
+
+
+def _drain(mon: zmq.Socket[Any], queue: deque[dict[str, Any]]) -> None:
+    """Append every event already waiting on the monitor socket `mon` to `queue`."""
+    while mon.poll(0, zmq.POLLIN):
+        queue.append(dict(parse_monitor_message(mon.recv_multipart())))
 
 
 def _peer_of(fd: int) -> str:
