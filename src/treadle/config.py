@@ -31,6 +31,8 @@ class ModelSource:
 
     path: str
     is_gguf: bool
+    hf_overrides: str = ""
+    """`--hf-overrides` (JSON; '' for none) that `read_arch` applies to the config it reads."""
 
     @property
     def directory(self) -> str:
@@ -65,6 +67,11 @@ def resolve_model(model: str | None) -> ModelSource:
         f"model {model!r} not found: give a local Hugging Face model directory or a .gguf file "
         "(treadle never downloads weights)"
     )
+
+
+def model_source(model: ModelConfig) -> ModelSource:
+    """The model's files, with the `--hf-overrides` that its config is read with."""
+    return replace(resolve_model(model.model), hf_overrides=model.hf_overrides)
 
 
 def served_names(
@@ -115,6 +122,10 @@ class ModelConfig:
     """How `/v1/embeddings` (and `LLM.embed`) make one vector of a prompt: the final hidden state of its last position (`last`, vLLM's default for decoder models) or the mean over its positions (`mean`); normalised to unit length."""
     generation_config: str = "auto"
     """Default sampling parameters of requests that set none: `auto` reads the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) where there is one, `vllm` ignores it (vLLM's defaults), or a directory that holds a generation_config.json."""
+    override_generation_config: str = ""
+    """vLLM's: a JSON object of default sampling parameters over those of --generation-config (`{"temperature": 0.5}`; the same five keys; null drops the model's value)."""
+    hf_overrides: str = ""
+    """vLLM's: a JSON object over the model's config.json or GGUF header: rope_theta, rope_scaling (linear, llama3), rope_parameters, max_position_embeddings, rms_norm_eps (a LLaVA model's under `text_config`); other keys are refused."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ warning saying what treadle does instead, those that cannot be honoured are refu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import types
@@ -45,6 +44,12 @@ from treadle.vllm_args import (  # noqa: F401 - re-exported: the CLI and tests i
     suggest,
     vllm_args_given,
 )
+from treadle.vllm_args.values import (
+    MM_TENSOR_IPC,
+    parse_generation_overrides,
+    parse_hf_overrides,
+    parse_mm_limit,
+)
 
 # Argument groups of `--help`, in vLLM's order.
 GROUPS = {
@@ -66,32 +71,6 @@ def parse_bytes(text: str | int) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 2GiB or 2147483648)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
-
-
-MM_TENSOR_IPC = {"direct_rpc": "direct", "torch_shm": "shm"}
-"""vLLM's `--mm-tensor-ipc` values -> ours (`--tensor-ipc`)."""
-
-
-def parse_mm_limit(text: object) -> int:
-    """`--limit-mm-per-prompt`: vLLM's JSON `{"image": N}` (no other modality), or N."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value: object = text
-    else:
-        raw = str(text).strip()
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            raise ValueError(f'--limit-mm-per-prompt {raw!r}: give {{"image": N}} or N') from None
-        if isinstance(value, dict):
-            other = sorted(set(value) - {"image"})
-            if other:
-                raise ValueError(
-                    f"--limit-mm-per-prompt: treadle takes images only, not {', '.join(other)}"
-                )
-            value = value.get("image", ModelConfig.limit_mm_per_prompt)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"--limit-mm-per-prompt: the image count must be 0 or more, not {value!r}")
-    return value
 
 
 def arg(
@@ -206,6 +185,8 @@ class EngineArgs:
     seed: int = arg(ModelConfig.seed, group="model", area=ModelConfig)
     max_logprobs: int = arg(ModelConfig.max_logprobs, group="model", area=ModelConfig)
     generation_config: str = arg(ModelConfig.generation_config, group="model", area=ModelConfig)
+    override_generation_config: Any = arg(None, group="model", area=ModelConfig, type=str)
+    hf_overrides: Any = arg(None, group="model", area=ModelConfig, type=str)
     enable_prompt_embeds: bool = arg(
         ModelConfig.enable_prompt_embeds, group="model", area=ModelConfig
     )
@@ -392,6 +373,10 @@ class EngineArgs:
                 max_logprobs=self.max_logprobs,
                 tokenizer=None if self.tokenizer is None else os.path.abspath(path),
                 generation_config=gen,
+                override_generation_config=parse_generation_overrides(
+                    self.override_generation_config
+                ),
+                hf_overrides=parse_hf_overrides(self.hf_overrides),
                 cpu_activation_dtype=self.cpu_activation_dtype,
                 enable_prompt_embeds=self.enable_prompt_embeds,
                 tensor_ipc=tensor_ipc,

@@ -247,16 +247,18 @@ GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_
 def generation_defaults(model: ModelConfig) -> dict[str, Any]:
     """The default sampling parameters of requests that set none (`--generation-config`):
     from the model's generation_config.json with `auto` (none when it has no such file), from
-    the directory given, or none with `vllm`."""
-    if model.generation_config == "vllm":
-        return {}
-    if model.generation_config == "auto":
-        directory = resolve_model(model.model).directory
-    else:
-        directory = os.path.expanduser(model.generation_config)
-    path = os.path.join(directory, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    the directory given, or none with `vllm`; then `--override-generation-config` over them
+    (as vLLM's, with any of the three; a null drops the file's value)."""
+    data: dict[str, Any] = {}
+    if model.generation_config != "vllm":
+        if model.generation_config == "auto":
+            directory = resolve_model(model.model).directory
+        else:
+            directory = os.path.expanduser(model.generation_config)
+        path = os.path.join(directory, "generation_config.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+    if model.override_generation_config:
+        data.update(json.loads(model.override_generation_config))
     return {key: data[key] for key in GENERATION_CONFIG_KEYS if data.get(key) is not None}

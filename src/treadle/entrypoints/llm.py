@@ -11,7 +11,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from treadle import envs
-from treadle.config import resolve_model
+from treadle.config import model_source
 from treadle.engine_args import EngineArgs
 from treadle.entrypoints.openai.protocol import ImagePart, template_message
 from treadle.executor.multiproc import check_parallel_layout
@@ -49,12 +49,12 @@ class LLM:
         for warning in warnings:
             logger.warning("LLM: %s", warning)
         self.config = args.create_engine_config()
-        source = resolve_model(self.config.model.model)  # fail fast on a bad path
-        read_arch(source)  # and on a checkpoint that is corrupt or of an unsupported kind
+        source = model_source(self.config.model)  # fail fast on a bad path
+        arch = read_arch(source)  # on a checkpoint corrupt or unsupported, on --hf-overrides
         tensor_parallel_size = args.tensor_parallel_size
         if tensor_parallel_size > 1:
-            check_parallel_layout(read_arch(source), tensor_parallel_size)
-        hidden_size = read_arch(source).hidden_size if args.enable_prompt_embeds else None
+            check_parallel_layout(arch, tensor_parallel_size)
+        hidden_size = arch.hidden_size if args.enable_prompt_embeds else None
         self.engine: SyncMPClient | InprocClient = (
             SyncMPClient(self.config)
             if envs.enable_multiprocessing()
@@ -65,7 +65,7 @@ class LLM:
         limits = ModelLimits(info.vocab_size, info.max_model_len, args.max_logprobs)
         images = ImageInputs.for_model(
             source.path,
-            read_arch(source).vision,
+            arch.vision,
             self.tokenizer,
             self.config.model.dtype,
             self.config.model.limit_mm_per_prompt,

@@ -95,11 +95,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
         refuse=True,
         fine=(False,),
     ),
-    "hf_overrides": VllmArg("the model's config cannot be overridden", refuse=True),
     "rope_scaling": VllmArg("RoPE scaling cannot be overridden", refuse=True),
-    "override_generation_config": VllmArg(
-        "not supported: use --generation-config with a directory", refuse=True
-    ),
     "middleware": VllmArg("custom ASGI middleware is not supported", refuse=True),
 }
 
