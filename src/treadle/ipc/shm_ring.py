@@ -88,8 +88,9 @@ class ShmRingBuffer:
         self.is_creator = name is None
         if name is None:
             _check_free_shm(self.total_bytes)
+            remove_dead_creators_segments()
             self.shared_memory = shared_memory.SharedMemory(
-                name=f"treadle_{os.urandom(8).hex()}", create=True, size=self.total_bytes
+                name=segment_name(), create=True, size=self.total_bytes
             )
         else:
             self.shared_memory = _attach_untracked(name)
@@ -187,6 +188,51 @@ def _check_free_shm(nbytes: int) -> None:
             f"remount,size=<N>G {_SHM_DIR}`), free space there, or lower "
             "TREADLE_MQ_MAX_CHUNK_BYTES_MB."
         )
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (its inode), so that pids in segment names are read only
+    where they mean the same process."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino.__format__("x")
+    except OSError:
+        return "0"
+
+
+def segment_name() -> str:
+    """A new ring's name: `treadle_<pid namespace>_<creator pid>_<random>`, so that a later
+    creator can tell a dead creator's segment (`remove_dead_creators_segments`)."""
+    return f"treadle_{_pid_namespace()}_{os.getpid()}_{os.urandom(6).hex()}"
+
+
+def remove_dead_creators_segments() -> list[str]:
+    """Unlink this user's rings whose creator (named in the segment's name, in this pid
+    namespace) is no longer running: what a process killed -9 left when nothing else could
+    remove it (e.g. under Ray, where the actors die with their driver). Called before each
+    new ring, so a restarted engine core clears its predecessor's. Returns the names removed."""
+    ns, uid, removed = _pid_namespace(), os.getuid(), []
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("_")
+        if len(parts) != 4 or parts[0] != "treadle" or parts[1] != ns or not parts[2].isdigit():
+            continue
+        try:
+            if os.stat(os.path.join(_SHM_DIR, name)).st_uid != uid:
+                continue
+            os.kill(int(parts[2]), 0)
+            continue  # its creator runs: the ring may be in use
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # gone already, or someone else's process
+        unlink_orphaned_segment(name)
+        removed.append(name)
+    if removed:
+        logger.info("Removed %d shared-memory rings of dead processes", len(removed))
+    return removed
 
 
 def unlink_orphaned_segment(name: str) -> None:
