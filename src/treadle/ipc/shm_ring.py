@@ -210,7 +210,8 @@ def remove_dead_creators_segments() -> list[str]:
     namespace) is no longer running: what a process killed -9 left when nothing else could
     remove it (e.g. under Ray, where the actors die with their driver). Called before each
     new ring, so a restarted engine core clears its predecessor's. Returns the names removed."""
-    ns, uid, removed = _pid_namespace(), os.getuid(), []
+    ns, uid = _pid_namespace(), os.getuid()
+    removed: list[str] = []
     try:
         names = os.listdir(_SHM_DIR)
     except OSError:
