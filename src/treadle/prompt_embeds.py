@@ -24,17 +24,20 @@ import io
 import math
 import pickletools
 import zipfile
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from treadle.validation import InvalidRequest
 
+if TYPE_CHECKING:
+    import torch
+
 PARAM = "prompt_embeds"
+# torch's storage classes -> their dtypes' names (torch is imported only when a tensor is read:
+# the API server loads it on its first prompt_embeds, issue 41 item 2).
 _STORAGES = {
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
 }
 _REBUILD = "torch._utils _rebuild_tensor_v2"
 _ORDERED_DICT = "collections OrderedDict"
@@ -73,11 +76,13 @@ def check_tensor(tensor: object, hidden_size: int, max_rows: int) -> torch.Tenso
     """`tensor` if it is what `decode` accepts (dense, contiguous, 2-D `[rows, hidden_size]`
     with `1 <= rows <= max_rows`, float32/float16/bfloat16, finite, on the CPU); else
     `InvalidRequest` naming `prompt_embeds`."""
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRequest(PARAM, f"must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided or tensor.device.type != "cpu":
         raise _refuse(f"a {tensor.layout} tensor on {tensor.device}: give a dense CPU tensor")
-    if tensor.dtype not in _STORAGES.values():
+    if str(tensor.dtype).removeprefix("torch.") not in _STORAGES.values():
         raise _refuse(f"dtype {tensor.dtype}: give float32, float16 or bfloat16")
     if tensor.dim() != 2:
         raise _refuse(f"{tensor.dim()}-D; prompt_embeds are [tokens, hidden_size]")
@@ -119,6 +124,8 @@ def decode(data: str, hidden_size: int, max_rows: int) -> torch.Tensor:
 
 
 def read_torch_save(raw: bytes, hidden_size: int, max_rows: int) -> torch.Tensor:
+    import torch
+
     try:
         archive = zipfile.ZipFile(io.BytesIO(raw))
         entries = {info.filename: info for info in archive.infolist()}
@@ -253,7 +260,9 @@ def _persistent(pid: Any) -> _Storage:
         and _is_count(pid[4])
     ):
         raise _refuse("its storage is not a plain CPU storage")
-    return _Storage(_STORAGES[pid[1].name[6:]], pid[2], pid[4])
+    import torch
+
+    return _Storage(getattr(torch, _STORAGES[pid[1].name[6:]]), pid[2], pid[4])
 
 
 def _reduce(fn: Any, args: Any) -> Any:

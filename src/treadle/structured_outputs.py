@@ -23,16 +23,19 @@ of a compiled matcher.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from treadle.sampling_params import StructuredOutputsParams
 from treadle.validation import InvalidRequest
+
+if TYPE_CHECKING:
+    import torch  # the engine core's side (bitmasks); the front end's compiles without it
 
 GRAMMAR_CACHE_SIZE = 256
 """Distinct compiled constraints kept per `GrammarCompiler`."""
@@ -188,17 +191,23 @@ def fill_bitmask(
 # j), and the mask is applied by an addition: 64 rows of a 49k vocabulary in ~1.4 ms, where
 # shifting every word 32 times and a bool `masked_fill` took ~10 (bool masks run unvectorized
 # in PyTorch's CPU kernels).
-_BYTE_PENALTY = torch.zeros(256, 8).masked_fill(
-    ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0, float("-inf")
-)
+@functools.cache
+def _byte_penalty() -> torch.Tensor:
+    import torch
+
+    return torch.zeros(256, 8).masked_fill(
+        ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0, float("-inf")
+    )
 
 
 def token_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 [rows, vocab_size] from an int32 [rows, words] bitmask: 0 where a token is
     allowed, -inf where not (tokens past the mask's width are not allowed)."""
+    import torch
+
     rows, words = bitmask.shape
     as_bytes = bitmask.to(torch.int32).contiguous().view(torch.uint8).reshape(-1).long()
-    table = _BYTE_PENALTY.to(bitmask.device)
+    table = _byte_penalty().to(bitmask.device)
     penalty = torch.index_select(table, 0, as_bytes).reshape(rows, words * 32)
     if penalty.shape[1] >= vocab_size:
         return penalty[:, :vocab_size]

@@ -4,7 +4,10 @@ normalize, as transformers' PIL backend does), and a prompt's image placeholders
 one token per feature row (`expand_placeholders`), each image becoming a `MultiModalInput`.
 
 Runs in the API server's thread pool (`entrypoints/openai/inputs.py`), never on its event
-loop; the engine core only checks what arrives (`core/engine_core.py`)."""
+loop; the engine core only checks what arrives (`core/engine_core.py`).
+
+numpy, torch and PIL are imported when a vision-language model's images are set up: a
+text-only model's API server runs without them (issue 41 item 2)."""
 
 from __future__ import annotations
 
@@ -12,15 +15,16 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
-from PIL import Image
+from typing import TYPE_CHECKING, Any
 
 from treadle.model.arch import VisionArch
 from treadle.validation import InvalidRequest
 from treadle.wire.engine import MultiModalInput
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from PIL import Image
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -47,6 +51,9 @@ class ImageProcessor:
     def from_config(
         cls, config: dict[str, Any], vision: VisionArch, dtype: torch.dtype
     ) -> ImageProcessor:
+        import torch
+        from PIL import Image
+
         def edge(value: Any, key: str) -> int | None:
             return int(value[key]) if isinstance(value, dict) and key in value else None
 
@@ -89,6 +96,8 @@ class ImageProcessor:
                     loaded = json.load(f)
                 config = loaded.get("image_processor", loaded)
                 break
+        from PIL import Image
+
         processor = cls.from_config(config, vision, dtype)
         side = vision.image_size
         shape = processor(Image.new("RGB", (side + 7, side - 3))).shape
@@ -101,6 +110,10 @@ class ImageProcessor:
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         """RGB picture -> pixels [3, H, W] of `self.dtype`."""
+        import numpy as np
+        import torch
+        from PIL import Image
+
         if self.pad_to_square and image.width != image.height:
             side = max(image.size)
             fill = tuple(int(m * 255) for m in self.mean) if self.mean else (0, 0, 0)
@@ -133,6 +146,8 @@ class ImageProcessor:
 def center_crop(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """transformers' `center_crop` of [C, H, W]: the middle (height, width), zero padded
     where the picture is smaller."""
+    import numpy as np
+
     height, width = pixels.shape[1:]
     ch, cw = size
     if ch > height or cw > width:
@@ -146,6 +161,8 @@ def center_crop(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 def pixel_hash(pixels: torch.Tensor) -> str:
     """The content hash of preprocessed pixels (with their dtype and shape)."""
+    import torch
+
     head = f"{pixels.dtype}{tuple(pixels.shape)}".encode()
     return hashlib.sha256(
         head + pixels.contiguous().view(torch.uint8).numpy().tobytes()
@@ -210,6 +227,8 @@ class ImageInputs:
         """None for a text-only model."""
         if vision is None:
             return None
+        import torch
+
         wire = torch.float32 if dtype in ("auto", "float32", "float") else torch.float16
         processor = ImageProcessor.from_model_dir(model_dir, vision, wire)
         placeholder = str(tokenizer.convert_ids_to_tokens(vision.image_token_id))

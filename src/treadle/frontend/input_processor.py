@@ -22,9 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from treadle import prompt_embeds as embeds_format
 from treadle.frontend.images import ImageInputs, collapse_placeholders, expand_placeholders
@@ -33,6 +31,9 @@ from treadle.sampling_params import SamplingParams
 from treadle.structured_outputs import GrammarCompiler
 from treadle.validation import InvalidRequest, ModelLimits, check_request
 from treadle.wire.engine import EngineCoreRequest, LoRARequest, MultiModalInput
+
+if TYPE_CHECKING:
+    import torch  # only prompt_embeds and images need it: imported by what reads them
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -165,6 +166,8 @@ class InputProcessor:
     def check_embeds(self, tensor: object) -> torch.Tensor:
         """An offline `{"prompt_embeds": tensor}`: on the CPU, contiguous, checked as
         `decode_embeds` checks. Raises `InvalidRequest`."""
+        import torch
+
         width = self._embeds_width()
         if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
             tensor = tensor.detach().cpu().contiguous()

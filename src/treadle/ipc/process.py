@@ -24,6 +24,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -35,7 +36,6 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import setproctitle
-import torch  # before the native-thread baseline below is taken
 
 from treadle import envs
 from treadle.ipc.process_watch import (
@@ -121,7 +121,8 @@ def freeze_startup_heap() -> None:
 
 
 def _cuda_initialized() -> bool:
-    return bool(torch.cuda.is_initialized())
+    torch = sys.modules.get("torch")  # not imported here: the API server runs without torch
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 def _native_thread_count() -> int:
@@ -137,6 +138,12 @@ def _native_thread_count() -> int:
 # Importing torch starts one helper thread of its own, harmless to fork; anything beyond it
 # makes fork unsafe. Capped at 1 in case model code already ran before this import.
 _BASELINE_NATIVE_THREADS = min(_native_thread_count(), 1)
+
+
+def _harmless_native_threads() -> int:
+    """The native threads that do not make fork unsafe: torch's helper thread once torch is
+    imported (this module does not import it), else what ran when this module was imported."""
+    return 1 if "torch" in sys.modules else _BASELINE_NATIVE_THREADS
 
 
 def _check_not_bootstrapping() -> None:
@@ -164,7 +171,7 @@ def get_mp_context() -> BaseContext:
             'to choose it yourself (scripts then need an `if __name__ == "__main__":` guard).'
         )
         method = "spawn"
-    elif method == "fork" and (native := _native_thread_count()) > _BASELINE_NATIVE_THREADS:
+    elif method == "fork" and (native := _native_thread_count()) > _harmless_native_threads():
         logger.info(
             "This process already runs %d native thread(s) (e.g. torch's OpenMP pool after a "
             "model ran here), which a forked child would inherit half-dead: starting children "

@@ -32,27 +32,50 @@ a pickled value unless the variable is set on its side. A malformed or truncated
 crashes the caller's loop in any other way.
 
 An encoder or decoder instance is used by one thread at a time (it keeps per-call state).
+
+Neither torch nor numpy is imported until an array is met (issue 41 item 2: the API server,
+which sends text and token ids, never loads torch): the encoder recognises arrays only of
+modules already loaded (an object of an unloaded module cannot exist), and the decoder imports
+torch (numpy) when the first tensor (array) arrives. A wire type's tensor field is annotated
+`Tensor` below, which msgspec resolves without torch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
+import sys
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgspec
-import numpy as np
-import torch
 
 from treadle import envs
 from treadle.ipc.tensor_ring import TensorRingError, TensorRingReader, TensorRingWriter
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from torch import Tensor
+else:
+
+    class _TensorType(type):
+        def __instancecheck__(cls, obj: object) -> bool:
+            torch = sys.modules.get("torch")
+            return torch is not None and isinstance(obj, torch.Tensor)
+
+    class Tensor(metaclass=_TensorType):
+        """`torch.Tensor` to msgspec and to `isinstance`, without importing torch: the type of
+        a wire type's tensor field (a decoded tensor field holds a real `torch.Tensor`)."""
+
 
 __all__ = [
     "Buffer",
     "DecodeError",
     "MsgpackDecoder",
     "MsgpackEncoder",
+    "Tensor",
     "tensor_from_buffer",
     "tensor_to_buffer",
 ]
@@ -68,26 +91,42 @@ _EXT_NDARRAY = 2
 _EXT_PICKLE = 3
 _EXT_TENSOR_RING = 4
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    )
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """Wire name -> torch dtype (imports torch: called only when a tensor is met)."""
+    import torch
+
+    return {
+        str(dtype).removeprefix("torch."): dtype
+        for dtype in (
+            torch.float64,
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+        )
+    }
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in _torch_dtypes().items()}
+
+
+def _loaded(module: str) -> Any:
+    """`module` if this process has imported it, else None."""
+    return sys.modules.get(module)
+
 
 _ArrayHeader: TypeAlias = tuple[str, tuple[int, ...], int | bytearray]
 _RingHeader: TypeAlias = tuple[str, tuple[int, ...], str, int, int, int, int]
@@ -141,9 +180,15 @@ class MsgpackEncoder:
         return bufs
 
     def _enc_hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, Tensor):
             return self._encode_tensor(obj)
-        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject and obj.dtype.fields is None:
+        np = _loaded("numpy")
+        if (
+            np is not None
+            and isinstance(obj, np.ndarray)
+            and not obj.dtype.hasobject
+            and obj.dtype.fields is None
+        ):
             arr = np.ascontiguousarray(obj)
             return self._encode_array(_EXT_NDARRAY, arr.dtype.str, arr.shape, _raw_bytes(arr))
         if self.allow_pickle:
@@ -252,13 +297,24 @@ class MsgpackDecoder:
 
 
 def _dec_hook(t: type, obj: Any) -> Any:
-    if t in (torch.Tensor, np.ndarray) and isinstance(obj, t):
+    if _is_array_type(t) and isinstance(obj, t):
         return obj
     raise TypeError(f"expected {t.__qualname__}, got {type(obj).__qualname__}")
 
 
+def _is_array_type(t: type) -> bool:
+    """Whether a field of type `t` may hold a decoded array: `Tensor`, or `torch.Tensor` /
+    `np.ndarray` (a type annotated with one of these has imported its module)."""
+    if t is Tensor:
+        return True
+    torch, np = _loaded("torch"), _loaded("numpy")
+    return (torch is not None and t is torch.Tensor) or (np is not None and t is np.ndarray)
+
+
 def _raw_bytes(arr: np.ndarray) -> memoryview:
     """A flat, writable-or-not byte view of a C-contiguous array's memory (no copy)."""
+    import numpy as np
+
     return arr.reshape(-1).view(np.uint8).data
 
 
@@ -274,7 +330,10 @@ def tensor_to_buffer(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memory
     """`(dtype name, shape, raw bytes)` of a tensor; the bytes are a view of its memory when it is
     a contiguous CPU tensor (otherwise of a contiguous CPU copy). `TypeError` for an unknown dtype.
     """
-    name = _DTYPE_NAMES.get(tensor.dtype)
+    import numpy as np
+    import torch
+
+    name = _dtype_names().get(tensor.dtype)
     if name is None:
         raise TypeError(f"cannot serialize a tensor of dtype {tensor.dtype}")
     flat = tensor.detach().cpu().contiguous().reshape(-1)
@@ -287,7 +346,9 @@ def tensor_from_buffer(mem: memoryview, dtype_name: str, shape: tuple[int, ...])
 
     Raises `DecodeError` for an unknown dtype or a size that does not match the shape.
     """
-    dtype = _TORCH_DTYPES.get(dtype_name)
+    import torch
+
+    dtype = _torch_dtypes().get(dtype_name)
     if dtype is None:
         raise DecodeError(f"unknown tensor dtype {dtype_name!r}")
     _check_size(mem, shape, dtype.itemsize)
@@ -299,6 +360,8 @@ def tensor_from_buffer(mem: memoryview, dtype_name: str, shape: tuple[int, ...])
 
 
 def _ndarray_from(mem: memoryview, dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    import numpy as np
+
     try:
         dtype = np.dtype(dtype_name)
     except TypeError as e:

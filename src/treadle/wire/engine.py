@@ -6,8 +6,8 @@ import enum
 from typing import Any
 
 import msgspec
-import torch
 
+from treadle.ipc.serial import Tensor  # torch.Tensor to msgspec, without importing torch
 from treadle.sampling_params import SamplingParams
 
 
@@ -43,7 +43,7 @@ class MultiModalInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     its `length` placeholder tokens in the prompt (from `offset`), and the hash of its pixels,
     which keys the encoder's cache and the prompt's KV blocks (`core/request.py`)."""
 
-    pixel_values: torch.Tensor
+    pixel_values: Tensor
     offset: int
     length: int
     hash: str
@@ -67,7 +67,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0
     current_wave: int = 0
     priority: int = 0
-    prompt_embeds: torch.Tensor | None = None
+    prompt_embeds: Tensor | None = None
     # A request resumed on a new engine core after its engine died (the front end's
     # `frontend/inflight.py`): the output tokens its client received before the death (they
     # count as outputs: max_tokens, penalties, stop rules and grammars see them; a seeded
@@ -107,7 +107,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     queue_time: float = 0.0
     prefill_time: float = 0.0
     # A pooling request's result (its last output): float32 [hidden_size], out of band.
-    pooled: torch.Tensor | None = None
+    pooled: Tensor | None = None
 
     @property
     def finished(self) -> bool:

@@ -14,9 +14,7 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from treadle import envs
 from treadle.config import FrontendConfig
@@ -27,6 +25,9 @@ from treadle.frontend.input_processor import InputProcessor, message_chars
 from treadle.frontend.media import MediaPolicy, load_image
 from treadle.validation import InvalidRequest, check_batch, check_prompt, check_token_ids
 from treadle.wire.engine import MultiModalInput
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 

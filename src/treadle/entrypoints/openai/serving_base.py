@@ -10,9 +10,8 @@ import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -25,11 +24,14 @@ from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.input_processor import PreparedRequest
 from treadle.frontend.loras import FrontendLoRAs, LoRAModule
 from treadle.logger import init_logger
-from treadle.model.loader import read_arch
+from treadle.model.arch_files import read_arch
 from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams, generation_defaults
 from treadle.validation import InvalidRequest, check_batch, check_max_tokens, is_int64, parse_int
 from treadle.wire.engine import LoRARequest, MultiModalInput
+
+if TYPE_CHECKING:
+    import torch
 
 logger = init_logger(__name__)
 

@@ -1,0 +1,33 @@
+"""A model's shape read from its files without torch: config.json, or the GGUF header.
+
+The API server reads it (issue 41 item 2: no torch there); `loader.read_arch` is the same read
+for the engine core. torch is imported only for `--hf-overrides` (their RoPE check) and to
+raise `ModelLoadError` for an unreadable file."""
+
+from __future__ import annotations
+
+from treadle.config import ModelSource
+from treadle.model.arch import ModelArch
+from treadle.model.gguf_file import GGUFFile, GGUFFormatError
+
+
+def read_arch(source: ModelSource) -> ModelArch:
+    """The model's shape from config.json or the GGUF header, with `source.hf_overrides`."""
+    if source.is_gguf:
+        try:
+            gguf = GGUFFile(source.path)
+        except (OSError, GGUFFormatError) as e:
+            from treadle.model.loader import ModelLoadError
+
+            raise ModelLoadError(
+                f"{source.path} is not a readable GGUF file (truncated or corrupt?): {e}"
+            ) from e
+        arch = ModelArch.from_gguf_fields(gguf.fields, {t.name for t in gguf.tensors})
+    else:
+        arch = ModelArch.from_hf_dir(source.path)
+    overrides = getattr(source, "hf_overrides", "")  # (a field being added: --hf-overrides)
+    if not overrides:
+        return arch
+    from treadle.model.hf_overrides import apply_hf_overrides
+
+    return apply_hf_overrides(arch, overrides)
