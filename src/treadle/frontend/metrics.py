@@ -58,6 +58,8 @@ CACHE_INFO_LABELS = [
 
 
 IMAGE_BUCKETS = [1, 2, 4, 8, 16, 32]
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+"""vLLM's `prompt_tokens_by_source` labels."""
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -114,6 +116,21 @@ def _definitions(max_model_len: int) -> dict[str, Any]:
             [*LABELS, "position"],
         ),
         prompt_tokens=counter("prompt_tokens", "Number of prefill tokens processed."),
+        prompt_tokens_by_source=counter(
+            "prompt_tokens_by_source", "Number of prompt tokens by source.", [*LABELS, "source"]
+        ),
+        prompt_tokens_cached=counter(
+            "prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        ),
+        prompt_tokens_recomputed=counter(
+            "prompt_tokens_recomputed", "Number of cached tokens recomputed for forward pass."
+        ),
+        mm_cache_queries=counter(
+            "mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items."
+        ),
+        mm_cache_hits=counter(
+            "mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."
+        ),
         generation_tokens=counter("generation_tokens", "Number of generation tokens processed."),
         success=counter(
             "request_success",
@@ -142,6 +159,11 @@ def _definitions(max_model_len: int) -> dict[str, Any]:
         ),
         max_tokens_request=histogram(
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        ),
+        prefill_kv_computed=histogram(
+            "request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tokens,
         ),
         ttft=histogram(
             "time_to_first_token_seconds",
@@ -228,7 +250,13 @@ class StatLogger:
         self.m = {
             key: metric.labels(**labels)
             for key, metric in m.items()
-            if key not in ("success", "cache_info", "spec_accepted_per_pos")
+            if key
+            not in ("success", "cache_info", "spec_accepted_per_pos", "prompt_tokens_by_source")
+        }
+        # vLLM's sources; nothing arrives over a KV connector here, so the last stays at 0.
+        self.by_source = {
+            source: m["prompt_tokens_by_source"].labels(**labels, source=source)
+            for source in PROMPT_SOURCES
         }
         self.labels = labels
         self.spec_per_pos = m["spec_accepted_per_pos"]
@@ -269,6 +297,13 @@ class StatLogger:
             delta = getattr(stats, attr) - getattr(self._last, attr)
             if delta > 0:
                 self.m[name].inc(delta)
+        # vLLM's multimodal cache, here the vision encoder's: each image asks it once.
+        hits = stats.mm_encoder_cache_hits - self._last.mm_encoder_cache_hits
+        queries = hits + stats.mm_images_encoded - self._last.mm_images_encoded
+        if queries > 0:
+            self.m["mm_cache_queries"].inc(queries)
+        if hits > 0:
+            self.m["mm_cache_hits"].inc(hits)
         last = self._last.spec_decode_num_accepted_tokens_per_pos
         for pos, total in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
             delta = total - (last[pos] if pos < len(last) else 0)
@@ -295,6 +330,10 @@ class StatLogger:
             return
         if it.num_prompt_tokens:
             m["prompt_tokens"].inc(it.num_prompt_tokens)
+            self.by_source["local_compute"].inc(it.prompt_computed)
+            self.by_source["local_cache_hit"].inc(it.prompt_local_cache_hit)
+            m["prompt_tokens_cached"].inc(it.prompt_cached)
+            m["prompt_tokens_recomputed"].inc(it.prompt_recomputed)
         if it.num_generation_tokens:
             m["generation_tokens"].inc(it.num_generation_tokens)
         if it.num_tokens:
@@ -312,6 +351,7 @@ class StatLogger:
             m["e2e"].observe(done.e2e_latency)
             m["prompt_tokens_request"].observe(done.num_prompt_tokens)
             m["generation_tokens_request"].observe(done.num_generation_tokens)
+            m["prefill_kv_computed"].observe(done.num_prompt_tokens - done.num_cached_tokens)
             if done.num_images:
                 m["images_request"].observe(done.num_images)
             if done.max_tokens_param:

@@ -50,6 +50,8 @@ class RequestStats:
     first_token_ts: float = 0.0  # engine clock
     last_token_ts: float = 0.0
     num_images: int = 0  # the prompt's (a vision-language model's)
+    prefilled: bool = False  # its prompt is read (a first token, or a pooling result)
+    num_cached_tokens: int = 0  # of its prompt, from the prefix cache
 
 
 @dataclass
@@ -60,6 +62,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
     max_tokens_param: int | None
     num_images: int = 0
+    num_cached_tokens: int = 0
     # The phases (engine clock); None when the request ended before its first token.
     queued_time: float | None = None
     prefill_time: float | None = None
@@ -77,6 +80,7 @@ def finished_request_stats(stats: RequestStats, reason: str, now: float) -> Fini
         num_generation_tokens=stats.num_generation_tokens,
         max_tokens_param=stats.max_tokens,
         num_images=stats.num_images,
+        num_cached_tokens=stats.num_cached_tokens,
     )
     if stats.num_generation_tokens == 0:
         return done
@@ -105,6 +109,13 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     n_params: list[int] = field(default_factory=list)
     max_num_generation_tokens: list[int] = field(default_factory=list)
+    # The prompts read in this batch by source (vLLM's `PromptTokenStats`): computed, from the
+    # prefix cache (with the last token the model reads again when all of it was cached),
+    # skipped, and recomputed (that last token).
+    prompt_computed: int = 0
+    prompt_local_cache_hit: int = 0
+    prompt_cached: int = 0
+    prompt_recomputed: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -112,12 +123,27 @@ class IterationStats:
         generated token."""
         return self.num_prompt_tokens + self.num_generation_tokens
 
+    def add_prompt(self, prompt_len: int, num_cached: int) -> None:
+        """A prompt is read: vLLM's accounting (`PromptTokenStats.update_from_output`; all of
+        a prompt cached but its last token reads as `prompt_len - 1` cached)."""
+        recomputed = 1 if num_cached + 1 == prompt_len else 0
+        self.num_prompt_tokens += prompt_len
+        self.prompt_computed += prompt_len - num_cached
+        self.prompt_local_cache_hit += num_cached + recomputed
+        self.prompt_cached += num_cached
+        self.prompt_recomputed += recomputed
+
     def update_from_output(self, stats: RequestStats, out: EngineCoreOutput) -> None:
         new = len(out.new_token_ids)
+        if not stats.prefilled and (new or out.pooled is not None):
+            # The prompt is done: with the first token, or a pooling request's result (an
+            # embedding counts its prompt as vLLM's does, and has no first token).
+            stats.prefilled = True
+            stats.num_cached_tokens = out.num_cached_tokens
+            self.add_prompt(stats.num_prompt_tokens, out.num_cached_tokens)
         if new == 0:
             return
-        if stats.num_generation_tokens == 0:  # the first token: the prompt is done
-            self.num_prompt_tokens += stats.num_prompt_tokens
+        if stats.num_generation_tokens == 0:  # the first token
             self.time_to_first_tokens.append(self.now - stats.arrival)
             stats.queue_time, stats.prefill_time = out.queue_time, out.prefill_time
             stats.first_token_ts = self.engine_ts
