@@ -6,14 +6,14 @@ Start-up, in the engine core (the Ray driver):
 1. `ray.init(address=$RAY_ADDRESS or "auto")`; with no cluster to join, a local one is started
    for this engine core (vLLM does the same), which then lives and dies with it: `ray start
    --head` once makes restarts cheaper.
-2. A placement group of tp x pp bundles `{"CPU": threads}`, PACK (as few nodes as possible);
-   one that cannot be placed within TREADLE_RAY_PLACEMENT_TIMEOUT_S (60) is an error that names
-   `ray status`.
-3. Ranks follow the nodes (by Ray node id): this node's bundles first, then each other node's
-   in turn, so the ranks of a node are contiguous and a pipeline stage's TP ranks share a node
-   whenever the node's bundle count is a multiple of -tp (PACK on 2 nodes x 2 CPUs gives
-   `-tp 2 -pp 2` two bundles on each: stage 0 on this node, stage 1 on the other; a stage
-   split across nodes works, its all-reduce over tcp, and is logged). One named actor per rank
+2. Placement (`executor/ray_placement.py`): with -tp > 1 one STRICT_PACK group per pipeline
+   stage (its TP ranks on one node, so no all-reduce crosses hosts) when the cluster can give
+   it within 5 s; else one PACK group of tp x pp bundles `{"CPU": threads}` (as few nodes as
+   possible); one that cannot be placed within TREADLE_RAY_PLACEMENT_TIMEOUT_S (60) is an
+   error that names `ray status`.
+3. Ranks follow the nodes: whole stages first, this node's leading, so that a stage's TP ranks
+   share a node whenever the placement allows (`stage_order`; a stage that PACK had to
+   split works, its all-reduce over tcp, and is logged). One named actor per rank
    (`treadle-<id>-Worker_TP<r>`), with this process's TREADLE_* environment, TREADLE_HOST_IP
    set to its node's address and TREADLE_CPU_THREADS to its bundle's CPUs.
 4. The same queues as `MultiprocExecutor`: one broadcast `MessageQueue` whose readers on this
@@ -50,17 +50,13 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError
-from ray.util.placement_group import (
-    PlacementGroup,
-    placement_group,
-    placement_group_table,
-    remove_placement_group,
-)
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treadle import envs
 from treadle.config import EngineConfig
 from treadle.executor.base import Executor
+from treadle.executor.ray_placement import alive_nodes, place, remove_groups
 from treadle.executor.ray_worker import RayWorker, actor_env
 from treadle.ipc import cluster_auth
 from treadle.ipc.proc_info import process_info
@@ -129,7 +125,6 @@ def _signal_handlers_kept() -> Iterator[None]:
 class RayExecutor(Executor):
     """The executors' calls and queues over workers that Ray places (module docstring)."""
 
-    _pg: PlacementGroup | None = None
     _store: StoreServer | None = None
     _watcher: threading.Thread | None = None
     _connected = False  # this process called `ray.init` (and so `ray.shutdown`)
@@ -141,6 +136,7 @@ class RayExecutor(Executor):
         self._actors: list[Any] = []
         self._loops: list[Any] = []
         self._local: list[bool] = []
+        self._groups: list[PlacementGroup] = []
         self._here = ""  # this engine core's Ray node
         self._connected = connect_ray()
         self._launch(config)
@@ -151,35 +147,15 @@ class RayExecutor(Executor):
 
     # -- start-up -------------------------------------------------------------------------
 
-    def _place(self, threads: int) -> tuple[PlacementGroup, list[tuple[int, str]]]:
-        """The placement group; (bundle index, node id) per rank, this node's first."""
-        bundles = [{"CPU": float(threads)} for _ in range(self.world_size)]
-        self._pg = pg = placement_group(bundles, strategy="PACK", name=f"treadle-{self._tag}")
-        timeout = envs.ray_placement_timeout_s()
-        try:
-            ray.get(pg.ready(), timeout=timeout)
-        except GetTimeoutError:
-            free = ray.available_resources().get("CPU", 0)
-            raise RuntimeError(
-                f"Ray could not place {self.world_size} workers of {threads} CPUs each (a PACK "
-                f"placement group) in {timeout:g} s; the cluster has {free:g} CPUs free across "
-                f"{len(alive_nodes())} nodes: `ray status` shows what it holds (lower "
-                "--cpu-threads, add a node, or raise TREADLE_RAY_PLACEMENT_TIMEOUT_S)"
-            ) from None
-        where = placement_group_table(pg)["bundles_to_node_id"]
-        here = ray.get_runtime_context().get_node_id()
-        order = sorted(range(self.world_size), key=lambda b: (where[b] != here, where[b], b))
-        return pg, [(b, where[b]) for b in order]
-
     def _launch(self, config: EngineConfig) -> None:
         """Place the ranks, start one actor each, connect their queues."""
         self._tag = uuid.uuid4().hex[:8]
         threads = config.parallel.model_threads()
-        pg, placed = self._place(threads)
+        self._groups, placed = place(self._tag, self.tp_size, self.pp_size, threads)
         nodes = alive_nodes()
         self._here = here = ray.get_runtime_context().get_node_id()
         driver_ip = nodes.get(here) or get_ip()
-        for rank, (_, node) in enumerate(placed):
+        for rank, (_, _, node) in enumerate(placed):
             title = worker_title(rank, self.tp_size, self.pp_size)
             self.ranks.append(
                 RayRank(title, f"treadle-{self._tag}-{title}", node, nodes.get(node, "?"))
@@ -200,7 +176,7 @@ class RayExecutor(Executor):
         self._store = StoreServer(driver_ip, 0)  # CURVE-keyed with the cluster secret
         store = (driver_ip, self._store.port)
         remote_worker = ray.remote(RayWorker)
-        for rank, (bundle, _) in enumerate(placed):
+        for rank, (pg, bundle, _) in enumerate(placed):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
             env = actor_env(self.ranks[rank].ip, None if config.parallel.cpu_threads else threads)
             self._actors.append(
@@ -369,9 +345,8 @@ class RayExecutor(Executor):
         if broadcast is not None:
             broadcast.close()
         remove_ipc_files(a for a in self.stage_addresses if a is not None)
-        if self._pg is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(self._pg)
+        remove_groups(self._groups)
+        self._groups = []
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -379,11 +354,6 @@ class RayExecutor(Executor):
             self._watcher.join(timeout=2.0)
         if self._connected and ray.is_initialized():
             ray.shutdown()
-
-
-def alive_nodes() -> dict[str, str]:
-    """Ray node id -> its address, for the nodes alive now."""
-    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
 
 
 def _cause(error: BaseException) -> str:
