@@ -1,9 +1,15 @@
 """Tokenizers from local files only: a Hugging Face directory, or a GGUF file's vocabulary
-(converted once by transformers, then cached on disk because conversion takes seconds)."""
+(converted once by transformers, then cached on disk because conversion takes seconds).
+
+A directory whose `tokenizer_config.json` names transformers' `TokenizersBackend` (what
+transformers 5 saves, the GGUF cache included) is loaded by that class directly: `AutoTokenizer`
+imports transformers' model configurations, and with them torch, which the API server does
+without (issue 41 item 2). Any other directory goes through `AutoTokenizer`."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Any
 
@@ -20,15 +26,45 @@ def _cache_dir(source: ModelSource) -> str:
     return os.path.join(envs.cache_dir(), "tokenizers", key[:16])
 
 
-def load_tokenizer(source: ModelSource) -> Any:
-    from transformers import AutoTokenizer
+LEAN_CLASSES = ("TokenizersBackend",)
+"""`tokenizer_class` values loaded without `AutoTokenizer` (and so without torch)."""
 
+
+def _lean_class(directory: str) -> Any:
+    """transformers' class for `directory` when its tokenizer_config.json names one of
+    `LEAN_CLASSES` (and no custom code), else None."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("tokenizer_class") not in LEAN_CLASSES:
+        return None
+    if "auto_map" in config:
+        return None
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend
+
+
+def _from_directory(directory: str) -> Any:
+    cls = _lean_class(directory)
+    if cls is not None:
+        return cls.from_pretrained(directory, local_files_only=True)
+    from transformers import AutoTokenizer  # (imports torch)
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def load_tokenizer(source: ModelSource) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not source.is_gguf:
-        return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+        return _from_directory(source.path)
     cache = _cache_dir(source)
     if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(cache, local_files_only=True)
+        return _from_directory(cache)
+    from transformers import AutoTokenizer  # converting a GGUF vocabulary (once) needs it
+
     logger.info("Converting the GGUF tokenizer (once; cached in %s)", cache)
     tokenizer = AutoTokenizer.from_pretrained(
         source.directory, gguf_file=source.gguf_file, local_files_only=True

@@ -58,10 +58,20 @@ from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import AttachTo
 from treadle.frontend.metrics import render_metrics
 from treadle.frontend.startup import StartupProgress, follow_phases, startup_address
+from treadle.ipc.memory import memory_line
 from treadle.ipc.process import ReadyPipe, freeze_startup_heap
 from treadle.logger import init_logger
 
 logger = init_logger(__name__)
+
+
+def settle_heap(engine: AsyncLLM) -> None:
+    """Once this API server serves: its start-up heap frozen and trimmed, then one line with
+    its idle memory beside each engine core's that it started (issue 41 item 2)."""
+    freeze_startup_heap()
+    launcher = getattr(engine.client, "launcher", None)
+    pids = [child.pid or 0 for child in launcher.engines] if launcher is not None else []
+    logger.info("%s", memory_line("API server", pids))
 
 
 def build_app(
@@ -86,7 +96,7 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         if own_process:  # once serving (off the start-up's path)
-            asyncio.get_running_loop().call_soon(freeze_startup_heap)
+            asyncio.get_running_loop().call_soon(settle_heap, engine)
         logger.info("Serving %s as %r", model_path, model_name)
         if announce:  # uvicorn says where it listens only when it opened the socket itself
             say_listening(announce)
