@@ -160,6 +160,7 @@ class EngineCoreProc:
                 ),
                 on_phase=say,
             )
+            self.engine.prompt_files.on_launch(dp_rank, addresses.launch)
             return self.engine
 
         addresses, ready_messages = join_front_end(

@@ -8,12 +8,19 @@ are taken free), has every worker copy its part of the file into them, and only 
 registers them in the prefix cache: the next request with that prompt is a prefix hit. Both
 run between steps, in the engine core.
 
+A restarted engine core (a later launch of its rank: the last one died) restores again the
+files its rank had restored, listed in `.restored-dp<rank>` in the save directory, so that
+the requests it resumes find their prompts cached as before; a first launch starts the list
+anew.
+
 The answers are dicts: a file that cannot be used here, a bad name or nothing to save is
 `{"error": why}` (the front end's 400), not an exception.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
 from typing import Any
@@ -42,6 +49,52 @@ class PromptCacheFiles:
         self.vocab_size = vocab_size
         self.kv = kv
         self.executor = executor
+        self.dp_rank = 0  # (set by `on_launch` in a served engine core)
+        self.restored: list[str] = []  # this rank's restored files, in order
+
+    def on_launch(self, dp_rank: int, launch: int) -> None:
+        """At start-up of DP rank `dp_rank`'s engine core: a first launch forgets what an
+        earlier server restored; a later one (the last engine core died) restores those files
+        again."""
+        self.dp_rank = dp_rank
+        manifest = self._manifest()
+        if manifest is None:
+            return
+        if launch <= 1:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(manifest)
+            return
+        try:
+            with open(manifest) as f:
+                names = json.load(f)
+        except (OSError, ValueError):
+            return
+        if not isinstance(names, list):
+            return
+        for name in names:
+            if isinstance(name, str):
+                answer = self.restore(name)
+                if "error" in answer:
+                    logger.warning("Not restored again after the restart: %s", answer["error"])
+
+    def _manifest(self) -> str | None:
+        if self.directory is None or not self.kv.enable_prefix_caching:
+            return None
+        return os.path.join(self.directory, f".restored-dp{self.dp_rank}")
+
+    def _remember(self, filename: str) -> None:
+        if filename in self.restored:
+            self.restored.remove(filename)
+        self.restored.append(filename)
+        manifest = self._manifest()
+        if manifest is None:
+            return
+        try:
+            with open(manifest + ".tmp", "w") as f:
+                json.dump(self.restored, f)
+            os.replace(manifest + ".tmp", manifest)
+        except OSError as e:
+            logger.warning("Could not note the restored files in %s: %s", manifest, e)
 
     def save(self, token_ids: list[int], filename: str) -> dict[str, Any]:
         """Write the cached whole blocks of `token_ids` to `filename`."""
@@ -93,6 +146,7 @@ class PromptCacheFiles:
         n = len(slots) * self.kv.block_size
         ms = (time.perf_counter() - start) * 1e3
         logger.info("Restored %d tokens of KV from %s (%.0f ms)", n, filename, ms)
+        self._remember(filename)
         return {"n_restored": n, "n_read": read, "restore_ms": ms, "token_ids": tokens[:n]}
 
     def _path(self, filename: str) -> tuple[str | None, str]:
