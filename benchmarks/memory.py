@@ -226,7 +226,7 @@ def main() -> None:
             print(f"  treadle's tree / llama-server's, {what}: {ratio:.2f}x (target <= 2x)")
     else:
         print(f"  (no llama-server at {args.peers}: `make bench-peers` builds it)")
-    api = next((f for name, f in t["processes"].items() if name.startswith("APIServer")), None)
+    api = next((f for name, f in t["processes"].items() if name.startswith("APIServer_")), None)
     if api:
         print(f"  API server idle RSS {api['rss']:.1f} MiB (target <= 150)")
     if args.result_file:

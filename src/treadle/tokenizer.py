@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 from treadle import envs
@@ -61,11 +63,46 @@ def load_tokenizer(source: ModelSource) -> Any:
     if not source.is_gguf:
         return _from_directory(source.path)
     cache = _cache_dir(source)
-    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+    if not _is_cached(cache):
+        _convert_in_child(source, cache)
+    if _is_cached(cache):
         return _from_directory(cache)
-    from transformers import AutoTokenizer  # converting a GGUF vocabulary (once) needs it
+    return _convert(source, cache)  # here (imports torch): the child could not cache it
 
+
+def _is_cached(cache: str) -> bool:
+    return os.path.isfile(os.path.join(cache, "tokenizer_config.json"))
+
+
+_CONVERT = (
+    "import sys; from treadle.config import resolve_model; from treadle.tokenizer import "
+    "_convert; _convert(resolve_model(sys.argv[1]), sys.argv[2])"
+)
+
+
+def _convert_in_child(source: ModelSource, cache: str) -> None:
+    """Convert the GGUF vocabulary in a child interpreter, which caches it: transformers'
+    conversion imports torch, which the API server does without (issue 41 item 2)."""
     logger.info("Converting the GGUF tokenizer (once; cached in %s)", cache)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CONVERT, source.path, cache],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("Could not convert the GGUF tokenizer in a child process: %s", e)
+        return
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        logger.warning("Converting the GGUF tokenizer in a child process failed: %s", tail[0])
+
+
+def _convert(source: ModelSource, cache: str) -> Any:
+    """The GGUF file's tokenizer, by transformers (imports torch), saved in `cache`."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(
         source.directory, gguf_file=source.gguf_file, local_files_only=True
     )
