@@ -42,8 +42,11 @@ class _Layer(ctypes.Structure):  # decode_layer
         ("o_kind", _i32), ("gate_up_kind", _i32), ("down_kind", _i32),
         ("qkv_lora_a", _p), ("qkv_lora_b", _p), ("o_lora_a", _p), ("o_lora_b", _p),
         ("gate_up_lora_a", _p), ("gate_up_lora_b", _p), ("down_lora_a", _p),
-        ("down_lora_b", _p), ("qkv_lora_w", _i64), ("o_lora_w", _i64),
-        ("gate_up_lora_w", _i64), ("down_lora_w", _i64),
+        ("down_lora_b", _p), ("qkv_lora_ends", _p), ("o_lora_ends", _p),
+        ("gate_up_lora_ends", _p), ("down_lora_ends", _p), ("qkv_lora_rank", _i64),
+        ("o_lora_rank", _i64), ("gate_up_lora_rank", _i64), ("down_lora_rank", _i64),
+        ("qkv_lora_shards", _i64), ("o_lora_shards", _i64), ("gate_up_lora_shards", _i64),
+        ("down_lora_shards", _i64),
     ]  # fmt: skip
 
 
@@ -52,7 +55,7 @@ class _Model(ctypes.Structure):  # decode_model
         ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("num_layers", _i64), ("num_blocks", _i64),
         ("block_size", _i64), ("eps", _f), ("scale", _f), ("final_norm", _p),
-        ("int8_activations", _i32), ("kv_type", _i32), ("lora_slot", _p),
+        ("int8_activations", _i32), ("kv_type", _i32), ("lora_slot", _p), ("lora_bf16", _i32),
     ]  # fmt: skip
 
 
@@ -64,6 +67,7 @@ class FusedDecoder:
         self._layers: ctypes.Array[_Layer] | None = None
         self._bound_to: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._spec = _Model()
+        self._lora_bound = False  # the layers' LoRA slots are in the bound pointers
 
     @classmethod
     def build(cls, kernels: Kernels | None, model: LlamaForCausalLM) -> FusedDecoder | None:
@@ -93,6 +97,7 @@ class FusedDecoder:
             return self._layers
         m = self._model
         layers = (_Layer * m.num_layers)()
+        lora_bf16 = False
         for spec, layer, (k_cache, v_cache) in zip(
             layers, m.decoder_layers(), kv_caches, strict=True
         ):
@@ -110,10 +115,14 @@ class FusedDecoder:
                 setattr(spec, name, method.quant.tiles.data_ptr())
                 setattr(spec, f"{name}_kind", method.quant.kind)
                 lora = linear.lora  # adapters' slots (`model/lora.py`), if enabled
-                if lora is not None:
+                if lora is not None and lora.tiled and lora.a.numel():
                     setattr(spec, f"{name}_lora_a", lora.a.data_ptr())
-                    setattr(spec, f"{name}_lora_b", lora.b_t.data_ptr())
-                    setattr(spec, f"{name}_lora_w", lora.width)
+                    setattr(spec, f"{name}_lora_b", lora.b.data_ptr())
+                    setattr(spec, f"{name}_lora_ends", lora.ends.data_ptr())
+                    setattr(spec, f"{name}_lora_rank", lora.rank)
+                    setattr(spec, f"{name}_lora_shards", lora.shards)
+                    lora_bf16 = lora.dtype == torch.bfloat16
+                    self._lora_bound = True
             bias = attn.qkv_proj.bias
             spec.qkv_bias = bias.data_ptr() if bias is not None else None
             spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -133,6 +142,7 @@ class FusedDecoder:
             final_norm=m.model.norm.weight.data_ptr(),
             int8_activations={"int8": 1, "int8x2": 2}.get(self.kernels.activations, 0),
             kv_type=kv_type(k_cache),
+            lora_bf16=int(lora_bf16),
         )
         self._layers, self._bound_to = layers, kv_caches
         return layers
@@ -158,6 +168,8 @@ class FusedDecoder:
         rows = lora.slot_of_row if lora is not None and lora.rows else None
         if rows is not None and rows.shape[0] != embeddings.shape[0]:
             raise ValueError(f"{rows.shape[0]} LoRA rows for {embeddings.shape[0]} tokens")
+        if rows is not None and not self._lora_bound:
+            raise ValueError("a step with LoRA rows, but no layer's LoRA slots are allocated")
         self._spec.lora_slot = None if rows is None else rows.data_ptr()
         self.kernels.decode_layers(
             ctypes.addressof(self._spec), ctypes.addressof(layers), embeddings.data_ptr(),

@@ -3,22 +3,25 @@
 An adapter is `adapter_config.json` + `adapter_model.safetensors` (a pickle `.bin` is
 refused: loading one runs code). `read_adapter` checks it against the base model (rank,
 targets, shapes, finite weights) and returns its full-size A and B matrices per (layer,
-module); `LoRASlots` holds up to `max_loras` adapters on this rank, each target layer's share
-of them (`LoRALayer`: A and B sliced as the layer's weight is under tensor parallelism), and
-the step's rows per slot (`LoRASlots.set_batch`).
+module); each target layer's `LoRALayer` holds up to `max_loras` adapters' shares on this
+rank (A and B sliced as the layer's weight is under tensor parallelism), and `LoRABatch` the
+step's rows per slot, which every layer reads.
 
-A layer's output gets, for the rows of each slot, `scale * (x A^T) B^T`: one product pair per
-adapter in the step, over all its rows (gathered), not one per request. A packed layer
-(q/k/v, gate/up) multiplies by its shards' A matrices side by side, then each shard's B into
-its columns. A row-parallel layer adds its partial delta before the all-reduce (the product
-is linear in the input's shards)."""
+A layer's output gets, for the rows of each slot, `scale * (x A^T) B^T`: one pass over each
+adapter's weights in the step, for all its rows, not one per request (the C kernel
+`lora_apply_sharded`, or two batched products). A packed layer (q/k/v, gate/up) multiplies by
+its shards' A matrices side by side, then each shard's B into its own columns only. A
+row-parallel layer adds its partial delta before the all-reduce (the product is linear in the
+input's shards)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -162,43 +165,53 @@ def _parse_name(name: str, num_layers: int) -> tuple[tuple[int, str], str]:
 
 @dataclass
 class SlotWeights:
-    """One adapter's share on this rank of one layer: the A matrices of its shards stacked
-    ([sum r, in]) and each shard's B ([columns of that shard, r]) with where its output goes."""
+    """One adapter's share on this rank of one layer: per shard it targets, (shard, A [r, in],
+    B [this rank's rows of the shard's outputs, r]); `ends`: where each shard's outputs end
+    in the layer's (a row-parallel layer is one shard)."""
 
-    a: torch.Tensor
-    bs: list[tuple[int, int, torch.Tensor]]  # (first column, first row of `a`, B)
+    pieces: list[tuple[int, torch.Tensor, torch.Tensor]]
+    ends: list[int]
     scale: float
+
+
+COLUMNS = 64
+"""The columns of B^T in one tile of the C kernel's layout (`lora_apply_sharded`)."""
 
 
 class LoRABatch:
     """The step's rows of each adapter slot, shared by every target layer of the model (the
     model runner sets it around the forward pass; no rows: no adapter in this step).
 
-    The rows are laid out once a step for batched products: slot s's rows go to places
+    On the C kernels (`kernels`) the step is each row's slot (`slot_of_row`, -1: the base
+    model). Otherwise its rows are laid out for batched products: slot s's rows go to places
     [s n, s n + its rows) of a `slots x n` grid (n: the most rows of one slot; the grid's
     other places repeat row 0 and are dropped after the products)."""
 
     def __init__(self, num_slots: int, kernels: Kernels | None = None) -> None:
-        """`kernels`: the C kernels' `lora_apply` does the update of float32 rows (each row
-        its own adapter's product); otherwise batched products over the grid."""
         self.num_slots = num_slots
         self.kernels = kernels
+        self.apply = None if kernels is None else _bind_apply(kernels)
+        self.weight_dtype: torch.dtype | None = None  # the slots' (None: the model's)
         self.rows: list[tuple[int, torch.Tensor]] = []
         self.per_slot = 0  # n
         self.gather = self.places = self.dest = torch.empty(0, dtype=torch.long)
         self.slot_of_row = torch.empty(0, dtype=torch.long)  # (for `kernels`) -1: none
 
+    def set_rows(self, slot_of_row: torch.Tensor) -> None:
+        """The step's rows for the C kernels: each row's slot (int64, -1: none), on the CPU."""
+        self.slot_of_row = slot_of_row
+        self.rows = [(-1, slot_of_row)]  # (not empty: the layers add their updates)
+
     def set(self, rows: list[tuple[int, torch.Tensor]], num_rows: int = 0) -> None:
         self.rows = rows
         if not rows:
             return
-        if self.kernels is not None:
+        if self.apply is not None and rows[0][1].device.type == "cpu":
             slot_of_row = torch.full((num_rows,), -1, dtype=torch.long)
             for slot, r in rows:
-                slot_of_row[r.cpu()] = slot
+                slot_of_row[r] = slot
             self.slot_of_row = slot_of_row
-            if rows[0][1].device.type == "cpu":
-                return  # (the C kernel reads only this; other layouts are the fallback's)
+            return
         n = max(r.shape[0] for _, r in rows)
         device = rows[0][1].device
         gather = torch.zeros(self.num_slots * n, dtype=torch.long, device=device)
@@ -211,11 +224,27 @@ class LoRABatch:
         self.places, self.dest = torch.cat(places), torch.cat(dest)
 
 
+def _bind_apply(kernels: Kernels) -> Any:
+    """The C kernel `lora_apply_sharded` of `kernels`' library (the same library, loaded
+    once: ctypes hands back its handle)."""
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn = ctypes.CDLL(str(kernels.path)).lora_apply_sharded
+    fn.argtypes = [p, i64, i64, p, p, p, c_int, c_int, i64, i64, i64, p, i64, p, i64, c_int]
+    fn.restype = None
+    return fn
+
+
 class LoRALayer:
-    """Every slot's adapter weights of one linear layer on this rank, stacked: A as
-    [slots, W, in] and B^T as [slots, W, out] (W = its shards x the largest rank; B scaled; a
-    slot an adapter does not fill holds zeros). A step's update is two batched products
-    over the rows gathered by slot (`LoRABatch`), whatever adapters its rows use."""
+    """Every slot's adapter weights of one linear layer on this rank, for `shards` packed
+    shards of rank up to R each: A as [slots, shards R, in] (shard k's rows from k R) and B^T
+    as [slots, R, out], each output column holding only its own shard's rows (B of a packed
+    layer is block-diagonal: its zero blocks are not kept); B scaled, a slot an adapter does
+    not fill holds zeros. On the C kernels B^T is kept in tiles of `COLUMNS` columns, each
+    [R, COLUMNS] in one piece (`b`: [slots, tiles, R, COLUMNS]), so that the kernel reads
+    every weight once a step in long runs; elsewhere as [slots, R, out] for batched products.
+
+    The tensors are made by `allocate` (the manager, once the layer's shards and the slots'
+    dtype are known); the layer's update then runs whatever adapters the step's rows use."""
 
     def __init__(
         self,
@@ -226,42 +255,87 @@ class LoRALayer:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.batch, self.width = batch, width
-        slots = batch.num_slots
-        # A as the C kernel reads it (rows of `in`: one dot product per rank), B^T as both
-        # read it (a transposed view costs bmm 3x).
-        self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)
-        self.b_t = torch.zeros(slots, width, out_features, dtype=dtype, device=device)
+        self.batch, self.width = batch, width  # width: shards x R
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype, self.device = dtype, device
+        self.rank, self.ends = width, torch.tensor([out_features], dtype=torch.long)
+        self.a = self.b = torch.empty(0, dtype=dtype)
+
+    @property
+    def shards(self) -> int:
+        return self.ends.shape[0]
+
+    @property
+    def tiled(self) -> bool:
+        return self.batch.apply is not None and self.device.type == "cpu"
+
+    def allocate(self, ends: list[int], dtype: torch.dtype | None = None) -> None:
+        """Make the slots: `ends`, where each packed shard's outputs end on this rank."""
+        if ends[-1] != self.out_features or self.width % len(ends):
+            raise ValueError(f"shards ending at {ends} for {self.out_features} outputs")
+        self.dtype = dtype or self.dtype
+        self.ends = torch.tensor(ends, dtype=torch.long)
+        self.rank = self.width // len(ends)
+        slots, dtype, device = self.batch.num_slots, self.dtype, self.device
+        self.a = torch.zeros(slots, self.width, self.in_features, dtype=dtype, device=device)
+        if self.tiled:
+            tiles = -(-self.out_features // COLUMNS)
+            self.b = torch.zeros(slots, tiles, self.rank, COLUMNS, dtype=dtype, device=device)
+        else:
+            self.b = torch.zeros(slots, self.rank, self.out_features, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, weights: SlotWeights | None) -> None:
         """Put an adapter's share in `slot` (None: empty it)."""
+        if self.a.numel() == 0:
+            self.allocate(weights.ends if weights is not None else [self.out_features])
         self.a[slot].zero_()
-        self.b_t[slot].zero_()
+        self.b[slot].zero_()
         if weights is None:
             return
-        rows = weights.a.shape[0]
-        if rows > self.width:
-            raise LoRAError(f"an adapter share of rank {rows} over the slot's {self.width}")
-        self.a[slot, :rows] = weights.a
-        for col, at, b in weights.bs:
-            self.b_t[slot, at : at + b.shape[1], col : col + b.shape[0]] = b.t() * weights.scale
+        if torch.tensor(weights.ends).tolist() != self.ends.tolist():
+            raise LoRAError(f"an adapter share for shards ending at {weights.ends}")
+        b_t = torch.zeros(self.rank, self.out_features, dtype=torch.float32)
+        for shard, a, b in weights.pieces:
+            r = a.shape[0]
+            if r > self.rank:
+                raise LoRAError(f"an adapter share of rank {r} over the slot's {self.rank}")
+            self.a[slot, shard * self.rank : shard * self.rank + r] = a
+            col = weights.ends[shard - 1] if shard else 0
+            b_t[:r, col : col + b.shape[0]] = b.float().t() * weights.scale
+        if self.tiled:
+            tiles = self.b.shape[1]
+            padded = torch.zeros(self.rank, tiles * COLUMNS)
+            padded[:, : self.out_features] = b_t
+            self.b[slot] = padded.view(self.rank, tiles, COLUMNS).transpose(0, 1)
+        else:
+            self.b[slot] = b_t
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add each row's adapter update to `out` (in place)."""
         batch = self.batch
-        kernels = batch.kernels
-        if kernels is not None:  # (only a float32 model on the CPU has them)
+        if self.tiled and batch.apply is not None:  # (a float32 model on the CPU)
             x = x if x.stride(1) == 1 else x.contiguous()
-            if out.stride(1) == 1:
-                kernels.lora_apply(x, batch.slot_of_row, self.a, self.b_t, out)
-            else:  # (never so far: the layers' outputs are their own row-major tensors)
-                update = torch.zeros(out.shape, dtype=out.dtype)
-                kernels.lora_apply(x, batch.slot_of_row, self.a, self.b_t, update)
-                out.add_(update)
+            target = out if out.stride(1) == 1 else torch.zeros(out.shape, dtype=out.dtype)
+            batch.apply(
+                x.data_ptr(), x.stride(0), x.shape[0], batch.slot_of_row.data_ptr(),
+                self.a.data_ptr(), self.b.data_ptr(), int(self.dtype == torch.bfloat16), 1,
+                self.in_features, self.rank, self.shards, self.ends.data_ptr(),
+                self.out_features, target.data_ptr(), target.stride(0), torch.get_num_threads(),
+            )  # fmt: skip
+            if target is not out:  # (never so far: the layers' outputs are their own tensors)
+                out.add_(target)
             return
         grid = x.index_select(0, batch.gather).to(self.a.dtype)
         grid = grid.view(batch.num_slots, batch.per_slot, x.shape[1])
-        y = torch.bmm(torch.bmm(grid, self.a.transpose(1, 2)), self.b_t).view(-1, out.shape[1])
+        h = torch.bmm(grid, self.a.transpose(1, 2))  # [slots, n, shards R]
+        y = torch.empty(batch.num_slots, batch.per_slot, self.out_features, dtype=h.dtype)
+        first, rank = 0, self.rank
+        for k, end in enumerate(self.ends.tolist()):
+            y[:, :, first:end] = torch.bmm(
+                h[:, :, k * rank : (k + 1) * rank], self.b[:, :, first:end]
+            )
+            first = end
+        y = y.view(-1, self.out_features)
         out.index_add_(0, batch.dest, y.index_select(0, batch.places).to(out.dtype))
 
 
@@ -273,15 +347,10 @@ def column_share(
     dtype: torch.dtype,
 ) -> SlotWeights:
     """A column-parallel layer's share: `pieces` are (shard, A, B) of the shards the adapter
-    targets; B keeps this rank's rows of its shard (`source`: (first row, rows) per shard),
-    written at the shard's columns here."""
-    a_parts, bs, first = [], [], 0
-    for shard, a, b in pieces:
-        start, size = source[shard]
-        a_parts.append(a)
-        bs.append((sum(local_sizes[:shard]), first, b.narrow(0, start, size).to(dtype)))
-        first += a.shape[0]
-    return SlotWeights(torch.cat(a_parts).to(dtype).contiguous(), bs, scale)
+    targets; B keeps this rank's rows of its shard (`source`: (first row, rows) per shard)."""
+    ends = [sum(local_sizes[: k + 1]) for k in range(len(local_sizes))]
+    kept = [(shard, a, b.narrow(0, *source[shard])) for shard, a, b in pieces]
+    return SlotWeights(kept, ends, scale)
 
 
 def row_share(
@@ -289,6 +358,4 @@ def row_share(
 ) -> SlotWeights:
     """A row-parallel layer's share: this rank's columns of A, all of B (the partial update
     is summed by the layer's all-reduce)."""
-    return SlotWeights(
-        a.narrow(1, start, local_in).to(dtype).contiguous(), [(0, 0, b.to(dtype))], scale
-    )
+    return SlotWeights([(0, a.narrow(1, start, local_in), b)], [b.shape[0]], scale)

@@ -677,47 +677,162 @@ void silu_and_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out,
     }
 }
 
-/* LoRA updates of a step's rows (model/lora.py): row r with slot[r] >= 0 gets
-   out[r] += (x[r] A[s]^T) B_t[s], with A[s] [w, in] and B_t[s] [w, n_out] (B scaled). Each
-   row reads its own adapter only; a row of the base model (slot -1) is left alone. h = x A^T
-   (rows x w dot products over `in`) first, then out's columns in blocks across the threads. */
+/* LoRA updates of a step's rows (model/lora.py). Slot s of a layer holds its adapter's
+   A [shards * rank, in] (shard k's rows from k * rank) and B^T [rank, n_out] (scaled), float32
+   or bfloat16 (`bf16`); a packed layer's outputs are its shards' columns side by side (shard k
+   ends at column shard_end[k]), and each column takes its own shard's rank rows only (B of a
+   packed layer is block-diagonal: only those blocks are kept). Row r with slot[r] >= 0 gets
+   out[r, c] += sum_j (x[r] . A[s, k rank + j]) B^T[s, j, c], c in shard k; a row of the base
+   model (slot -1) is left alone. The rows are taken slot by slot, so that each slot's weights
+   are read from memory once a step, however many rows use them: at a decode step's few rows
+   the update is bound by those reads, not by its arithmetic. */
+#define LORA_COLS 64  /* the columns of B^T one work item updates */
+
+/* h[r, k] = x[r] . a_row for the rows `rs` (4 at a time: one read of a_row for 4 rows). */
+static inline void lora_shrink_row(const float* x, int64_t x_stride, const int64_t* rs,
+                                   int64_t n, const void* a_row, int bf16, int64_t in,
+                                   float* h, int64_t h_stride) {
+    const float* restrict a32 = (const float*)a_row;
+    const uint16_t* restrict a16 = (const uint16_t*)a_row;
+    for (int64_t g = 0; g < n; g += 4) {
+        const int64_t t = n - g < 4 ? n - g : 4;
+        const float* restrict x0 = x + rs[g] * x_stride;
+        const float* restrict x1 = x + rs[g + (t > 1)] * x_stride;
+        const float* restrict x2 = x + rs[g + (t > 2) * 2] * x_stride;
+        const float* restrict x3 = x + rs[g + (t > 3) * 3] * x_stride;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        if (bf16) {
+            #pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t i = 0; i < in; i++) {
+                const float w = bf16_to_float(a16[i]);
+                s0 += x0[i] * w; s1 += x1[i] * w; s2 += x2[i] * w; s3 += x3[i] * w;
+            }
+        } else {
+            #pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t i = 0; i < in; i++) {
+                const float w = a32[i];
+                s0 += x0[i] * w; s1 += x1[i] * w; s2 += x2[i] * w; s3 += x3[i] * w;
+            }
+        }
+        const float s[4] = {s0, s1, s2, s3};
+        for (int64_t u = 0; u < t; u++) h[rs[g + u] * h_stride] = s[u];
+    }
+}
+
+/* out[r, p:q] += h[r, 0:rank] B for the rows `rs`, with B's row j at b + j * b_stride
+   (columns p:q of it at b[p - c0 .. q - c0)), 4 rows of B per pass over out. */
+static inline void lora_expand_rows(const float* h, int64_t h_stride, const int64_t* rs,
+                                    int64_t n, const float* b, int64_t b_stride, int64_t rank,
+                                    int64_t p, int64_t q, int64_t c0, float* out,
+                                    int64_t out_stride) {
+    for (int64_t u = 0; u < n; u++) {
+        const float* hr = h + rs[u] * h_stride;
+        float* restrict o = out + rs[u] * out_stride;
+        int64_t j = 0;
+        for (; j + 4 <= rank; j += 4) {
+            const float h0 = hr[j], h1 = hr[j + 1], h2 = hr[j + 2], h3 = hr[j + 3];
+            const float* restrict b0 = b + j * b_stride - c0;
+            const float* restrict b1 = b0 + b_stride;
+            const float* restrict b2 = b1 + b_stride;
+            const float* restrict b3 = b2 + b_stride;
+            #pragma omp simd
+            for (int64_t c = p; c < q; c++)
+                o[c] += h0 * b0[c] + h1 * b1[c] + h2 * b2[c] + h3 * b3[c];
+        }
+        for (; j < rank; j++) {
+            const float hj = hr[j];
+            const float* restrict bj = b + j * b_stride - c0;
+            #pragma omp simd
+            for (int64_t c = p; c < q; c++) o[c] += hj * bj[c];
+        }
+    }
+}
+
+void lora_apply_sharded(const float* x, int64_t x_stride, int64_t rows, const int64_t* slot,
+                        const void* a, const void* b_t, int bf16, int tiled, int64_t in,
+                        int64_t rank, int64_t shards, const int64_t* shard_end, int64_t n_out,
+                        float* out, int64_t out_stride, int num_threads) {
+    const int64_t w = shards * rank;
+    const size_t wsize = bf16 ? sizeof(uint16_t) : sizeof(float);
+    int64_t num_slots = 0, used = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (slot[r] >= num_slots) num_slots = slot[r] + 1;
+    if (num_slots == 0) return;
+    /* the rows grouped by slot: rows of slot s at order[start[s] .. start[s + 1]) */
+    int64_t* order = (int64_t*)malloc(sizeof(int64_t) * (size_t)(rows + 2 * num_slots + 1));
+    float* h = (float*)malloc(sizeof(float) * (size_t)(rows * w));
+    if (order == NULL || h == NULL) { free(order); free(h); return; }
+    int64_t* start = order + rows;                 /* [num_slots + 1] */
+    int64_t* slots_used = start + num_slots + 1;   /* [used] */
+    for (int64_t s = 0; s <= num_slots; s++) start[s] = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (slot[r] >= 0) start[slot[r] + 1]++;
+    for (int64_t s = 0; s < num_slots; s++) {
+        if (start[s + 1] > 0) slots_used[used++] = s;
+        start[s + 1] += start[s];
+    }
+    {
+        int64_t* fill = (int64_t*)malloc(sizeof(int64_t) * (size_t)num_slots);
+        if (fill == NULL) { free(order); free(h); return; }
+        memcpy(fill, start, sizeof(int64_t) * (size_t)num_slots);
+        for (int64_t r = 0; r < rows; r++)
+            if (slot[r] >= 0) order[fill[slot[r]]++] = r;
+        free(fill);
+    }
+    const int64_t blocks = (n_out + LORA_COLS - 1) / LORA_COLS;
+    const int64_t work = (rows * w * in + rows * rank * n_out) / 4;
+    #pragma omp parallel num_threads(num_threads) if (work >= PARALLEL_MIN_FLOATS)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < used * w; item++) {
+            const int64_t s = slots_used[item / w], k = item % w;
+            const char* a_row = (const char*)a + ((size_t)(s * w + k) * (size_t)in) * wsize;
+            lora_shrink_row(x, x_stride, order + start[s], start[s + 1] - start[s], a_row, bf16,
+                            in, h + k, w);
+        }
+        float* scratch = bf16 ? (float*)malloc(sizeof(float) * (size_t)(rank * LORA_COLS)) : NULL;
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < used * blocks; item++) {
+            const int64_t s = slots_used[item / blocks];
+            const int64_t c0 = (item % blocks) * LORA_COLS;
+            const int64_t c1 = c0 + LORA_COLS < n_out ? c0 + LORA_COLS : n_out;
+            /* B^T's block: rows n_out apart, or (tiled) the block's rank x LORA_COLS in one
+               piece, the blocks of a slot one after another (the last one padded) */
+            const size_t first = tiled ? (size_t)(s * blocks + item % blocks) * rank * LORA_COLS
+                                       : (size_t)(s * rank * n_out + c0);
+            const int64_t stride = tiled ? LORA_COLS : n_out;
+            const float* bb = (const float*)b_t + first;
+            int64_t b_stride = stride;
+            if (bf16) {
+                if (scratch == NULL) continue;
+                const uint16_t* src = (const uint16_t*)b_t + first;
+                for (int64_t j = 0; j < rank; j++) {
+                    #pragma omp simd
+                    for (int64_t c = 0; c < c1 - c0; c++)
+                        scratch[j * LORA_COLS + c] = bf16_to_float(src[j * stride + c]);
+                }
+                bb = scratch, b_stride = LORA_COLS;
+            }
+            int64_t p = c0, k = 0;
+            while (p < c1) {  /* the block's pieces, one per shard it spans */
+                while (k < shards - 1 && shard_end[k] <= p) k++;
+                const int64_t q = shard_end[k] < c1 && k < shards - 1 ? shard_end[k] : c1;
+                lora_expand_rows(h + k * rank, w, order + start[s], start[s + 1] - start[s], bb,
+                                 b_stride, rank, p, q, c0, out, out_stride);
+                p = q;
+            }
+        }
+        free(scratch);
+    }
+    free(order); free(h);
+}
+
+/* The same for one shard of float32 weights: A [slots, w, in], B^T [slots, w, n_out]. */
 void lora_apply_f32(const float* x, int64_t x_stride, int64_t rows, const int64_t* slot,
                     const float* a, const float* b_t, int64_t in, int64_t w, int64_t n_out,
                     float* out, int64_t out_stride, int num_threads) {
-    float* h = (float*)calloc((size_t)(rows * w), sizeof(float));
-    if (h == NULL) return;
-    #pragma omp parallel num_threads(num_threads) if (rows * n_out * w >= 4 * PARALLEL_MIN_FLOATS)
-    {
-        #pragma omp for schedule(static)
-        for (int64_t rj = 0; rj < rows * w; rj++) {
-            const int64_t r = rj / w, j = rj % w;
-            if (slot[r] < 0) continue;
-            const float* restrict ar = a + (slot[r] * w + j) * in;
-            const float* restrict xr = x + r * x_stride;
-            float acc = 0.f;
-            #pragma omp simd reduction(+ : acc)
-            for (int64_t i = 0; i < in; i++) acc += xr[i] * ar[i];
-            h[rj] = acc;
-        }
-        const int64_t block = 512;
-        #pragma omp for schedule(static)
-        for (int64_t c0 = 0; c0 < n_out; c0 += block) {
-            const int64_t c1 = c0 + block < n_out ? c0 + block : n_out;
-            for (int64_t r = 0; r < rows; r++) {
-                if (slot[r] < 0) continue;
-                const float* restrict b = b_t + slot[r] * w * n_out;
-                const float* restrict hr = h + r * w;
-                float* restrict o = out + r * out_stride;
-                for (int64_t j = 0; j < w; j++) {
-                    const float hj = hr[j];
-                    const float* restrict bj = b + j * n_out;
-                    #pragma omp simd
-                    for (int64_t c = c0; c < c1; c++) o[c] += hj * bj[c];
-                }
-            }
-        }
-    }
-    free(h);
+    lora_apply_sharded(x, x_stride, rows, slot, a, b_t, 0, 0, in, w, 1, &n_out, n_out, out,
+                       out_stride, num_threads);
 }
 
 /* The new tokens' K and V into the paged cache: caches [num_kv, slots] rows of head size d
@@ -798,11 +913,13 @@ typedef struct {
     void* k_cache;          /* [num_kv, num_blocks, block_size] rows of kv_type (common.h) */
     void* v_cache;
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
-    /* LoRA slots of each linear layer (model/lora.py: A [slots, w, in], B^T [slots, w, out]),
-       or NULL; read only when decode_model.lora_slot is set */
-    const float *qkv_lora_a, *qkv_lora_b, *o_lora_a, *o_lora_b;
-    const float *gate_up_lora_a, *gate_up_lora_b, *down_lora_a, *down_lora_b;
-    int64_t qkv_lora_w, o_lora_w, gate_up_lora_w, down_lora_w;
+    /* LoRA slots of each linear layer (model/lora.py's LoRALayer: A, B^T in tiles, each
+       shard's end column; rank), or NULL; read only when decode_model.lora_slot is set */
+    const void *qkv_lora_a, *qkv_lora_b, *o_lora_a, *o_lora_b;
+    const void *gate_up_lora_a, *gate_up_lora_b, *down_lora_a, *down_lora_b;
+    const int64_t *qkv_lora_ends, *o_lora_ends, *gate_up_lora_ends, *down_lora_ends;
+    int64_t qkv_lora_rank, o_lora_rank, gate_up_lora_rank, down_lora_rank;
+    int64_t qkv_lora_shards, o_lora_shards, gate_up_lora_shards, down_lora_shards;
 } decode_layer;
 
 typedef struct {
@@ -813,16 +930,18 @@ typedef struct {
     int32_t int8_activations;  /* the linear layers on gguf_linear_i8 (1), _i8x2 (2), or _f32 */
     int32_t kv_type;           /* the KV cache's rows (common.h's KV_*) */
     const int64_t* lora_slot;  /* [M] each row's LoRA slot (-1: none), or NULL: no adapters */
+    int32_t lora_bf16;         /* the LoRA slots hold bfloat16 (else float32) */
 } decode_model;
 
 /* A linear layer's LoRA updates, where the step has adapters and the layer holds slots. */
-static void decode_lora(const decode_model* m, const float* in, int64_t in_dim, int64_t M,
-                        const float* a, const float* b, int64_t w, float* out, int64_t out_dim,
-                        int num_threads) {
-    if (m->lora_slot != NULL && a != NULL)
-        lora_apply_f32(in, in_dim, M, m->lora_slot, a, b, in_dim, w, out_dim, out, out_dim,
-                       num_threads);
-}
+#define DECODE_LORA(m, L, name, in, in_dim, M, out, out_dim, num_threads)                     \
+    do {                                                                                      \
+        if ((m)->lora_slot != NULL && (L)->name##_lora_a != NULL)                             \
+            lora_apply_sharded(in, in_dim, M, (m)->lora_slot, (L)->name##_lora_a,             \
+                               (L)->name##_lora_b, (m)->lora_bf16, 1, in_dim,                 \
+                               (L)->name##_lora_rank, (L)->name##_lora_shards,                \
+                               (L)->name##_lora_ends, out_dim, out, out_dim, num_threads);    \
+    } while (0)
 
 void decode_layers_f32(
     const decode_model* m, const decode_layer* layers,
@@ -852,8 +971,7 @@ void decode_layers_f32(
         if (l == 0) rms_norm_f32(residual, H, M, H, L->input_norm, m->eps, h, H, num_threads);
         else add_rms_norm_f32(residual, x, M, H, L->input_norm, m->eps, h, num_threads);
         linear(h, H, M, H, L->qkv, L->qkv_kind, qkv_size, qkv, qkv_size, num_threads);
-        decode_lora(m, h, H, M, L->qkv_lora_a, L->qkv_lora_b, L->qkv_lora_w, qkv, qkv_size,
-                    num_threads);
+        DECODE_LORA(m, L, qkv, h, H, M, qkv, qkv_size, num_threads);
         if (L->qkv_bias)
             for (int64_t r = 0; r < M; r++)
                 for (int64_t i = 0; i < qkv_size; i++) qkv[r * qkv_size + i] += L->qkv_bias[i];
@@ -866,17 +984,14 @@ void decode_layers_f32(
                                    m->num_blocks, m->block_size, m->scale, max_len, num_threads,
                                    m->kv_type);
         linear(attn, q_size, M, q_size, L->o, L->o_kind, H, x, H, num_threads);
-        decode_lora(m, attn, q_size, M, L->o_lora_a, L->o_lora_b, L->o_lora_w, x, H,
-                    num_threads);
+        DECODE_LORA(m, L, o, attn, q_size, M, x, H, num_threads);
         add_rms_norm_f32(residual, x, M, H, L->post_norm, m->eps, h, num_threads);
         linear(h, H, M, H, L->gate_up, L->gate_up_kind, 2 * I, gate_up, 2 * I,
                         num_threads);
-        decode_lora(m, h, H, M, L->gate_up_lora_a, L->gate_up_lora_b, L->gate_up_lora_w,
-                    gate_up, 2 * I, num_threads);
+        DECODE_LORA(m, L, gate_up, h, H, M, gate_up, 2 * I, num_threads);
         silu_and_mul_f32(gate_up, M, I, act, num_threads);
         linear(act, I, M, I, L->down, L->down_kind, H, x, H, num_threads);
-        decode_lora(m, act, I, M, L->down_lora_a, L->down_lora_b, L->down_lora_w, x, H,
-                    num_threads);
+        DECODE_LORA(m, L, down, act, I, M, x, H, num_threads);
     }
     add_rms_norm_f32(residual, x, M, H, m->final_norm, m->eps, out, num_threads);
     free(residual); free(h); free(x); free(qkv); free(attn); free(gate_up); free(act);
