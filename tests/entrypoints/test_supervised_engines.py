@@ -1,7 +1,7 @@
 """Under the supervisor (`--api-server-count 2`, issue 25): a local engine whose restart
 fails is lost while the other serves, as with one API server (the supervisor tells every API
-server, `EnginesLost` over a PUB socket, and each resumes its requests on the others); the
-supervisor's restart line quotes the engine's death report (API server 0 hands it on).
+server, `EngineLost` over a PUB socket, and each resumes its requests on the others); the
+supervisor's restart line quotes the engine's death report (an API server hands it on).
 
 One server for the module, its tests in file order (each also holds alone): engine 0 raises
 on token 49001 and is restarted twice; engine 1's restart fails (test hooks), so it is last."""

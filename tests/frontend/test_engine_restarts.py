@@ -70,6 +70,7 @@ def progress(restarts: EngineRestarts, host: Host, engine: int, rid: str) -> Non
 def test_two_engines_lost_at_once_hand_their_requests_to_the_one_left_one_at_a_time() -> None:
     host = Host(3)
     restarts = EngineRestarts(host, 3, RestartConfig(), max_waiting=8)
+    host.router.slots = restarts.slots
     for rid, rank in (("a", 1), ("b", 2), ("c", 0)):
         host.add(rid, rank)
     asyncio.run(restarts.lost([1, 2]))
@@ -91,6 +92,7 @@ def test_two_engines_lost_at_once_hand_their_requests_to_the_one_left_one_at_a_t
 def test_waiters_for_a_restarting_engine_wake_when_the_client_ends() -> None:
     host = Host(1)
     restarts = EngineRestarts(host, 1, RestartConfig(), max_waiting=8)
+    host.router.slots = restarts.slots
 
     async def scenario() -> bool:
         restarts.down(0, "engine 0 died")
@@ -116,13 +118,15 @@ def test_the_budget_refuses_past_its_limit_and_says_which_flag() -> None:
 def test_a_resuming_engine_is_ready_unless_stalled(stalled: bool) -> None:
     host = Host(1)
     restarts = EngineRestarts(host, 1, RestartConfig(), max_waiting=8)
+    host.router.slots = restarts.slots
     host.add("a", 0)
     host.add("b", 0)
     restarts.down(0, "engine 0 died")
     assert restarts.readiness() == "engine core 0 is restarting"
     asyncio.run(restarts.back(0, "now"))
     assert restarts.states[0] == "resuming" and host.sent == [(0, "a")]
-    restarts.stalled[0] = stalled
+    if stalled:  # (an idle past --engine-stall-timeout: not killed, nobody here can)
+        restarts.stall(0, RestartConfig().engine_stall_timeout + 1.0)
     assert (restarts.readiness() is None) is not stalled
 
 
@@ -133,10 +137,11 @@ def test_a_stalled_engine_is_killed_again_when_its_next_process_stalls() -> None
     host.killable = frozenset({0})
     config = RestartConfig(engine_stall_timeout=1.0, engine_stall_kill_timeout=3.0)
     restarts = EngineRestarts(host, 1, config, max_waiting=8)
+    host.router.slots = restarts.slots
     host.add("a", 0)
     for process in (1, 2):
         restarts.stall(0, 2.0)  # not ready, not killed yet
-        assert restarts.stalled[0] and host.killed == [0] * (process - 1)
+        assert restarts.slots[0].stalled and host.killed == [0] * (process - 1)
         restarts.stall(0, 4.0)
         restarts.stall(0, 4.25)  # (once per process)
         assert host.killed == [0] * process
@@ -175,6 +180,7 @@ def test_the_restart_sequence_spends_the_budget_and_fails_or_comes_back() -> Non
 def test_a_request_in_flight_at_two_deaths_fails_as_a_typed_error() -> None:
     host = Host(1)
     restarts = EngineRestarts(host, 1, RestartConfig(), max_waiting=8)
+    host.router.slots = restarts.slots
     host.add("a", 0)
     restarts.down(0, "engine 0 died")
     asyncio.run(restarts.back(0, "now"))
@@ -211,14 +217,15 @@ def test_an_engine_whose_restart_fails_is_lost_while_another_serves_else_the_end
     host = Spawning(2)
     host.killable = frozenset({0, 1})
     restarts = EngineRestarts(host, 2, RestartConfig(), max_waiting=8)
+    host.router.slots = restarts.slots
     host.add("a", 1)
     restarts.died(1, Death("the EngineCore_DP1 process died: exit code 1"))
     assert restarts.states == ["up", "restarting"]
     host.run()  # the restart fails: lost, its failed process killed, "a" resumes on engine 0
     assert restarts.states == ["up", "lost"] and not host.ended
     assert host.killed == [1] and host.sent == [(0, "a")]
-    assert host.router.gone == {1}
-    death = restarts.last_death[1]
+    assert [slot.gone for slot in restarts.slots] == [False, True]
+    death = restarts.slots[1].last_death
     assert death is not None and "restarting it failed" in death.cause and "no GPU" in death.cause
     assert restarts.readiness() == "engine core 1 is lost"
     restarts.died(1, Death("its killed process"))  # the kill's report: nothing more
@@ -232,12 +239,13 @@ def test_an_engine_whose_restart_fails_is_lost_while_another_serves_else_the_end
 def test_a_lost_engine_that_rejoins_takes_requests_again() -> None:
     host = Host(2)
     restarts = EngineRestarts(host, 2, RestartConfig(), max_waiting=8)
+    host.router.slots = restarts.slots
     host.add("a", 1)
     asyncio.run(restarts.lost([1]))
     asyncio.run(restarts.lost([1]))  # (a second report of it changes nothing)
     assert restarts.states == ["up", "lost"] and host.sent == [(0, "a")]
     asyncio.run(restarts.rejoined(1))
-    assert restarts.states == ["up", "up"] and host.router.gone == set()
+    assert restarts.states == ["up", "up"] and not any(s.gone for s in restarts.slots)
     assert restarts.readiness() is None and restarts.is_up(1)
     request = EngineCoreRequest("b", [1], SamplingParams(max_tokens=8), eos_token_id=2)
     assert host.router.route(request, 1) == 1

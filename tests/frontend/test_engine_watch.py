@@ -9,6 +9,9 @@ import warnings
 from types import SimpleNamespace
 from typing import Any
 
+from treadle.config import RestartConfig
+from treadle.frontend.engine_restarts import EngineRestarts
+from treadle.frontend.engine_router import EngineRouter
 from treadle.frontend.engine_state import RestartMode
 from treadle.frontend.engine_watch import EngineWatch
 from treadle.wire.control import ENGINE_CORE_DEAD, DeathReport
@@ -18,7 +21,6 @@ REPORT = DeathReport(1, "RuntimeError: boom", ["engine_core.py:210 in step"])
 
 class Client:
     launcher = None
-    engine_pids = [0, 0]
     inflight: Any = None
     ended = False
 
@@ -34,7 +36,8 @@ class Client:
 
 
 def watch(mode: RestartMode) -> tuple[EngineWatch, Client, Any]:
-    client, restarts = Client(), SimpleNamespace(last_death=[None, None])
+    host = SimpleNamespace(router=EngineRouter(2))
+    client, restarts = Client(), EngineRestarts(host, 2, RestartConfig(), max_waiting=8)  # type: ignore[arg-type]
     return EngineWatch(client, restarts, mode, range(2), 2, True), client, restarts  # type: ignore[arg-type]
 
 
@@ -44,16 +47,17 @@ def test_restarts_off_the_client_ends_saying_what_the_engine_raised() -> None:
     assert client.failed == [
         "EngineCore_DP1 failed: RuntimeError: boom (at engine_core.py:210 in step)"
     ]
-    assert restarts.last_death[1].report == REPORT
+    assert restarts.slots[1].last_death.report == REPORT
     w, client, _ = watch(RestartMode.OFF)
     assert w.on_control_frame(ENGINE_CORE_DEAD) is False  # (no report: the bare frame)
     assert client.failed == ["an engine core reported a fatal error (see its log)"]
 
 
 def test_restarts_on_the_report_waits_for_the_death() -> None:
-    w, client, _ = watch(RestartMode.OWN)
+    w, client, restarts = watch(RestartMode.OWN)
     assert w.on_control_frame(REPORT) is True
-    assert client.failed == [] and w.reports == {1: REPORT}
+    assert client.failed == [] and [s.report for s in restarts.slots] == [None, REPORT]
+    assert restarts.slots[1].last_death is None
 
 
 def test_a_death_seen_after_the_loop_closed_restarts_nothing() -> None:

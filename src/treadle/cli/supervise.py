@@ -10,7 +10,9 @@ does while its engine starts (`starting.py`), with the phases the handshake here
 (`_Notes`). Within one
 --max-engine-restarts budget, a child that exits non-zero is restarted:
 
-- an engine core: the API servers resume its requests when it says hello;
+- an engine core: every API server hears of its death (`EngineDied`, `engine_events.py`)
+  and resumes its requests when it says hello; one whose restart fails is lost
+  (`EngineLost`) while others serve;
 - the DP coordinator: a new one on the same addresses;
 - an API server (when every engine is local): a new process of the same client index on
   the same HTTP socket, binding the dead one's ipc ROUTER/PULL addresses with its key. The
@@ -25,6 +27,7 @@ Any other death, or one past the budget, stops all of them and exits non-zero; S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -45,6 +48,15 @@ from treadle.cli.supervised_desk import SupervisorDesk
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
+from treadle.frontend.engine_events import (
+    REPORT_WAIT_S,
+    EngineDied,
+    EngineEvent,
+    EngineLost,
+    StallKill,
+    encode,
+)
+from treadle.frontend.engine_state import Death, death_cause, lost_cause, others_serve
 from treadle.frontend.launcher import EngineLauncher, front_end_host
 from treadle.frontend.restart_sequence import RestartBudget, restart_child
 from treadle.frontend.startup import StartupProgress, startup_address
@@ -61,7 +73,7 @@ from treadle.ipc.process import (
 )
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.wire.control import DeathReport, EnginesLost, StartupPhases
+from treadle.wire.control import DeathReport, StartupPhases
 
 logger = init_logger(__name__)
 
@@ -150,8 +162,9 @@ class _Restarts:
         self.api_servers: list[ChildProcess] = []  # by client index
         self.addresses: list[list[str]] = []  # what each reported: router, pull, key
         self.monitor: ProcessMonitor | None = None
-        self.lost: dict[int, str] = {}  # engine rank -> why (told to the API servers)
-        self.desk: SupervisorDesk | None = None  # API server 0's reports; the handshake
+        self.desk: SupervisorDesk | None = None  # the API servers' events; the handshake
+        self.publish: Callable[[EngineEvent], None] = lambda event: None
+        self.kills: dict[int, str] = {}  # engine rank -> why we killed its process
 
     def restartable(self, child: ChildProcess) -> bool:
         launcher = self.launcher
@@ -166,11 +179,12 @@ class _Restarts:
         cause = f"{child.describe()} died: {describe_exit(child.exitcode)}"
         fail = self._fail
         rank = self._rank(child)
-        report = self._report_of(rank, child.exitcode) if rank is not None else None
-        if report is not None:  # as the API servers' lines say it (`Death.describe`)
-            cause = f"{cause}; it raised {report.describe()}"
-        if rank is not None:
-            fail = lambda why: self._engine_failed(rank, why)  # noqa: E731
+        if rank is not None:  # every API server hears of it, in these words
+            report = self._report_of(rank, child.exitcode)
+            died = death_cause(child.name, child.exitcode, self.kills.pop(rank, None))
+            self.publish(EngineDied(rank, child.pid or 0, died, report, time.time()))
+            cause = Death(died, report).describe()
+            fail = lambda why: self._engine_failed(rank, why, report)  # noqa: E731
         sequence = restart_child(
             child.name, cause, self.budget, lambda: self._start_again(child), fail
         )
@@ -194,29 +208,43 @@ class _Restarts:
         self.stop.event.set()
 
     def _report_of(self, rank: int, exitcode: int | None) -> DeathReport | None:
-        """The engine's own death report, which API server 0 hands on (an engine that raised
-        sends it just before its exit 1: waited for up to 2 s, which a loaded host needs;
-        it usually comes within milliseconds)."""
+        """The engine's own death report, which an API server hands on (an engine that
+        raised sends it just before its exit 1: waited for up to REPORT_WAIT_S, which a
+        loaded host needs; it usually comes within milliseconds)."""
         if self.desk is None:
             return None
-        return self.desk.report_of(rank, 2.0 if exitcode == 1 else 0.0)
+        return self.desk.report_of(rank, REPORT_WAIT_S if exitcode == 1 else 0.0)
 
-    def _engine_failed(self, rank: int, why: str) -> None:
+    def stall_kill(self, event: StallKill) -> None:
+        """(The desk's thread.) An API server saw engine `rank` stall: kill its process,
+        once (the first API server's cause is the one its death quotes)."""
+        launcher = self.launcher
+        i = event.rank - launcher.start_rank
+        if not 0 <= i < len(launcher.engines) or event.rank in self.kills:
+            return
+        child = launcher.engines[i]
+        if child.pid != event.pid or child.exitcode is not None:
+            return  # (a process that is gone already, or replaced)
+        self.kills[event.rank] = event.cause
+        logger.error("%s: killing it", event.cause)
+        child.process.kill()
+
+    def _engine_failed(self, rank: int, why: str, report: DeathReport | None) -> None:
         """An engine core could not be started again (its restart failed, or the budget is
         spent): while another engine is not lost it is `lost` (its failed process killed;
-        the API servers hear it through `EnginesLost` and resume its requests on the
-        others), as with one API server; else the server ends."""
-        launcher = self.launcher
-        others = [r for r in range(launcher.num_engines) if r != rank and r not in self.lost]
-        if not others or self.stop.event.is_set():
+        every API server hears it, `EngineLost`, and resumes its requests on the others),
+        as with one API server; else the server ends."""
+        launcher, desk = self.launcher, self.desk
+        lost = desk.lost if desk is not None else {}
+        others = others_serve(rank, launcher.num_engines, lost)
+        if not others or self.stop.event.is_set() or desk is None:
             self._fail(why)
             return
         failed = launcher.engines[rank - launcher.start_rank]
         if failed.process.is_alive():
             failed.process.kill()
         shutdown_processes([failed], timeout=1.0)
-        self.lost[rank] = f"{why}; EngineCore_DP{rank} is lost, the others serve on"
-        logger.error("%s", self.lost[rank])
+        desk.lose(EngineLost(rank, lost_cause(why, rank), report, time.time()))
 
     def _rank(self, child: ChildProcess) -> int | None:
         launcher = self.launcher
@@ -261,10 +289,11 @@ class _Restarts:
 
 
 class _Notes:
-    """The supervisor's word to its API servers (issue 25), on PUB sockets from one thread,
-    every half second: while the engines start, their phases (`StartupPhases`, to each API
-    server's `startup_address`, bound while its engine client is built); then which engines
-    are lost (`EnginesLost`). Each API server binds its SUB on an ipc address of its own
+    """The supervisor's word to its API servers (issue 25), on PUB sockets from one thread:
+    while the engines start, their phases (`StartupPhases`, to each API server's
+    `startup_address`, bound while its engine client is built) at each change and every half
+    second; then each engine event once, as it comes (`publish`, from any thread:
+    `engine_events.py`). Each API server binds its SUB on an ipc address of its own
     (`addresses`, by client index; a restarted one binds the same) and the PUB connects to
     every one: an API server removes its file as it exits, also when this process was killed
     (its death pipe), and this process removes those of killed API servers."""
@@ -272,14 +301,18 @@ class _Notes:
     def __init__(self, count: int) -> None:
         self.addresses = [get_open_zmq_ipc_path() for _ in range(count)]
         self._thread: threading.Thread | None = None
+        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
-    def start(self, progress: StartupProgress, lost: dict[int, str], stop: threading.Event) -> None:
+    def publish(self, event: EngineEvent) -> None:
+        self._outbox.put(encode(event))
+
+    def start(self, progress: StartupProgress, stop: threading.Event) -> None:
         self._thread = threading.Thread(
-            target=self._run, args=(progress, lost, stop), name="supervisor-notes", daemon=True
+            target=self._run, args=(progress, stop), name="supervisor-notes", daemon=True
         )
         self._thread.start()
 
-    def _run(self, progress: StartupProgress, lost: dict[int, str], stop: threading.Event) -> None:
+    def _run(self, progress: StartupProgress, stop: threading.Event) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
         sock = make_zmq_socket(ctx, self.addresses[0], zmq.PUB, bind=False, linger=0)
         starting = make_zmq_socket(
@@ -297,13 +330,8 @@ class _Notes:
                     if progress.done:  # (the last one says every engine is ready)
                         starting.close(linger=0)
                     continue
-                if stop.wait(0.5):
-                    break
-                now = dict(lost)  # (one copy: the main thread adds to it)
-                if now:
-                    ranks = sorted(now)
-                    note = EnginesLost(ranks, [now[r] for r in ranks])
-                    sock.send(msgspec.msgpack.encode(note))
+                with contextlib.suppress(queue.Empty):
+                    sock.send(self._outbox.get(timeout=0.2))
         finally:
             starting.close(linger=0)
             sock.close(linger=0)
@@ -365,7 +393,8 @@ def run_api_servers(
             )
 
         restarts = _Restarts(config, launcher, stop, start_api_server)
-        notes.start(progress, restarts.lost, stop.event)
+        restarts.publish = notes.publish
+        notes.start(progress, stop.event)
         stop.restartable = restarts.restartable
         api_servers = restarts.api_servers  # the same list: a restart replaces its entry
         api_servers.extend(start_api_server(index, None) for index in range(count))
@@ -382,11 +411,16 @@ def run_api_servers(
             config.parallel.data_parallel_size,
         )
         restarts.addresses = addresses
-        reports = make_zmq_socket(
+        reports = make_zmq_socket(  # every API server's events (each binds its PUSH)
             report_ctx, reports_address(notes.addresses[0]), zmq.PULL, False, linger=0,
             options=inbound_options(),
         )  # fmt: skip
-        desk = SupervisorDesk(reports, launcher.desk, lambda: launcher.local_ranks)
+        for address in notes.addresses[1:]:
+            reports.connect(reports_address(address))
+        local_ranks = lambda: launcher.local_ranks  # noqa: E731
+        desk = SupervisorDesk(
+            reports, launcher.desk, local_ranks, notes.publish, restarts.stall_kill
+        )
         desk.start()
         restarts.desk = desk
         monitor = ProcessMonitor([*api_servers, *launcher.children], stop.on_death)
@@ -416,7 +450,7 @@ def run_api_servers(
                 *(a for entry in addresses for a in entry[:2]),
                 *notes.addresses,
                 *(startup_address(a) for a in notes.addresses),
-                reports_address(notes.addresses[0]),
+                *(reports_address(a) for a in notes.addresses),
             ]
         )
         if launcher is not None:

@@ -1,8 +1,9 @@
 """The supervisor's sockets while serving (issue 25), read by one thread:
 
-- API server 0's reports (`frontend/supervisor_reports.py`): its engines' death
-  reports, which the supervisor's restart lines quote (`report_of`), and every half second
-  the engines lost there (`[LOST_ENGINES, EnginesLost]`);
+- every API server's engine events (`frontend/engine_events.py`): an engine's death report,
+  which the supervisor's `EngineDied` and restart line quote (`report_of`); a stalled engine
+  to kill (`StallKill`); a remote engine found silent (`EngineLost`, published to every API
+  server); a question of a starting API server (`Ask`, answered with `Known`);
 - where some engines run on other hosts (`--headless`), the handshake socket, kept open
   after start-up (`EngineLauncher.handshake(keep=True)`), for two kinds of engine core that
   start later:
@@ -10,10 +11,11 @@
     restart waits for its READY (or its start-up error);
   - another host's, started again for its rank after its engine went away: answered with a
     new launch of that rank (the API servers take it back when it connects to them:
-    `EngineWatch.on_new_launch`) once API server 0 has lost that rank. Until then its HELLO
-    is held, for at most the time an API server takes to lose an engine that went away
-    (`HOLD_S`); past that, an engine of that rank still answers and the new one is refused
-    (it fails its start-up saying why). This host's own ranks never rejoin this way.
+    `EngineWatch.on_new_launch`) once that rank is lost (an API server found it silent).
+    Until then its HELLO is held, for at most the time an API server takes to lose an engine
+    that went away (`HOLD_S`); past that, an engine of that rank still answers and the new
+    one is refused (it fails its start-up saying why). This host's own ranks never rejoin
+    this way.
 
 With one API server, that server answers its handshake socket itself (`engine_rejoin.py`).
 """
@@ -25,25 +27,29 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 
 from treadle import envs
+from treadle.frontend.engine_events import (
+    Ask,
+    EngineEvent,
+    EngineLost,
+    EngineRaised,
+    Known,
+    StallKill,
+    decode,
+)
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
 from treadle.frontend.handshake import HandshakeDesk, Hello
 from treadle.ipc.inbound import DropLog
 from treadle.ipc.process import ChildProcess
 from treadle.logger import init_logger
-from treadle.wire.control import LOST_ENGINES, DeathReport, EnginesLost, decode_death_report
+from treadle.wire.control import DeathReport
 
 logger = init_logger(__name__)
-_decode_lost = msgspec.msgpack.Decoder(EnginesLost).decode
 
 HOLD_S = ENGINE_PING_TIMEOUT_S + 5.0
-"""How long a HELLO for a remote rank that API server 0 has not lost waits for it to be."""
-
-_LOST_FRESH_S = 2.0
-"""API server 0 says which engines it lost every half second: older news is stale."""
+"""How long a HELLO for a remote rank that is not lost waits for it to be."""
 
 
 class SupervisorDesk:
@@ -52,16 +58,19 @@ class SupervisorDesk:
         reports: zmq.Socket[Any],
         desk: HandshakeDesk | None,
         local_ranks: Callable[[], range],
+        publish: Callable[[EngineEvent], None],
+        kill: Callable[[StallKill], None],
     ) -> None:
         self.reports = reports
         self.desk = desk
         self.local_ranks = local_ranks
+        self.publish = publish
+        self.kill = kill
         self.stop = threading.Event()
         self._changed = threading.Condition()  # guards everything below, and `desk`
         self._deaths: dict[int, DeathReport] = {}  # rank -> its report, until asked for
-        self._lost: dict[int, float] = {}  # rank -> when API server 0 last said it is lost
+        self.lost: dict[int, EngineLost] = {}  # rank -> why it is lost (until it rejoins)
         self._held: dict[int, tuple[Hello, float]] = {}  # rank -> its HELLO, and when it came
-        self._ready_at: dict[int, float] = {}  # remote rank -> when its last engine said READY
         self._drops = DropLog(logger)
         self._thread = threading.Thread(target=self._run, name="supervisor-desk", daemon=True)
 
@@ -77,7 +86,7 @@ class SupervisorDesk:
     # -- what the main thread asks ----------------------------------------------------------
 
     def report_of(self, rank: int, wait_s: float) -> DeathReport | None:
-        """The engine's own death report, if API server 0 handed it on within `wait_s`."""
+        """The engine's own death report, if an API server handed it on within `wait_s`."""
         with self._changed:
             self._changed.wait_for(lambda: rank in self._deaths, timeout=wait_s)
             return self._deaths.pop(rank, None)
@@ -123,25 +132,42 @@ class SupervisorDesk:
                         got = self.desk.on_message(self.desk.sock.recv_multipart())
                         if isinstance(got, Hello):
                             self._on_hello(got)
-                        elif isinstance(got, int):  # (its READY)
-                            self._ready_at[got] = time.monotonic()
+                        elif isinstance(got, int):  # (its READY: a lost one rejoins)
+                            self.lost.pop(got, None)
                     self._decide_held()
                     for reply in self.desk.take():
                         self.desk.sock.send_multipart(reply)
                 self._changed.notify_all()
 
+    def lose(self, event: EngineLost) -> None:
+        """Engine `event.rank` is lost (its restart failed here, or an API server found it
+        silent): every API server is told, once; a lost one stays as it is."""
+        with self._changed:
+            if event.rank in self.lost:
+                return
+            self.lost[event.rank] = event
+        logger.error("%s", event.cause)
+        self.publish(event)
+
     def _on_report(self, frames: list[bytes]) -> None:
+        """(Holding `_changed`.)"""
         try:
-            if len(frames) == 2 and frames[0] == LOST_ENGINES:
-                now = time.monotonic()
-                self._lost.update((rank, now) for rank in _decode_lost(frames[1]).ranks)
-            elif len(frames) == 1:
-                report = decode_death_report(frames[0])
-                self._deaths[report.engine_index] = report
-            else:
+            if len(frames) != 1:
                 raise ValueError(f"{len(frames)} frames")
+            event = decode(frames[0])
         except Exception as e:  # (bounded and checked: an API server is ours)
-            self._drops.drop("Dropped a malformed report of API server 0: %s", e)
+            self._drops.drop("Dropped a malformed event of an API server: %s", e)
+            return
+        if isinstance(event, EngineRaised):
+            self._deaths[event.report.engine_index] = event.report
+        elif isinstance(event, StallKill):
+            self.kill(event)
+        elif isinstance(event, EngineLost) and event.rank not in self.lost:
+            logger.warning("%s (an API server found it)", event.cause)
+            self.lost[event.rank] = event
+            self.publish(event)
+        elif isinstance(event, Ask):
+            self.publish(Known(list(self.lost.values())))
 
     def _on_hello(self, hello: Hello) -> None:
         """A HELLO the desk did not expect: a remote engine that rejoins its rank, or not."""
@@ -163,9 +189,7 @@ class SupervisorDesk:
         assert self.desk is not None
         now = time.monotonic()
         for rank, (hello, since) in list(self._held.items()):
-            # Lost: said lately, and of the engine that joined last (not before it connected).
-            lost_at = self._lost.get(rank, -_LOST_FRESH_S)
-            if now - lost_at < _LOST_FRESH_S and lost_at > self._ready_at.get(rank, 0.0) + 1.0:
+            if rank in self.lost:  # (dropped when the engine that joined last said READY)
                 del self._held[rank]
                 logger.warning(
                     "An engine core of another host joins as rank %d (lost before): answering "

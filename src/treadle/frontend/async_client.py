@@ -27,6 +27,7 @@ from treadle.frontend.core_client import (
     RequestKilledEngineError,
     settle_utility,
 )
+from treadle.frontend.engine_events import StallKill
 from treadle.frontend.engine_rejoin import EngineJoins
 from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_scale import EngineScaler
@@ -39,7 +40,6 @@ from treadle.ipc.inbound import inbound_options
 from treadle.ipc.process import ChildProcess, chain_signal_handlers, signal_children
 from treadle.ipc.zmq_utils import make_zmq_socket
 from treadle.logger import init_logger
-from treadle.wire.control import LOST_ENGINES
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 
 logger = init_logger(__name__)
@@ -99,11 +99,9 @@ class AsyncMPClient(MPClient):
             p.data_parallel_start_rank, p.data_parallel_start_rank + p.local_engine_count
         )
         self.mode = RestartMode.of(attach is None, config.restart.max_engine_restarts)
-        # A stalled engine is killed where it is restarted: ours, or (API server 0 of a
-        # supervisor) one of the supervisor's on this host.
-        kills = self.mode is RestartMode.OWN or (
-            self.mode is RestartMode.FOLLOW and client_index == 0
-        )
+        # A stalled engine is killed where it is restarted: ours, or one of the supervisor's
+        # on this host (it kills it when an API server asks: `StallKill`, once per process).
+        kills = self.mode in (RestartMode.OWN, RestartMode.FOLLOW)
         self.killable = frozenset(local_ranks if kills else ())
         self._supervisor = os.getppid() if attach is not None else None  # started us
         self._supervisor_notes = attach.supervisor if attach is not None else None
@@ -123,6 +121,8 @@ class AsyncMPClient(MPClient):
         # Restarted engines, and remote ones that rejoin, say hello on the handshake socket.
         self.keep_handshake = self.mode is RestartMode.OWN
         super().__init__(config, shutdown_timeout, client_index, attach)
+        self.router.slots = self.restarts.slots
+        self.restarts.started(self.engine_pids)
         desk = self.launcher.desk if self.launcher is not None else None
         self.joins = (
             EngineJoins(self, self.launcher, desk, self.restarts, self.watch)
@@ -149,21 +149,21 @@ class AsyncMPClient(MPClient):
             watched.append((monitor, name))
         self.watch.start(self.tasks, watched)
         if self._supervisor_notes is not None and self.mode is RestartMode.FOLLOW:
-            self._notes = make_zmq_socket(  # (bound here: our file goes with us)
+            # The supervisor's events, and ours to it (`engine_events.py`): both bound here,
+            # so that our files go with us.
+            self._notes = make_zmq_socket(
                 self.ctx, self._supervisor_notes, zmq.SUB, True, linger=0, options=inbound_options()
             )
             self._notes.setsockopt(zmq.SUBSCRIBE, b"")
+            out = make_zmq_socket(
+                self.ctx, reports_address(self._supervisor_notes), zmq.PUSH, True, linger=0
+            )
+            self._reports_out = out
+            reports = SupervisorReports(out)
+            self.watch.publish = reports.send
             self.spawn(self.watch.watch_supervisor(self._notes), "supervisor reader")
-            if self.client_index == 0:  # its engines' death reports, for its restart lines
-                out = make_zmq_socket(
-                    self.ctx, reports_address(self._supervisor_notes), zmq.PUSH, True, linger=0
-                )
-                self._reports_out = out
-                reports = SupervisorReports(out)
-                self.watch.forward = lambda report: reports.send([report])
-                send_lost = lambda note: reports.send([LOST_ENGINES, note])  # noqa: E731
-                self.spawn(self.watch.report_lost(send_lost), "lost-engine reports")
-                self.spawn(reports.retry(), "supervisor report retries")
+            self.spawn(reports.retry(), "supervisor report retries")
+            self.spawn(self.watch.ask(self.client_index), "supervisor question")
         if self._pending_end is not None:  # an engine ended before the loop ran
             self._end(*self._pending_end)
         self._chain_stop_signals()
@@ -305,7 +305,7 @@ class AsyncMPClient(MPClient):
         state = self.engine_states[rank] if rank < self.num_engines else EngineState.LOST
         if self.dead_reason is not None or not state.serves:  # (lost, or removed: draining)
             self.router.owners([request.request_id])
-            death = self.restarts.last_death[rank] if rank < self.num_engines else None
+            death = self.restarts.slots[rank].last_death if rank < self.num_engines else None
             why = f"engine core {rank} is {state}" + (f" ({death.cause})" if death else "")
             if state is EngineState.DRAINING:
                 why += ": it is being removed (POST /scale); send to another rank"
@@ -387,17 +387,18 @@ class AsyncMPClient(MPClient):
             child = await asyncio.to_thread(self.launcher.start_again, rank)
             await self.joins.handshake(rank, child)  # (on the handshake socket, kept open)
             self.monitor.add(child)
-            self.engine_pids[rank] = child.process.pid or 0
             await asyncio.wait_for(hello, ENGINE_PING_TIMEOUT_S)
         finally:
             self.watch.forget_hello(rank)
 
     def kill(self, rank: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            if self.launcher is not None:
+        """Kill the stalled engine of `rank`: ours, or the supervisor kills its own."""
+        slot = self.restarts.slots[rank]
+        if self.launcher is not None:
+            with contextlib.suppress(ProcessLookupError):
                 self.launcher.engines[rank - self.launcher.start_rank].process.kill()
-            elif self.engine_pids[rank] > 0:
-                os.kill(self.engine_pids[rank], signal.SIGKILL)
+        elif self.watch.publish is not None and slot.pid > 0:
+            self.watch.publish(StallKill(rank, slot.pid, slot.kill_cause or "it stalled"))
 
     async def respawn_coordinator(self) -> None:
         assert self.launcher is not None and self.monitor is not None

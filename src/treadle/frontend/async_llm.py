@@ -19,7 +19,7 @@ from typing import Any
 from treadle.config import EngineConfig, resolve_model
 from treadle.frontend.async_client import AsyncMPClient, stop_this_process
 from treadle.frontend.core_client import AttachTo, EngineDeadError
-from treadle.frontend.engine_state import EngineState
+from treadle.frontend.engine_state import ShownState
 from treadle.frontend.images import ImageInputs
 from treadle.frontend.input_processor import InputProcessor, PreparedRequest
 from treadle.frontend.metrics import StatLogger
@@ -235,20 +235,11 @@ class AsyncLLM:
 
     # -- what /topology and the dashboard read (`frontend/topology.py:Engines`) ---------------
 
-    def shown_states(self) -> list[EngineState]:
+    def shown_states(self) -> list[ShownState]:
         """Each engine's state as `/topology` and the dashboard show it."""
         client = self.client
-        if client.dead_reason is not None:
-            return [EngineState.DEAD] * client.num_engines
-        restarts = client.restarts
-        return [
-            s
-            if not s.serves
-            else EngineState.STALLED
-            if restarts.stalled[r]
-            else EngineState.READY  # (up, or resuming: it takes requests and makes progress)
-            for r, s in enumerate(restarts.states)
-        ]
+        dead = client.dead_reason is not None
+        return [ShownState.of(slot, dead) for slot in client.restarts.slots]
 
     async def topology_report(self, rank: int) -> Any:
         return await self.client.call_utility("get_topology", engine=rank)
@@ -258,7 +249,12 @@ class AsyncLLM:
         return get_bound_address(sock) if sock is not None else ""
 
     def last_deaths(self) -> list[dict[str, Any] | None]:
-        return [d.to_json() if d else None for d in self.client.restarts.last_death]
+        return [
+            s.last_death.to_json() if s.last_death else None for s in self.client.restarts.slots
+        ]
+
+    def event_counts(self) -> dict[str, int]:
+        return self.client.watch.counts.to_json()
 
     # -- health: /health (liveness) and /health/ready (readiness) --------------------------
     #
@@ -315,12 +311,12 @@ class AsyncLLM:
         now = time.monotonic()
         restarts = self.client.restarts
         silences = []
-        for rank, state in enumerate(restarts.states):
-            if not state.serves:
+        for rank, slot in enumerate(restarts.slots):
+            if not slot.state.serves:
                 silences.append((0.0, 0.0))
                 continue
             busy = self.client.inflight.count(rank) > 0
-            step = now - restarts.last_progress[rank] if busy else 0.0
+            step = now - slot.last_progress if busy else 0.0
             sent = self._ping_sent[rank]
             silences.append((step, 0.0 if sent is None else now - sent))
         return silences

@@ -114,12 +114,12 @@ class AttachTo:
     any. `reuse`: what a dead API server of the same client index reported, for the one that
     replaces it: it binds the same ipc addresses with the same key, the engines connect to it
     again as they would after a dropped connection (no handshake), and it reports once they
-    have. `supervisor`: where the supervisor tells which of its engines are lost."""
+    have. `supervisor`: where the supervisor publishes its engine events."""
 
     report: Callable[[list[str]], None]
     coordinator: str | None = None
     reuse: list[str] | None = None
-    supervisor: str | None = None  # where to bind the SUB of its `EnginesLost` (`cli/supervise.py`)
+    supervisor: str | None = None  # where to bind the SUB of its engine events (`engine_events.py`)
 
 
 class MPClient:

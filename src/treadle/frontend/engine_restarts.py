@@ -25,15 +25,15 @@ mode is `RestartMode`, set once per client:
 | `ENGINE_CORE_DEAD` frame, with its sender's proof | an engine raised, or was sent SIGTERM alone (its `DeathReport`) | OFF: client dead | else logged and kept: its exit follows and is reported with it |
 | `ENGINE_CORE_STOPPED` frame, with its sender's proof | an engine was asked to stop (SIGUSR1) | client stopped | the server stops cleanly |
 | either frame without a proof that holds (`OutputReader`) | another process pushed it | nothing | refused and logged |
-| pid watch (psutil), FOLLOW | the supervisor's engine's pid is gone | `down` | new requests wait, its requests are staged |
+| the supervisor's `EngineDied` (`engine_events.py`), FOLLOW | its engine core exited (how, its report, our stall kill) | `down` | new requests wait, its requests are staged (the same `last_death` in every API server) |
 | hello of a new launch, FOLLOW | the supervisor restarted it | `down` (if not seen), `back` | staged requests resume one at a time |
 | hello of a new launch, OWN | our restart's new process | (ends `restart_child`) | `back` |
 | hello of a new launch, OWN or FOLLOW | a lost remote rank's new engine (`engine_rejoin.py`, or the supervisor's `cli/supervised_desk.py`, took its handshake) | `rejoined` | back in the routing |
-| peer disconnect + ping | a peer left the request socket and an engine that no process watch here covers does not answer in 10 s | `lost` | its requests resume on the others; OFF or none left: client dead |
-| stall watch | requests but no finished step | `stall` | past --engine-stall-timeout not ready; past --engine-stall-kill-timeout killed where this host restarts it (OWN; FOLLOW: API server 0 only), once per process: the sentinel or pid watch reports the death |
+| peer disconnect + ping | a peer left the request socket and an engine that no process watch here covers does not answer in 10 s | `lost` (FOLLOW: an `EngineLost` to the supervisor, which tells every API server) | its requests resume on the others; OFF or none left: client dead |
+| stall watch | requests but no finished step | `stall` | past --engine-stall-timeout not ready; past --engine-stall-kill-timeout killed where this host restarts it (OWN; FOLLOW: the supervisor kills it when asked, `StallKill`), once per process: the sentinel or `EngineDied` reports the death |
 | a background task raises | a bug in a reader | client dead | as above |
-| supervisor's monitor (`cli/supervise.py`) | its engine core or coordinator exits non-zero | (its own process) | `restart_child` there; the API servers follow (pid watch, hello) |
-| supervisor's `EnginesLost`, FOLLOW | its restart of an engine failed, others serve | `lost` | its requests resume on the others |
+| supervisor's monitor (`cli/supervise.py`) | its engine core or coordinator exits non-zero | (its own process) | `EngineDied` to every API server, `restart_child` there; the API servers follow (`EngineDied`, hello) |
+| supervisor's `EngineLost`, FOLLOW | its restart of an engine failed, others serve; or an API server found a remote engine silent | `lost` | its requests resume on the others |
 | `POST /scale` (`engine_scale.py`), OWN | fewer engines asked | (draining) | no new request; drained or moved (`lost`), stopped, removed; a death meanwhile: `lost` |
 
 `RestartBudget` is --max-engine-restarts in a 10-minute window; the supervisor spends the same
@@ -42,18 +42,24 @@ budget when it restarts its engines itself.
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from treadle.config import RestartConfig
 from treadle.frontend.engine_router import EngineRouter
-from treadle.frontend.engine_state import Death, EngineState
+from treadle.frontend.engine_state import (
+    Death,
+    EngineSlot,
+    EngineState,
+    killed_cause,
+    lost_cause,
+    others_serve,
+)
 from treadle.frontend.inflight import InFlight
 from treadle.frontend.restart_sequence import RestartBudget, restart_child
 from treadle.logger import init_logger
+from treadle.wire.control import DeathReport
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest
 
 logger = init_logger(__name__)
@@ -102,7 +108,8 @@ class RestartHost(Protocol):
 class EngineRestarts:
     """The state machine of each engine of one client: the detectors report `died` (the
     client restarts it), `down` then `back` (the supervisor restarts it), `lost` or `stall`;
-    what follows is the table above."""
+    what follows is the table above. It holds one `EngineSlot` per rank (`slots`, which the
+    router and every reader share) and is the only writer of their fields."""
 
     def __init__(
         self, host: RestartHost, num_engines: int, config: RestartConfig, max_waiting: int
@@ -110,32 +117,50 @@ class EngineRestarts:
         self.host = host
         self.config = config
         self.budget = RestartBudget(config.max_engine_restarts)
-        self.states = [EngineState.UP] * num_engines
-        self.stalled = [False] * num_engines
-        self.last_progress = [time.monotonic()] * num_engines
-        self._up = [asyncio.Event() for _ in range(num_engines)]
-        for event in self._up:
-            event.set()
-        self._staged: list[collections.deque[str]] = [
-            collections.deque() for _ in range(num_engines)
-        ]
-        self._probation: list[str | None] = [None] * num_engines
-        # Why we killed an engine process (a stall): its death is reported with it. Cleared
-        # when the death is seen (`down`), so that its next process can be killed too.
-        self._kill_cause: dict[int, str] = {}
-        self.last_death: list[Death | None] = [None] * num_engines  # for /topology
+        # The router reads the same list (`EngineRouter.slots`): resize adds or drops slots in it.
+        self.slots = [EngineSlot(rank) for rank in range(num_engines)]
         self._waiting = 0
         self.max_waiting = max_waiting
+
+    @property
+    def states(self) -> list[EngineState]:
+        """Each rank's held state (a copy, to read)."""
+        return [slot.state for slot in self.slots]
 
     # -- what the client asks -------------------------------------------------------------
 
     def is_up(self, rank: int) -> bool:
-        return self._up[rank].is_set()
+        return self.slots[rank].up.is_set()
 
     def wake_all(self) -> None:
         """The client ended: whoever waits for an engine wakes (and fails)."""
-        for event in self._up:
-            event.set()
+        for slot in self.slots:
+            slot.up.set()
+
+    def started(self, pids: list[int], first: int = 0) -> None:
+        """The processes of engines `first`.., as each said at start-up (0: not known)."""
+        for slot, pid in zip(self.slots[first:], pids, strict=False):
+            slot.pid = pid
+
+    def new_launch(self, rank: int, pid: int) -> None:
+        """A new process of `rank` said hello."""
+        slot = self.slots[rank]
+        slot.pid, slot.launch = pid, slot.launch + 1
+
+    def note_report(self, rank: int, report: DeathReport, final: bool = False) -> None:
+        """The engine's own death report: its death, seen next, is reported with it
+        (`final`: nobody restarts it, the client ends with it)."""
+        self.slots[rank].report = report
+        if final:
+            self.slots[rank].last_death = Death(f"EngineCore_DP{rank} failed", report)
+
+    def pid_of(self, rank: int) -> int:
+        return self.slots[rank].pid
+
+    def take_report(self, rank: int) -> DeathReport | None:
+        slot = self.slots[rank]
+        report, slot.report = slot.report, None
+        return report
 
     async def wait_up(self, rank: int) -> None:
         """Wait for a restarting engine; `OverflowError` when too many wait already."""
@@ -146,7 +171,7 @@ class EngineRestarts:
             )
         self._waiting += 1
         try:
-            await self._up[rank].wait()
+            await self.slots[rank].up.wait()
         finally:
             self._waiting -= 1
 
@@ -154,52 +179,51 @@ class EngineRestarts:
         """None when every engine is up and makes progress; else why not (for /health/ready:
         a lost engine keeps it 503, the others still serve). An engine that resumes its
         requests is up: it takes new ones, and makes progress (else it is stalled)."""
-        for rank, state in enumerate(self.states):
-            if state is EngineState.DRAINING:  # (leaving: the others serve)
+        for slot in self.slots:
+            if slot.state is EngineState.DRAINING:  # (leaving: the others serve)
                 continue
-            if not state.serves:
-                return f"engine core {rank} is {state}"
-            if self.stalled[rank]:
-                idle = time.monotonic() - self.last_progress[rank]
-                return f"engine core {rank} has requests but finished no step for {idle:.0f} s"
+            if not slot.state.serves:
+                return f"engine core {slot.rank} is {slot.state}"
+            if slot.stalled:
+                idle = time.monotonic() - slot.last_progress
+                return f"engine core {slot.rank} has requests but finished no step for {idle:.0f} s"
         return None
 
     def on_send(self, rank: int) -> None:
         """A request is about to go to the engine: if it had none, its work starts now."""
         if self.host.inflight.count(rank) == 0:
-            self.last_progress[rank] = time.monotonic()
+            self.slots[rank].last_progress = time.monotonic()
 
     async def on_outputs(self, item: EngineCoreOutputs, progressed: list[str]) -> None:
         """Outputs of a step: the engine made progress when the step finished (its
         timestamp: a front end that falls behind must not hide a stopped engine), and the
         suspect on probation may have."""
-        rank = item.engine_index
+        slot = self.slots[item.engine_index]
         lag = max(0.0, time.time() - item.timestamp) if item.timestamp else 0.0
-        self.last_progress[rank] = max(self.last_progress[rank], time.monotonic() - lag)
-        probation = self._probation[rank]
-        if probation is not None and probation in progressed:
-            await self._release_next(rank)
+        slot.last_progress = max(slot.last_progress, time.monotonic() - lag)
+        if slot.probation is not None and slot.probation in progressed:
+            await self._release_next(slot.rank)
 
     async def on_abort(self, request_ids: list[str]) -> None:
-        for rank, probation in enumerate(self._probation):
-            if probation is not None and probation in request_ids:
-                await self._release_next(rank)
+        for slot in self.slots:
+            if slot.probation is not None and slot.probation in request_ids:
+                await self._release_next(slot.rank)
 
     # -- reports: deaths and returns ------------------------------------------------------
 
     def died(self, rank: int, death: Death) -> None:
         """Our engine process died: restart it if the budget allows, else end the client.
         Its log line, `/topology` and the requests it fails say why (`Death.describe`)."""
-        if self.host.ended or self.states[rank] is EngineState.LOST:
+        slot = self.slots[rank]
+        if self.host.ended or slot.state is EngineState.LOST:
             return  # (a lost engine's failed restart, killed)
-        if self.states[rank] is EngineState.DRAINING:  # (being removed: not started again)
+        if slot.state is EngineState.DRAINING:  # (being removed: not started again)
             lost = Death(f"{death.cause} while it was drained", death.report, death.time)
             self.host.spawn(self.lost([rank], lost), f"loss of engine core {rank}")
             return
-        killed = self._kill_cause.get(rank)
-        if killed is not None:
-            death = Death(f"{killed}: killed ({death.cause})", death.report, death.time)
-        self.last_death[rank] = death
+        if slot.kill_cause is not None:
+            death = Death(killed_cause(slot.kill_cause, death.cause), death.report, death.time)
+        slot.last_death = death
         cause = death.describe()
         sequence = restart_child(
             f"EngineCore_DP{rank}",
@@ -219,12 +243,13 @@ class EngineRestarts:
         requests resume on the others, its failed process is killed); else the client ends."""
         if self.host.ended:
             return
-        if all(s is EngineState.LOST for r, s in enumerate(self.states) if r != rank):
+        lost = {s.rank for s in self.slots if s.state is EngineState.LOST}
+        if not others_serve(rank, len(self.slots), lost):
             self.host.fail(why)
             return
-        before = self.last_death[rank]
+        before = self.slots[rank].last_death
         report = before.report if before is not None else None
-        death = Death(f"{why}; EngineCore_DP{rank} is lost, the others serve on", report)
+        death = Death(lost_cause(why, rank), report)
         moved = {rank: self._out(rank, death)}  # (lost before its killed process is reported)
         if rank in self.host.killable:
             self.host.kill(rank)
@@ -234,17 +259,14 @@ class EngineRestarts:
         """The engine is gone: new requests wait for it, calls to it fail, and its requests
         are staged to resume, but those the dead-letter rule (`InFlight.on_engine_death`)
         fails: in flight at a death before without progress since."""
-        self._kill_cause.pop(rank, None)  # (its next process may stall too)
-        self.states[rank] = EngineState.RESTARTING
-        self._up[rank].clear()
-        self._staged[rank].clear()
+        slot = self.slots[rank]
+        slot.kill_cause = None  # (its next process may stall too)
+        slot.state = EngineState.RESTARTING
+        slot.up.clear()
+        slot.staged.clear()
         if death is not None:
-            self.last_death[rank] = death
-        self._staged[rank].extend(self._take_requests(rank, cause, death))
-
-    def kill_cause(self, rank: int) -> str | None:
-        """Why we killed the engine's process, until its death is seen."""
-        return self._kill_cause.get(rank)
+            slot.last_death = death
+        slot.staged.extend(self._take_requests(rank, cause, death))
 
     async def lost(self, ranks: list[int], death: Death | None = None) -> None:
         """Engines nobody here can start again (on another host, `--headless`; `death` says
@@ -258,17 +280,17 @@ class EngineRestarts:
                 rank, death or Death(f"EngineCore_DP{rank} does not answer; it is lost")
             )
             for rank in ranks
-            if self.states[rank] is not EngineState.LOST
+            if self.slots[rank].state is not EngineState.LOST
         }
         await self._move(moved)
 
     def _out(self, rank: int, death: Death) -> list[str]:
         """Mark the engine lost; returns its requests, to move."""
-        self.states[rank] = EngineState.LOST
-        self.host.router.gone.add(rank)
-        self._up[rank].set()  # (whoever waits for it fails in the client)
-        self._staged[rank].clear()  # (a restarting one's: they are in flight, taken next)
-        self.last_death[rank] = death
+        slot = self.slots[rank]
+        slot.state = EngineState.LOST
+        slot.up.set()  # (whoever waits for it fails in the client)
+        slot.staged.clear()  # (a restarting one's: they are in flight, taken next)
+        slot.last_death = death
         return self._take_requests(rank, death.cause, death)
 
     async def _move(self, moved: dict[int, list[str]]) -> None:
@@ -279,23 +301,21 @@ class EngineRestarts:
                 host.router.owners([rid])
                 target = host.router.route(host.inflight.requests[rid].request, None)
                 host.inflight.move(rid, target)
-                self._staged[target].append(rid)
-        for target, state in enumerate(self.states):
-            if state is EngineState.UP and self._staged[target] and self._probation[target] is None:
-                await self._release_next(target)  # (a restarting one releases them when back)
+                self.slots[target].staged.append(rid)
+        for slot in self.slots:
+            if slot.state is EngineState.UP and slot.staged and slot.probation is None:
+                await self._release_next(slot.rank)  # (a restarting one releases them when back)
 
     async def rejoined(self, rank: int) -> None:
         """A new engine of a lost rank (another host's, started again there) said hello:
         it takes requests again."""
-        self.host.router.gone.discard(rank)
         await self.back(rank, "(it rejoined)")
 
     def _take_requests(self, rank: int, cause: str, death: Death | None) -> list[str]:
         """The engine's requests to resume; fails those in flight at a death before it."""
         host = self.host
-        self.stalled[rank] = False
-        host.router.down.add(rank)
-        self._probation[rank] = None
+        self.slots[rank].stalled = False
+        self.slots[rank].probation = None
         host.fail_calls(rank, cause)
         resume, poisoned = host.inflight.on_engine_death(rank)
         logger.warning(
@@ -321,31 +341,31 @@ class EngineRestarts:
             "EngineCore_DP%d is back %s; resuming %d request(s)",
             rank,
             when,
-            len(self._staged[rank]),
+            len(self.slots[rank].staged),
         )
         self.host.on_event("restarted", rank, 1)
-        self.states[rank] = EngineState.RESUMING
-        self.last_progress[rank] = time.monotonic()
-        self.host.router.down.discard(rank)
-        self._up[rank].set()  # new requests go to it again
+        slot = self.slots[rank]
+        slot.state = EngineState.RESUMING
+        slot.last_progress = time.monotonic()
+        slot.up.set()  # new requests go to it again
         await self._release_next(rank)
 
     async def _release_next(self, rank: int) -> None:
         """Resume the next suspect of a restarted engine: one at a time, each once the one
         before made progress, so that a request that kills the engine again is the only one
         in flight at that second death."""
-        staged = self._staged[rank]
-        while staged:
-            request = self.host.inflight.resumed(staged.popleft())
+        slot = self.slots[rank]
+        while slot.staged:
+            request = self.host.inflight.resumed(slot.staged.popleft())
             if request is None:  # it was aborted meanwhile
                 continue
-            self._probation[rank] = request.request_id
+            slot.probation = request.request_id
             await self.host.send_add(rank, request)
             self.host.on_event("resumed", rank, 1)
             return
-        self._probation[rank] = None
-        if self.states[rank] is EngineState.RESUMING:
-            self.states[rank] = EngineState.UP
+        slot.probation = None
+        if slot.state is EngineState.RESUMING:
+            slot.state = EngineState.UP
 
     def coordinator_died(self, cause: str) -> None:
         """The DP coordinator holds no request: a new one binds the same addresses, and the
@@ -361,20 +381,15 @@ class EngineRestarts:
 
     def resize(self, n: int) -> None:
         """Engines added (up, with nothing in flight) or the highest removed (drained or
-        lost: nothing in flight) by `POST /scale`."""
-        old = len(self.states)
-        grow = range(old, n)
-        self.states = self.states[:n] + [EngineState.UP for _ in grow]
-        self.stalled = self.stalled[:n] + [False for _ in grow]
-        self.last_progress = self.last_progress[:n] + [time.monotonic() for _ in grow]
-        self._up = self._up[:n] + [asyncio.Event() for _ in grow]
-        for event in self._up[old:]:
-            event.set()
-        self._staged = self._staged[:n] + [collections.deque() for _ in grow]
-        self._probation = self._probation[:n] + [None for _ in grow]
-        self.last_death = self.last_death[:n] + [None for _ in grow]
-        for rank in range(n, old):
-            self._kill_cause.pop(rank, None)
+        lost: nothing in flight) by `POST /scale`: slots added or dropped."""
+        del self.slots[n:]
+        self.slots.extend(EngineSlot(rank) for rank in range(len(self.slots), n))
+
+    def drain(self, ranks: range) -> None:
+        """`POST /scale` removes these: no new request goes to them (a lost one stays lost)."""
+        for rank in ranks:
+            if self.slots[rank].state is not EngineState.LOST:
+                self.slots[rank].state = EngineState.DRAINING
 
     # -- reports: stalls ------------------------------------------------------------------
 
@@ -384,16 +399,16 @@ class EngineRestarts:
         --engine-stall-timeout it is not ready (logged once); past
         --engine-stall-kill-timeout it is killed where this host restarts it, once per
         process (its death is then reported as any other, with this cause)."""
-        cfg = self.config
+        cfg, slot = self.config, self.slots[rank]
         if idle is None or idle <= cfg.engine_stall_timeout:
             if idle is None:
-                self.last_progress[rank] = time.monotonic()
-            elif self.stalled[rank]:
+                slot.last_progress = time.monotonic()
+            elif slot.stalled:
                 logger.warning("EngineCore_DP%d finishes steps again", rank)
-            self.stalled[rank] = False
+            slot.stalled = False
             return
-        if not self.stalled[rank]:
-            self.stalled[rank] = True
+        if not slot.stalled:
+            slot.stalled = True
             logger.warning(
                 "EngineCore_DP%d has %d request(s) in flight but finished no step for "
                 "%.0f s: not ready until it does",
@@ -402,7 +417,7 @@ class EngineRestarts:
                 idle,
             )
         kill = cfg.engine_stall_kill_timeout
-        if kill > 0 and idle > kill and rank in self.host.killable and rank not in self._kill_cause:
-            self._kill_cause[rank] = f"EngineCore_DP{rank} finished no step for {idle:.0f} s"
-            logger.error("%s: killing it", self._kill_cause[rank])
+        if kill > 0 and idle > kill and rank in self.host.killable and slot.kill_cause is None:
+            slot.kill_cause = f"EngineCore_DP{rank} finished no step for {idle:.0f} s"
+            logger.error("%s: killing it", slot.kill_cause)
             self.host.kill(rank)

@@ -9,9 +9,11 @@ turn). The router remembers the owner of each request, so that an ABORT goes onl
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import msgspec
 
+from treadle.frontend.engine_state import EngineSlot
 from treadle.wire.engine import DPStats, EngineCoreOutputs, EngineCoreRequest
 
 
@@ -25,8 +27,9 @@ class EngineRouter:
         self.request_engine: dict[str, tuple[int, int]] = {}  # request id -> (engine, tokens)
         self.current_wave = 0
         self._tie_break = itertools.cycle(range(num_engines))
-        self.down: set[int] = set()  # restarting: chosen only when every engine is
-        self.gone: set[int] = set()  # lost for good (in `down` too): never chosen
+        # Each engine's record (`EngineRestarts.slots`, the same list; none: every engine
+        # is up): one `down` is chosen only when every engine is, one `gone` never.
+        self.slots: Sequence[EngineSlot] = ()
 
     def resize(self, n: int) -> None:
         """Engines were added (scale out: they start with nothing) or the highest removed
@@ -36,8 +39,6 @@ class EngineRouter:
         self.lb_counts = self.lb_counts[:n] + [[0, 0] for _ in range(old, n)]
         self.in_flight = self.in_flight[:n] + [0] * (n - old)
         self._tie_break = itertools.cycle(range(n))
-        self.down = {e for e in self.down if e < n}
-        self.gone = {e for e in self.gone if e < n}
 
     def route(self, request: EngineCoreRequest, rank: int | None) -> int:
         """Pick the engine for a new request (stamping the current wave) and remember it.
@@ -51,9 +52,10 @@ class EngineRouter:
         if rank is None:
             counts, in_flight = self.lb_counts, self.in_flight
             first = next(self._tie_break)
+            slots = self.slots if len(self.slots) == n else ()
             up = (
-                [e for e in range(n) if e not in self.down]
-                or [e for e in range(n) if e not in self.gone]
+                [e for e in range(n) if not (slots and slots[e].down)]
+                or [e for e in range(n) if not (slots and slots[e].gone)]
                 or range(n)
             )
             rank = min(

@@ -148,7 +148,7 @@ class EngineScaler:
             for rank in hellos:
                 client.watch.forget_hello(rank)
         self._resize(n)
-        client.engine_pids[old:] = pids
+        client.restarts.started(pids, first=old)
         await self._new_coordinator()
         logger.info("Scaled out from %d to %d engines in %.1f s", old, n, time.monotonic() - start)
 
@@ -156,14 +156,10 @@ class EngineScaler:
 
     async def _in(self, old: int, n: int, drain_timeout: float) -> None:
         client = self.client
-        restarts, router = client.restarts, client.router
+        restarts = client.restarts
         leaving = range(n, old)
-        lost = [r for r in leaving if restarts.states[r] is EngineState.LOST]
-        for rank in leaving:
-            if rank not in lost:
-                restarts.states[rank] = EngineState.DRAINING
-            router.gone.add(rank)
-            router.down.add(rank)
+        lost = [r for r in leaving if restarts.slots[r].state is EngineState.LOST]
+        restarts.drain(leaving)
         logger.info(
             "Scaling in from %d to %d engines: EngineCore_DP%d..%d take no new request; "
             "draining %d request(s) (at most %.0f s)%s",
@@ -188,7 +184,7 @@ class EngineScaler:
 
     def _draining(self, rank: int) -> bool:
         client = self.client
-        return client.restarts.states[rank] is EngineState.DRAINING and (
+        return client.restarts.slots[rank].state is EngineState.DRAINING and (
             client.inflight.count(rank) > 0
         )
 
@@ -223,7 +219,6 @@ class EngineScaler:
         client.router.resize(n)
         client.restarts.resize(n)
         client.reader.num_engines = n
-        client.engine_pids = client.engine_pids[:n] + [0] * (n - len(client.engine_pids))
         client.listener.on_resize(n)
 
     async def _new_coordinator(self) -> None:

@@ -1,24 +1,29 @@
-"""The words of an engine's life, as the front end uses them: each engine's state, who
-restarts this client's engines, and what is known of its last death (the table of what
-happens when is in `engine_restarts.py`).
+"""The words of an engine's life, as the front end uses them: each engine's record
+(`EngineSlot`: its held state and what goes with it), what `/topology` shows of it
+(`ShownState`), who restarts this client's engines, and what is known of its last death (the
+table of what happens when is in `engine_restarts.py`, the only module that writes a slot).
 
-Both enums are `str`-valued, so log lines, `/topology` and the dashboard carry the same
+The enums are `str`-valued, so log lines, `/topology` and the dashboard carry the same
 strings as before (`f"{state}"` is its value; so is its JSON).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from treadle.ipc.process import describe_exit
 from treadle.wire.control import DeathReport
 
 
 class EngineState(StrEnum):
-    """One engine's state. `EngineRestarts` holds one of the first five for each engine;
-    `/topology` and the dashboard show what a client sees of it (`AsyncLLM.shown_states`)."""
+    """One engine's held state (`EngineSlot.state`); `/topology` and the dashboard show what
+    is derived from it (`ShownState.of`)."""
 
     UP = "up"
     """Takes requests, and makes progress (or has none)."""
@@ -33,19 +38,80 @@ class EngineState(StrEnum):
     """Being removed (`POST /scale`, `engine_scale.py`): it gets no new request; those it has
     finish there, or move to the others after the drain timeout."""
 
-    READY = "ready"
-    """(Shown.) Up or resuming, and making progress."""
-    STALLED = "stalled"
-    """(Shown.) It has requests but finished no step for --engine-stall-timeout."""
-    DEAD = "dead"
-    """(Shown.) The client ended: no restart left, or restarts off."""
-    STARTING = "starting"
-    """(Shown, for processes.) An engine process whose engine has not reported yet."""
-
     @property
     def serves(self) -> bool:
         """Up or resuming: it takes requests, and answers calls."""
         return self in (EngineState.UP, EngineState.RESUMING)
+
+
+class ShownState(StrEnum):
+    """What `/topology` and the dashboard show of an engine (and of its processes)."""
+
+    STARTING = "starting"
+    """(For processes.) An engine process whose engine has not reported yet."""
+    READY = "ready"
+    """Up or resuming, and making progress."""
+    STALLED = "stalled"
+    """It has requests but finished no step for --engine-stall-timeout."""
+    RESTARTING = "restarting"
+    LOST = "lost"
+    DRAINING = "draining"
+    DEAD = "dead"
+    """The client ended: no restart left, or restarts off."""
+
+    @classmethod
+    def of(cls, slot: EngineSlot, client_dead: bool) -> ShownState:
+        if client_dead:
+            return cls.DEAD
+        if slot.state.serves:  # (up, or resuming: it takes requests and makes progress)
+            return cls.STALLED if slot.stalled else cls.READY
+        return cls(slot.state.value)
+
+
+def _set_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
+@dataclass(eq=False)
+class EngineSlot:
+    """Everything the front end holds of one engine rank. Only the engine-life state machine
+    (`engine_restarts.py`) writes its fields (`tests/frontend/test_engine_slots.py` reads the
+    code for it); every other module reads them. Resize is adding or dropping slots."""
+
+    rank: int
+    state: EngineState = EngineState.UP
+    pid: int = 0
+    """Its engine core's process (0: not known, or on another host)."""
+    launch: int = 1
+    """Its launch number: 1 at start-up, one more at each new process that said hello."""
+    stalled: bool = False
+    """It has requests but finished no step for --engine-stall-timeout."""
+    last_progress: float = field(default_factory=time.monotonic)
+    """When it last finished a step (or got its first request after being idle)."""
+    last_death: Death | None = None
+    """For `/topology` and the errors of what it failed."""
+    report: DeathReport | None = None
+    """Its own death report (`ENGINE_CORE_DEAD`), kept until its death is seen."""
+    kill_cause: str | None = None
+    """Why we killed its process (a stall), until its death is seen."""
+    probation: str | None = None
+    """The resumed request whose progress releases the next one."""
+    staged: collections.deque[str] = field(default_factory=collections.deque)
+    """Requests to resume on it, one at a time."""
+    up: asyncio.Event = field(default_factory=_set_event)
+    """Set while new requests may go to it (clear while it restarts)."""
+
+    @property
+    def down(self) -> bool:
+        """The router chooses it only when every engine is down (restarting, lost, leaving)."""
+        return not self.state.serves
+
+    @property
+    def gone(self) -> bool:
+        """The router never chooses it (lost, or leaving)."""
+        return self.state in (EngineState.LOST, EngineState.DRAINING)
 
 
 class RestartMode(StrEnum):
@@ -95,3 +161,30 @@ class Death:
                 log_tail=self.report.log_tail,
             )
         return entry
+
+
+# How a death is said, in the words of every log line, `/topology` and failed request (one
+# place, for the API server that restarts its own engines and for the supervisor).
+
+
+def death_cause(name: str, exitcode: int | None, kill_cause: str | None = None) -> str:
+    """ "the EngineCore_DP0 process died: killed by signal 9 (SIGKILL)"; for one we killed
+    because it stalled, `killed_cause` of that."""
+    cause = f"the {name} process died: {describe_exit(exitcode)}"
+    return cause if kill_cause is None else killed_cause(kill_cause, cause)
+
+
+def killed_cause(kill_cause: str, cause: str) -> str:
+    """ "EngineCore_DP0 finished no step for 31 s: killed (the ... process died: ...)"."""
+    return f"{kill_cause}: killed ({cause})"
+
+
+def lost_cause(why: str, rank: int) -> str:
+    """An engine of ours that cannot be started again while others serve."""
+    return f"{why}; EngineCore_DP{rank} is lost, the others serve on"
+
+
+def others_serve(rank: int, num_engines: int, lost: Collection[int]) -> bool:
+    """The lost rule: an engine that cannot be started again is `lost` while another engine
+    is not (its requests resume on the others); else the server ends."""
+    return any(r != rank and r not in lost for r in range(num_engines))

@@ -4,21 +4,23 @@ or the client's end) to the state machine of `engine_restarts.py`, whose table s
 each report does.
 
 Detectors: the process sentinel (`ProcessMonitor`, engines this client started), the
-`ENGINE_CORE_DEAD` and `ENGINE_CORE_STOPPED` frames, the pid watch (psutil, the supervisor's
-engines), a restarted engine's hello (its first message on the ROUTER), a peer leaving a
-socket and the ping that follows it (engines that no process watch here covers), the stall
-watch, and a background task that raises (`GuardedTasks`).
+`ENGINE_CORE_DEAD` and `ENGINE_CORE_STOPPED` frames, the supervisor's events (its engines:
+`engine_events.py`), a restarted engine's hello (its first message on the ROUTER), a peer
+leaving a socket and the ping that follows it (engines that no process watch here covers),
+the stall watch, and a background task that raises (`GuardedTasks`). With a supervisor, what
+only an API server sees (a death report, a stall to kill, a silent remote engine) goes to
+the supervisor as an event (`publish`), and comes back to every API server as one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-import msgspec
 import psutil
 import zmq
 import zmq.asyncio
@@ -26,23 +28,27 @@ from zmq.utils.monitor import parse_monitor_message
 
 from treadle import envs
 from treadle.frontend.core_client import EngineDeadError
+from treadle.frontend.engine_events import (
+    REPORT_WAIT_S,
+    Ask,
+    EngineEvent,
+    EngineLost,
+    EngineRaised,
+    EventCounts,
+    Known,
+    apply,
+    decode,
+)
 from treadle.frontend.engine_restarts import EngineRestarts
-from treadle.frontend.engine_state import Death, EngineState, RestartMode
+from treadle.frontend.engine_state import Death, EngineState, RestartMode, death_cause
 from treadle.frontend.inflight import InFlight
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.inbound import DropLog
 from treadle.ipc.process import ChildProcess, describe_exit
 from treadle.logger import init_logger
-from treadle.wire.control import (
-    ENGINE_CORE_STOPPED,
-    MAX_ERROR_CHARS,
-    MAX_LINE_CHARS,
-    DeathReport,
-    EnginesLost,
-)
+from treadle.wire.control import ENGINE_CORE_STOPPED, DeathReport
 
 logger = init_logger(__name__)
-_decode_lost = msgspec.msgpack.Decoder(EnginesLost).decode
 
 # How long an engine may take to answer when a peer left the request socket (a step of a long
 # prefill must fit), or to say hello after a restart: one that does not is dead.
@@ -52,17 +58,12 @@ _EXIT_EXPLAINS_S = 5.0
 # How long a disconnect waits for the exit that explains it (a process's sockets close just
 # before its exit shows).
 _EXIT_LOOK_S = 0.5
-# How long an engine's exit 1 waits for its death report (sent just before it exits): 0.5 s
-# was too short on a loaded machine (CI saw a raise restarted as a bare exit 1); the
-# supervisor waits as long (`supervisor_reports.py`).
-_REPORT_WAIT_S = 2.0
 
 
 class Watched(Protocol):
     """What the detectors read of the client, and the two ends they may report."""
 
     launcher: EngineLauncher | None
-    engine_pids: list[int]  # kept current: a restarted engine's pid replaces the dead one's
     inflight: InFlight
 
     @property
@@ -133,21 +134,20 @@ class EngineWatch:
         self.unwatched = [rank for rank in range(num_engines) if rank not in watched]
         self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: GuardedTasks | None = None
-        self.reports: dict[int, DeathReport] = {}  # rank -> its death report, until its death
         self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
         # (when, what) of this host's engine processes that exited: explains a disconnect
         self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
         self.expected_stops = 0  # engines stopped on purpose by `POST /scale`: not our stop
-        # API server 0 of a supervisor hands each death report on (its restart line quotes it)
-        self.forward: Callable[[DeathReport], None] | None = None
+        # An API server of a supervisor tells it what it saw (`engine_events.py`).
+        self.publish: Callable[[EngineEvent], None] | None = None
+        self.counts = EventCounts()  # the supervisor's events applied here
+        self.known = asyncio.Event()  # the supervisor answered our `Ask`
 
     def start(self, tasks: GuardedTasks, sockets: list[tuple[zmq.Socket[Any], str]]) -> None:
         """Run the watches (in the running loop); `sockets`: (monitor socket, what it
         watches) of each socket whose peers may leave."""
         self.loop, self.tasks = asyncio.get_running_loop(), tasks
         tasks.spawn(self.watch_stalls(), "engine stall watch")
-        if self.mode is RestartMode.FOLLOW:
-            tasks.spawn(self.watch_processes(), "engine process watch")
         for monitor, name in sockets:
             tasks.spawn(self.watch_peers(monitor, name), f"{name} socket watch")
 
@@ -162,7 +162,7 @@ class EngineWatch:
             return False
         if launcher is None or loop is None or self.tasks is None:  # (before the loop runs)
             return False
-        cause = f"the {child.name} process died: {describe_exit(child.exitcode)}"
+        cause = death_cause(child.name, child.exitcode)
         if child is launcher.coordinator:
             return _in_loop(loop, self._guarded, self.restarts.coordinator_died, cause)
         for i, engine in enumerate(launcher.engines):
@@ -185,10 +185,11 @@ class EngineWatch:
     async def _died(self, rank: int, cause: str, exitcode: int | None) -> None:
         """Report the death with the engine's own report: an engine core that raised sent it
         before its exit 1, and it may still wait in the output socket for a moment."""
-        deadline = time.monotonic() + _REPORT_WAIT_S
-        while exitcode == 1 and rank not in self.reports and time.monotonic() < deadline:
+        deadline = time.monotonic() + REPORT_WAIT_S
+        slot = self.restarts.slots[rank]
+        while exitcode == 1 and slot.report is None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        self.restarts.died(rank, Death(cause, self.reports.pop(rank, None)))
+        self.restarts.died(rank, Death(cause, self.restarts.take_report(rank)))
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         """A report the process monitor scheduled; one that raises ends the client (an
@@ -217,11 +218,10 @@ class EngineWatch:
         if isinstance(frame, DeathReport):
             rank = frame.engine_index
             what = f"EngineCore_DP{rank} failed: {frame.describe()}"
-            self.reports[rank] = frame
-            if self.forward is not None:
-                self.forward(frame)
-            if self.mode is RestartMode.OFF:
-                self.restarts.last_death[rank] = Death(f"EngineCore_DP{rank} failed", frame)
+            if 0 <= rank < len(self.restarts.slots):
+                self.restarts.note_report(rank, frame, final=self.mode is RestartMode.OFF)
+            if self.publish is not None:
+                self.publish(EngineRaised(frame))
         if self.mode is RestartMode.OFF:
             self.client.fail(what)
             return False
@@ -246,81 +246,44 @@ class EngineWatch:
         another host that rejoins its lost rank (`engine_rejoin.py` took its handshake), or
         the supervisor's, which replaced a process that died (seen by the pid watch, or not
         yet)."""
+        if rank < len(self.restarts.slots):  # (not one that `POST /scale` adds: no slot yet)
+            self.restarts.new_launch(rank, pid)
         awaited = self._awaiting_hello.get(rank)
         if awaited is not None and not awaited.done():
             awaited.set_result(None)
-        elif self.restarts.states[rank] is EngineState.LOST:
-            self.client.engine_pids[rank] = pid
+        elif self.restarts.slots[rank].state is EngineState.LOST:
             await self.restarts.rejoined(rank)
         elif self.mode is RestartMode.FOLLOW:
-            if self.restarts.states[rank] is not EngineState.RESTARTING:
+            if self.restarts.slots[rank].state is not EngineState.RESTARTING:
                 self.restarts.down(rank, f"EngineCore_DP{rank} was restarted (it died)")
-            self.client.engine_pids[rank] = pid
             await self.restarts.back(rank, "(restarted by the supervisor)")
 
-    # -- the pid watch (the supervisor's engines) -----------------------------------------
-
-    async def watch_processes(self) -> None:
-        """An engine core of this host whose process (`engine_pids[rank]`) is gone is
-        `restarting` at once: /health/ready says so and new requests wait, until the
-        supervisor's new engine says hello."""
-        processes: dict[int, psutil.Process | None] = {}
-        pids = self.client.engine_pids
-        while not self.client.ended:
-            await asyncio.sleep(0.25)
-            for rank in self.local_ranks:
-                pid = pids[rank]
-                state = self.restarts.states[rank]
-                if not pid or state in (EngineState.RESTARTING, EngineState.LOST):
-                    continue  # (a lost one's process stays gone: the supervisor said so)
-                if pid not in processes:
-                    processes[pid] = process_of(pid)
-                if not running(processes[pid]):
-                    killed = self.restarts.kill_cause(rank)
-                    gone = f"EngineCore_DP{rank} (pid {pid}) is gone"
-                    if killed is not None:
-                        gone = f"{killed}: killed (pid {pid})"
-                    death = Death(gone, self.reports.pop(rank, None))
-                    message = f"{death.describe()}; its supervisor restarts it"
-                    self.restarts.down(rank, message, death)
-
-    # -- the supervisor's word (several API servers) -------------------------------------
+    # -- the supervisor's events (several API servers) ----------------------------------
 
     async def watch_supervisor(self, sock: zmq.Socket[Any]) -> None:
-        """`EnginesLost` from the supervisor (`cli/supervise.py`): engines of its whose
-        restart failed while others serve are lost here too (their requests resume on the
-        others); it says so again every half second, and one lost already is left as is."""
+        """Apply each event the supervisor publishes (`engine_events.apply`)."""
         drops = DropLog(logger)
         reader = zmq.asyncio.Socket.from_socket(sock)
         while True:
             payload = await reader.recv()
             try:
-                note = _decode_lost(payload)
-                states = self.restarts.states
-                if len(note.ranks) != len(note.causes) or any(
-                    not 0 <= rank < len(states) for rank in note.ranks
-                ):
-                    raise ValueError(f"ranks {note.ranks} of {len(states)} engines")
+                event = decode(payload)
             except Exception as e:  # (the supervisor is ours: a bug, or a stranger)
                 drops.drop("Dropped a malformed message of the supervisor: %s", e)
                 continue
-            for rank, cause in zip(note.ranks, note.causes, strict=True):
-                if self.restarts.states[rank] is not EngineState.LOST:
-                    death = Death(cause, self.reports.pop(rank, None))
-                    await self.restarts.lost([rank], death)
+            await apply(event, self.restarts, self.counts)
+            if isinstance(event, Known):
+                self.known.set()
 
-    async def report_lost(self, send: Callable[[EnginesLost], None]) -> None:
-        """(API server 0 of a supervisor.) Every half second, the engines lost here: the
-        supervisor answers an engine of another host that rejoins a rank only once that rank
-        is lost (`cli/supervised_desk.py`)."""
-        limit = MAX_ERROR_CHARS + MAX_LINE_CHARS
-        while True:
-            await asyncio.sleep(0.5)
-            states, deaths = self.restarts.states, self.restarts.last_death
-            ranks = [r for r, state in enumerate(states) if state is EngineState.LOST]
-            if ranks:
-                causes = [_cause_of(deaths[r])[:limit] for r in ranks]
-                send(EnginesLost(ranks, causes))
+    async def ask(self, client_index: int) -> None:
+        """Once at the start: what the supervisor knows (the engines lost before this API
+        server started: a restarted one). Asked again until answered (its first answer may
+        come before its PUB connects to us)."""
+        assert self.publish is not None
+        while not self.known.is_set():
+            self.publish(Ask(client_index))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.known.wait(), 1.0)
 
     # -- the stall watch ------------------------------------------------------------------
 
@@ -330,9 +293,9 @@ class EngineWatch:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
-            for rank, state in enumerate(restarts.states):
-                busy = state.serves and self.client.inflight.count(rank) > 0
-                restarts.stall(rank, now - restarts.last_progress[rank] if busy else None)
+            for slot in list(restarts.slots):
+                busy = slot.state.serves and self.client.inflight.count(slot.rank) > 0
+                restarts.stall(slot.rank, now - slot.last_progress if busy else None)
 
     # -- peers leaving a socket, and the ping that follows --------------------------------
 
@@ -358,7 +321,11 @@ class EngineWatch:
                 if silent and (left == 0 or self.mode is RestartMode.OFF):
                     self.client.fail(f"engine core(s) {silent} disconnected and do not answer")
                     return
-                if silent:  # the others serve on
+                if silent and self.publish is not None:  # the supervisor tells every API server
+                    for rank in silent:
+                        cause = f"EngineCore_DP{rank} does not answer; it is lost"
+                        self.publish(EngineLost(rank, cause, time=time.time()))
+                elif silent:  # the others serve on
                     await self.restarts.lost(silent)
             exits = await self._engine_exits()
             if silent:
@@ -388,7 +355,7 @@ class EngineWatch:
                         found.add(f"{child.describe()} exited: {describe_exit(code)}")
             else:
                 for rank in self.local_ranks:
-                    pid = self.client.engine_pids[rank]
+                    pid = self.restarts.slots[rank].pid
                     if pid and not running(process_of(pid)):
                         found.add(f"EngineCore_DP{rank} (pid {pid}) exited")
             if found or now > deadline:
@@ -405,11 +372,17 @@ class EngineWatch:
             return False
 
     async def _silent_engines(self) -> list[int]:
-        """The `unwatched` engines that serve and do not answer a call in time."""
+        """The `unwatched` engines that serve and do not answer a call in time (and that no
+        other report has lost meanwhile: the supervisor's, after another disconnect)."""
         states = self.restarts.states
         ranks = [e for e in self.unwatched if states[e].serves]
         replies = await asyncio.gather(*(self.answers(e) for e in ranks))
-        return [e for e, ok in zip(ranks, replies, strict=True) if not ok]
+        slots = self.restarts.slots
+        return [
+            e
+            for e, ok in zip(ranks, replies, strict=True)
+            if not ok and e < len(slots) and slots[e].state is not EngineState.LOST
+        ]
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:
@@ -439,7 +412,3 @@ def running(process: psutil.Process | None) -> bool:
         )
     except psutil.Error:
         return False
-
-
-def _cause_of(death: Death | None) -> str:
-    return death.cause if death is not None else "lost"

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from treadle.frontend.engine_state import EngineState
+from treadle.frontend.engine_state import ShownState
 from treadle.ipc.proc_info import host_name, parent_title, parse_title, process_info, treadle_tree
 from treadle.logger import init_logger
 from treadle.wire.topology import EngineReport, ProcessInfo, QueueInfo
@@ -36,14 +36,7 @@ logger = init_logger(__name__)
 REPORT_TIMEOUT_S = 3.0
 """An engine answers between two steps; one that takes longer is reported without details."""
 
-STATES = (
-    EngineState.STARTING,
-    EngineState.READY,
-    EngineState.STALLED,
-    EngineState.RESTARTING,
-    EngineState.LOST,
-    EngineState.DEAD,
-)
+STATES = tuple(ShownState)
 """What `/topology` shows of an engine and its processes."""
 
 
@@ -53,12 +46,17 @@ class Engines(Protocol):
     @property
     def client_index(self) -> int: ...
 
-    def shown_states(self) -> list[EngineState]:
+    def shown_states(self) -> list[ShownState]:
         """Per DP rank, one of STATES (never "starting": the engine's processes are)."""
         ...
 
     def last_deaths(self) -> list[dict[str, Any] | None]:
         """Per DP rank, its last death as JSON (`Death.to_json`), or None."""
+        ...
+
+    def event_counts(self) -> dict[str, int]:
+        """The supervisor's engine events this API server applied, by kind
+        (`engine_events.py`; none with one API server)."""
         ...
 
     async def topology_report(self, rank: int) -> Any:
@@ -78,9 +76,10 @@ class FrontEnd:
     host: str
     client_index: int
     local: list[ProcessInfo]  # this host's treadle processes (psutil)
-    engine_states: list[EngineState]  # per DP rank, one of STATES
+    engine_states: list[ShownState]  # per DP rank, one of STATES
     coordinator_front: str = ""  # the coordinator's XPUB that the API servers SUB to
     last_deaths: list[dict[str, Any] | None] = field(default_factory=list)  # per DP rank
+    events: dict[str, int] = field(default_factory=dict)  # the supervisor's, applied here
 
 
 def node_id(p: ProcessInfo) -> str:
@@ -88,13 +87,13 @@ def node_id(p: ProcessInfo) -> str:
 
 
 async def engine_reports(
-    engines: Engines, states: Sequence[EngineState]
+    engines: Engines, states: Sequence[ShownState]
 ) -> list[EngineReport | None]:
     """Every engine's `get_topology` answer (None for one that is down or does not answer
     within REPORT_TIMEOUT_S)."""
 
     async def one(rank: int) -> EngineReport | None:
-        if states[rank] in (EngineState.RESTARTING, EngineState.DEAD, EngineState.LOST):
+        if states[rank] in (ShownState.RESTARTING, ShownState.DEAD, ShownState.LOST):
             return None
         try:
             raw = await asyncio.wait_for(engines.topology_report(rank), REPORT_TIMEOUT_S)
@@ -130,6 +129,7 @@ async def front_end(engines: Engines) -> FrontEnd:
         engine_states=engines.shown_states(),
         coordinator_front=engines.coordinator_address(),
         last_deaths=engines.last_deaths(),
+        events=engines.event_counts(),
     )
 
 
@@ -142,11 +142,11 @@ async def collect(engines: Engines) -> dict[str, Any]:
 # -- assembling ------------------------------------------------------------------------------
 
 
-def _process_entry(p: ProcessInfo, state: EngineState) -> dict[str, Any]:
+def _process_entry(p: ProcessInfo, state: ShownState) -> dict[str, Any]:
     role, ranks = parse_title(p.title)
     entry: dict[str, Any] = {"id": node_id(p), "role": role, **msgspec.to_builtins(p)}
     entry.update(ranks)
-    entry["state"] = EngineState.DEAD if p.status in ("zombie", "dead") else state
+    entry["state"] = ShownState.DEAD if p.status in ("zombie", "dead") else state
     return entry
 
 
@@ -161,10 +161,10 @@ def build_topology(fe: FrontEnd, reports: Sequence[EngineReport | None]) -> dict
     processes = []
     for p in infos.values():
         role, ranks = parse_title(p.title)
-        state = EngineState.READY
+        state = ShownState.READY
         if role in ("EngineCore", "Worker"):
             state = (
-                EngineState.STARTING
+                ShownState.STARTING
             )  # until its engine is known: a new process, or one not answering
         processes.append(_process_entry(p, state))
     by_id = {e["id"]: e for e in processes}
@@ -182,22 +182,23 @@ def build_topology(fe: FrontEnd, reports: Sequence[EngineReport | None]) -> dict
     for rank, state in enumerate(fe.engine_states):
         report = reports[rank] if rank < len(reports) else None
         # "starting" stays for a process of an engine that is up but sent no report.
-        known = report is not None or state != EngineState.READY
+        known = report is not None or state != ShownState.READY
         for e in processes:
             ours = e.get("dp_rank") == rank and e["role"] in ("EngineCore", "Worker")
-            if ours and known and e["state"] != EngineState.DEAD:
+            if ours and known and e["state"] != ShownState.DEAD:
                 e["state"] = state
         entry = engine_entry(rank, state, report)
         if rank < len(fe.last_deaths) and fe.last_deaths[rank] is not None:
             entry["last_death"] = fe.last_deaths[rank]
         engines.append(entry)
     me = by_id.get(f"{fe.host}:{fe.pid}")
-    if me is not None and EngineState.DEAD in fe.engine_states:
-        me["state"] = EngineState.DEAD
+    if me is not None and ShownState.DEAD in fe.engine_states:
+        me["state"] = ShownState.DEAD
     processes.sort(key=_order)
     return {
         "time": time.time(),
         "served_by": {"host": fe.host, "pid": fe.pid, "api_server": fe.client_index},
+        "events": fe.events,
         "hosts": sorted({p["host"] for p in processes}),
         "processes": processes,
         "channels": _channels(fe, processes, reports),
@@ -214,11 +215,11 @@ def _order(e: dict[str, Any]) -> tuple[Any, ...]:
     return (e.get("dp_rank", -1), rank, e.get("tp_rank", -1), e.get("api_server", -1), e["pid"])
 
 
-def engine_entry(rank: int, state: EngineState, report: EngineReport | None) -> dict[str, Any]:
+def engine_entry(rank: int, state: ShownState, report: EngineReport | None) -> dict[str, Any]:
     entry: dict[str, Any] = {"dp_rank": rank, "state": state}
     if report is None:
         entry["error"] = (
-            "no report" if state == EngineState.READY else f"engine core {rank} is {state}"
+            "no report" if state == ShownState.READY else f"engine core {rank} is {state}"
         )
         return entry
     core = report.processes[0]

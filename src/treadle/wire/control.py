@@ -143,22 +143,6 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# The first frame of API server 0's `[LOST_ENGINES, EnginesLost]` to its supervisor: the
-# engines lost there (a death report is one frame).
-LOST_ENGINES: Final = b"LOST_ENGINES"
-
-
-class EnginesLost(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """The `treadle serve` supervisor -> each of its API servers (a PUB socket over ipc,
-    `cli/supervise.py`): its engine cores whose restart failed (or whose restarts are spent)
-    while other engines serve, each with why. Sent again every half second, so that an API
-    server that starts later (a restarted one) learns them too. The other way, API server 0
-    -> the supervisor (`LOST_ENGINES`): the engines lost there, every half second."""
-
-    ranks: list[int]
-    causes: list[Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS + MAX_LINE_CHARS)]]
-
-
 MAX_STARTUP_RANKS: Final = 4096  # (bounds `StartupPhases.phases`: far above any DP size)
 
 

@@ -46,7 +46,7 @@ from treadle.entrypoints.openai.api_key import add_key_check
 from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.entrypoints.openai.health import Health, add_health_routes, unavailable
 from treadle.frontend.async_llm import AsyncLLM
-from treadle.frontend.engine_state import EngineState
+from treadle.frontend.engine_state import ShownState
 from treadle.frontend.startup import StartupProgress
 from treadle.frontend.topology import collect
 from treadle.logger import init_logger
@@ -229,11 +229,14 @@ class _Starting:
     def __init__(self, num_engines: int) -> None:
         self.num_engines = num_engines
 
-    def shown_states(self) -> list[EngineState]:
-        return [EngineState.STARTING] * self.num_engines
+    def shown_states(self) -> list[ShownState]:
+        return [ShownState.STARTING] * self.num_engines
 
     def last_deaths(self) -> list[dict[str, Any] | None]:
         return [None] * self.num_engines
+
+    def event_counts(self) -> dict[str, int]:
+        return {}
 
     async def topology_report(self, rank: int) -> Any:
         raise RuntimeError(f"engine core {rank} is starting")
