@@ -4,6 +4,7 @@ wire. `treadle.validation` stands above it and checks a request against the mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -238,6 +239,44 @@ def check_structured_outputs(s: StructuredOutputsParams) -> None:
         raise InvalidRequest(
             f"structured_outputs.{kind}", f"is longer than {MAX_GRAMMAR_CHARS} characters"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams` (and transformers' `early_stopping`), for `LLM.beam_search`
+    (`frontend/beam_search.py`)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"BeamSearchParams.{name} must be an integer >= 1, not {value!r}")
+        if self.temperature != 0:
+            raise ValueError(
+                f"BeamSearchParams.temperature={self.temperature!r} cannot be honoured: beam "
+                "search ranks beams by the model's log-probabilities and samples nothing (give 0)"
+            )
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a number, not {lp!r}")
+        stop = self.early_stopping
+        if not (stop is True or stop is False or stop == "never"):
+            raise ValueError(
+                f'BeamSearchParams.early_stopping must be true, false or "never", not '
+                f"{self.early_stopping!r}"
+            )
+
+    @property
+    def num_logprobs(self) -> int:
+        """The logprobs each step asks for (transformers' and vLLM's 2 x beam width)."""
+        return 2 * self.beam_width
 
 
 # generation_config.json keys that are default sampling parameters (vLLM reads the same ones).

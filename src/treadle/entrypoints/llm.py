@@ -15,6 +15,12 @@ from treadle.config import model_source
 from treadle.engine_args import EngineArgs
 from treadle.entrypoints.openai.protocol import ImagePart, template_message
 from treadle.executor.multiproc import check_parallel_layout
+from treadle.frontend.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    eos_token_ids,
+    step_logprobs,
+)
 from treadle.frontend.images import ImageInputs
 from treadle.frontend.input_processor import InputProcessor, PreparedRequest, PromptType
 from treadle.frontend.media import MediaPolicy, load_image, to_rgb
@@ -28,7 +34,7 @@ from treadle.outputs import (
     RequestOutput,
     unit_vector,
 )
-from treadle.sampling_params import SamplingParams, generation_defaults
+from treadle.sampling_params import BeamSearchParams, SamplingParams, generation_defaults
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
 from treadle.wire.engine import LoRARequest, MultiModalInput, SchedulerStats
@@ -166,6 +172,59 @@ class LLM:
                     finished[out.request_id] = out
                     bar.update(1)
         return [finished[rid] for rid in ids]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's best `params.beam_width` sequences (prompt
+        and output ids, `text` their decoded whole, `cum_logprob`, the `score` that ranked
+        them), as transformers' `generate(num_beams=...)` finds them (`frontend/beam_search.py`:
+        one engine request per beam and step, the prompts' steps batched together)."""
+        max_logprobs = self.config.model.max_logprobs
+        if params.num_logprobs > max_logprobs:
+            raise ValueError(
+                f"beam_width {params.beam_width} asks {params.num_logprobs} logprobs a step; "
+                f"max_logprobs is {max_logprobs} (raise it, or narrow the beam)"
+            )
+        limit = self.engine.info.max_model_len
+        searches = []
+        for prompt in _as_list(prompts):
+            _, ids = self.input_processor.tokenize(prompt)
+            if len(ids) + params.max_tokens > limit:
+                raise ValueError(
+                    f"the prompt's {len(ids)} tokens and max_tokens {params.max_tokens} exceed "
+                    f"max_model_len {limit}"
+                )
+            searches.append(BeamSearch(ids, params, eos_token_ids(self.tokenizer)))
+        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=params.num_logprobs)
+        while True:
+            batch = [(search, ids) for search in searches for ids in search.pending()]
+            if not batch:
+                break
+            outs = self.generate(
+                [{"prompt_token_ids": ids} for _, ids in batch],
+                step,
+                use_tqdm=False,
+                lora_request=lora_request,
+            )
+            for search in searches:
+                tops = [
+                    step_logprobs(out)
+                    for (s, _), out in zip(batch, outs, strict=True)
+                    if s is search
+                ]
+                if tops:
+                    search.advance(tops)
+        results = []
+        for search in searches:
+            best = search.results()
+            for seq in best:
+                seq.text = self.tokenizer.decode(seq.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def embed(
         self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True

@@ -29,7 +29,7 @@ _NOT_GIVEN: Callable[[Any, AnyRequest], bool] = lambda v, _: v is None  # noqa: 
 _FALSE: Callable[[Any, AnyRequest], bool] = lambda v, _: v is None or v is False  # noqa: E731
 _EMPTY: Callable[[Any, AnyRequest], bool] = lambda v, _: v is None or v == [] or v == ""  # noqa: E731
 _REFUSED_BOTH: dict[str, _Refusal] = {
-    "use_beam_search": (_FALSE, "beam search is not supported"),
+    "use_beam_search": (_FALSE, "beam search is served on /v1/completions (and LLM.beam_search)"),
     "logits_processors": (_EMPTY, "custom logits processors are not supported"),
     "logprob_token_ids": (_EMPTY, "is not supported; use logprobs"),
 }

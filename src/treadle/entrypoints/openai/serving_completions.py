@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from fastapi import Request
 from fastapi.responses import Response
 
+from treadle.entrypoints.openai.beam_completions import beam_completion, wants_beam_search
 from treadle.entrypoints.openai.fim import FimBudget, fim_prompt, find_fim_tokens, literal_ids
 from treadle.entrypoints.openai.inputs import Prompt, Truncation
 from treadle.entrypoints.openai.logprobs import LogprobWriter, padded, prompt_logprobs_json
@@ -29,6 +29,9 @@ from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.prompt_embeds import placeholder_ids
 from treadle.validation import InvalidRequest, check_prompt
 
+if TYPE_CHECKING:
+    import torch
+
 
 class CompletionServing:
     def __init__(self, base: ServingBase):
@@ -36,6 +39,8 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         base = self.base
+        if wants_beam_search(req):
+            return await beam_completion(base, req, raw)
         lora = base.check_model(req.model)
         rank = base.dp_rank(raw)
         truncate = base.check_without_prompt(req)
