@@ -12,6 +12,9 @@ weights, and a bfloat16 copy halves them at a rounding far below the blocks' own
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import torch
 
 from treadle.model.linear_method import GGUFLinear
@@ -34,6 +37,23 @@ def slot_layers(model: LlamaForCausalLM) -> list[tuple[LoRALayer, list[int], boo
             assert linear.lora is not None, "enable_lora first"
             out.append((linear.lora, ends, isinstance(linear.method, GGUFLinear)))
     return out
+
+
+def give_back_freed_memory() -> None:
+    """Hand the memory freed back to the system (glibc's `malloc_trim`; elsewhere nothing):
+    an adapter's tensors come and go in pieces that glibc's arenas otherwise keep."""
+    global _trim
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL(None).malloc_trim
+            _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim: Any = None
 
 
 class LoRAManager:
@@ -70,7 +90,10 @@ class LoRAManager:
         if slot is not None:
             self.model.set_lora(slot, None)
             self._step = ()
-        return self.adapters.pop(lora_id, None) is not None
+        removed = self.adapters.pop(lora_id, None) is not None
+        if removed:
+            give_back_freed_memory()
+        return removed
 
     def ids(self) -> list[int]:
         return list(self.adapters)
