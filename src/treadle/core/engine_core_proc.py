@@ -107,9 +107,12 @@ def run_engine_core(
     name = f"EngineCore_DP{dp_rank}"
     set_process_name(name)
     shutdown = Shutdown()
+    running: list[EngineCoreProc] = []
 
     def on_signal(signum: int, frame: Any) -> None:
         shutdown.on_signal(signum, frame, logger)
+        if running:
+            running[0].wake()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, on_signal)
@@ -119,8 +122,10 @@ def run_engine_core(
     proc = EngineCoreProc(
         config, handshake_address, dp_rank, shutdown, shutdown_timeout, secret, tail
     )
+    running.append(proc)
     ready.send_ready()
     proc.run()
+    exit_now(0)  # a clean stop: the interpreter's teardown (torch's) would only cost seconds
 
 
 class EngineCoreProc:
@@ -293,6 +298,13 @@ class EngineCoreProc:
                 self._tell_coordinator()
             if not engine.has_unfinished_requests():
                 self._publish_idle_stats()
+
+    def wake(self) -> None:
+        """Cut the idle loop's wait for input short (up to `_POLL_MS`), so that a stop is seen
+        at once: an empty abort, put by a thread of its own (a signal handler runs in the
+        loop's thread, which may hold the queue's lock)."""
+        item: InputItem = (EngineCoreRequestType.ABORT, [])
+        threading.Thread(target=self.input_queue.put, args=(item,), daemon=True).start()
 
     def _tell_coordinator(self) -> None:
         out = self.waves.report(self.engine)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.config import EngineConfig
+from treadle.ipc.fast_exit import exit_now
 from treadle.ipc.process import ReadyPipe, at_parent_death, freeze_startup_heap, parent_gone
 from treadle.ipc.secure_store import SecureStore
 from treadle.ipc.shm_broadcast import (
@@ -117,6 +118,7 @@ def run_worker(
             link.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_now(0)  # STOP_WORKER: the interpreter's teardown (torch's) would only cost seconds
 
 
 def start_worker(
