@@ -90,8 +90,8 @@ async def beam_completion(base: ServingBase, req: CompletionRequest, raw: Reques
         )
     eos = eos_token_ids(base.tokenizer)
     searches = [BeamSearch(ids, params, eos) for _, ids in prompts]
-    work = _search(base, searches, params, base.dp_rank(raw))
-    return await base.until_done(raw, _body(base, req, prompts, searches, work))
+    work = _body(base, req, prompts, searches, params, base.dp_rank(raw))
+    return await base.until_done(raw, work)
 
 
 async def _search(
@@ -121,9 +121,10 @@ async def _body(
     req: CompletionRequest,
     prompts: list[Any],
     searches: list[BeamSearch],
-    work: Any,
+    params: BeamSearchParams,
+    rank: int | None,
 ) -> dict[str, Any]:
-    await work
+    await _search(base, searches, params, rank)
     choices = []
     completion_tokens = 0
     for i, ((_, prompt_ids), search) in enumerate(zip(prompts, searches, strict=True)):
