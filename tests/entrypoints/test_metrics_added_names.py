@@ -1,11 +1,12 @@
 """The vLLM metric names added for issue 42 (`prompt_tokens_by_source`, `prompt_tokens_cached`,
 `prompt_tokens_recomputed`, `request_prefill_kv_computed_tokens`, `mm_cache_queries`,
-`mm_cache_hits`) are served with vLLM's types and labels and move as vLLM's do; an embedding
-request counts its prompt as vLLM's pooling requests do."""
+`mm_cache_hits`, `lora_requests_info`) are served with vLLM's types and labels and move as
+vLLM's do; an embedding request counts its prompt as vLLM's pooling requests do."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,9 +31,13 @@ PROMPT = list(range(1000, 1033))  # 33 token ids: two whole blocks of 16 and one
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:  # type: ignore[no-untyped-def]
+def server(lora_base: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    from lora_helpers import make_adapter
+
+    adapter = make_adapter(lora_base, tmp_path_factory.mktemp("a") / "a1", 4, ["q_proj"], seed=1)
     srv = RemoteServer(
-        [str(tiny_model_factory("llama")), "--served-model-name", MODEL],
+        [str(lora_base), "--served-model-name", MODEL, "--enable-lora", "--max-loras", "2"]
+        + ["--lora-modules", f"a1={adapter}"],
         tmp_path_factory.mktemp("metrics-added"),
     )
     yield srv
@@ -116,6 +121,23 @@ def test_an_embedding_request_counts_its_prompt(server: RemoteServer) -> None:
     assert moved("e2e_request_latency_seconds", "_count") == 1
     assert moved("time_to_first_token_seconds", "_count") == 0  # no token: no first token
     assert moved("generation_tokens") == 0
+
+
+def test_lora_requests_info_names_the_adapters_in_flight(server: RemoteServer) -> None:
+    info = "lora_requests_info"
+    body = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+    resp = httpx.post(server.url + "/v1/completions", json={**body, "model": "a1"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    values = _values(server)
+    assert values[info][("type", ())] == 1  # a gauge
+    series = [dict(key) for sample, key in values[info] if sample != "type"]
+    assert all(
+        set(s) == {"max_lora", "waiting_lora_adapters", "running_lora_adapters"} for s in series
+    )
+    assert all(s["max_lora"] == "2" for s in series)
+    assert any(s["running_lora_adapters"] == "a1" for s in series), series  # while it ran
+    stamps = [v for (sample, _), v in values[info].items() if sample != "type"]
+    assert max(stamps) > 1.7e9  # vLLM's value: the time the combination was last seen
 
 
 def test_the_multimodal_cache_counters_follow_the_vision_encoder() -> None:

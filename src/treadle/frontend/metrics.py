@@ -205,6 +205,12 @@ def _definitions(max_model_len: int) -> dict[str, Any]:
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
         ),
+        lora_info=Gauge(
+            PREFIX + "lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            multiprocess_mode="mostrecent",
+        ),
         # treadle's own: engine cores restarted after a death (issue 14).
         restarts=counter("engine_restarts", "Engine core restarts after a death or a stall"),
         resumed=counter("requests_resumed", "Requests resumed on a restarted engine core"),
@@ -242,7 +248,9 @@ class StatLogger:
         max_model_len: int,
         engine: int = 0,
         count_engine_totals: bool = True,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: --max-loras with --enable-lora (vLLM's `lora_requests_info` then)."""
         m = _registry(max_model_len)
         self.engine = str(engine)
         self.count_engine_totals = count_engine_totals
@@ -251,7 +259,13 @@ class StatLogger:
             key: metric.labels(**labels)
             for key, metric in m.items()
             if key
-            not in ("success", "cache_info", "spec_accepted_per_pos", "prompt_tokens_by_source")
+            not in (
+                "success",
+                "cache_info",
+                "spec_accepted_per_pos",
+                "prompt_tokens_by_source",
+                "lora_info",
+            )
         }
         # vLLM's sources; nothing arrives over a KV connector here, so the last stays at 0.
         self.by_source = {
@@ -265,6 +279,8 @@ class StatLogger:
             str(r): m["success"].labels(**labels, finished_reason=str(r)) for r in FinishReason
         }
         self.cache_info = m["cache_info"]
+        self.lora_info = m["lora_info"]
+        self.max_loras = max_loras
         self._last = SchedulerStats()
 
     def record_cache_config(self, cache: CacheConfig, num_blocks: int) -> None:
@@ -326,6 +342,13 @@ class StatLogger:
 
     def record_iteration(self, it: IterationStats) -> None:
         m = self.m
+        if self.max_loras is not None and it.lora_running is not None:
+            # vLLM's: a series per combination of adapters, its value the time last seen.
+            self.lora_info.labels(
+                max_lora=str(self.max_loras),
+                waiting_lora_adapters=",".join(it.lora_waiting or ()),
+                running_lora_adapters=",".join(it.lora_running),
+            ).set_to_current_time()
         if it.num_tokens == 0 and not it.finished_requests:
             return
         if it.num_prompt_tokens:

@@ -50,6 +50,7 @@ class RequestStats:
     first_token_ts: float = 0.0  # engine clock
     last_token_ts: float = 0.0
     num_images: int = 0  # the prompt's (a vision-language model's)
+    lora: str | None = None  # the adapter's name
     prefilled: bool = False  # its prompt is read (a first token, or a pooling result)
     num_cached_tokens: int = 0  # of its prompt, from the prefix cache
 
@@ -116,6 +117,10 @@ class IterationStats:
     prompt_local_cache_hit: int = 0
     prompt_cached: int = 0
     prompt_recomputed: int = 0
+    # With adapters: those of this front end's requests that run (their prompt read) and that
+    # wait (not yet); None when no request ever named one.
+    lora_running: list[str] | None = None
+    lora_waiting: list[str] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +180,7 @@ class RequestStatsTable:
     def __init__(self) -> None:
         self._by_child: dict[str, RequestStats] = {}
         self._children: dict[str, list[str]] = {}
+        self._loras = False  # a request named an adapter
 
     def add(
         self,
@@ -184,12 +190,19 @@ class RequestStatsTable:
         num_prompt_tokens: int,
         max_tokens: int | None,
         num_images: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         n = len(child_ids)
         parent = ParentStats(n, n) if n > 1 else None
+        self._loras = self._loras or lora_name is not None
         for child_id in child_ids:
             self._by_child[child_id] = RequestStats(
-                arrival, num_prompt_tokens, max_tokens, parent, num_images=num_images
+                arrival,
+                num_prompt_tokens,
+                max_tokens,
+                parent,
+                num_images=num_images,
+                lora=lora_name,
             )
         self._children[request_id] = child_ids
 
@@ -218,6 +231,14 @@ class RequestStatsTable:
                 reason = out.finish_reason if out.finish_reason is not None else FinishReason.STOP
                 it.update_from_finished(stats, str(reason))
                 del self._by_child[out.request_id]
+        if self._loras:
+            running = {
+                s.lora for s in self._by_child.values() if s.lora is not None and s.prefilled
+            }
+            waiting = {
+                s.lora for s in self._by_child.values() if s.lora is not None and not s.prefilled
+            }
+            it.lora_running, it.lora_waiting = sorted(running), sorted(waiting)
         return it
 
 
