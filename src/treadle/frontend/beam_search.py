@@ -20,10 +20,9 @@ it also always runs `max_tokens` steps (it has no `early_stopping`). See docs/ap
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from treadle.sampling_params import BeamSearchParams
 
@@ -47,6 +46,12 @@ class BeamSearchOutput:
     """vLLM's: the best `beam_width` sequences, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+def _f32(x: float) -> float:
+    """`x` rounded to float32, as transformers' float32 tensors hold it (no numpy: the API
+    server does not import it for this)."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 def eos_token_ids(tokenizer: Any) -> set[int]:
@@ -91,8 +96,8 @@ class BeamSearch:
         candidates = []
         for beam, top in zip(self.running, tops, strict=True):
             for token, entry in top.items():
-                value = np.float32(getattr(entry, "logprob", entry))
-                candidates.append((np.float32(beam.cum_logprob) + value, beam, token, top))
+                value = _f32(getattr(entry, "logprob", entry))
+                candidates.append((_f32(beam.cum_logprob + value), beam, token, top))
         candidates.sort(key=lambda c: -c[0])
         candidates = candidates[: self.keep]
         length = self.generated + 1
@@ -109,7 +114,7 @@ class BeamSearch:
                 continue
             if rank >= width or not self.improvable or closed:
                 continue
-            new.score = float(np.float32(total) / np.float32(length**lp))
+            new.score = _f32(total / _f32(length**lp))
             new.finish_reason = "stop" if token in self.eos else "length"
             self.finished.append(new)
         self.finished.sort(key=lambda b: -b.score)
@@ -123,11 +128,11 @@ class BeamSearch:
                 else self.generated
             )
             best = (
-                np.float32(self.running[0].cum_logprob) / np.float32(best_len**lp)
+                _f32(self.running[0].cum_logprob / _f32(best_len**lp))
                 if (self.running)
-                else np.float32(-1e9)
+                else _f32(-1e9)
             )
-            self.improvable = self.improvable and bool(best > np.float32(self.finished[-1].score))
+            self.improvable = self.improvable and best > self.finished[-1].score
         full_stop = self.params.early_stopping is True and len(self.finished) == width
         self.done = not self.improvable or full_stop or not running
 
