@@ -2,7 +2,9 @@
 `--lora-modules name=path`, and adapters loaded while serving with
 `POST /v1/load_lora_adapter` when TREADLE_ALLOW_RUNTIME_LORA_UPDATING=1), each a
 `LoRARequest` whose id is derived from its name and directory, so that every API server and
-every engine core agrees on it without a word.
+every engine core agrees on it without a word. llama.cpp's `GET`/`POST /lora-adapters` and
+/completion's `"lora": [{"id", "scale"}]` reach the same adapters by their place in the list
+(a scale of 1 or 0: treadle applies one adapter whole, at its own lora_alpha).
 
 A directory given to the load endpoint must lie under a folder of `--lora-modules`' adapters
 (its real path: `..` and symlinks out are refused); the engine cores read and check it (rank,
@@ -67,6 +69,22 @@ def lora_id(name: str, path: str) -> int:
     return int.from_bytes(digest[:4], "little") % (2**31 - 1) + 1
 
 
+def llamacpp_flag_refusal(flag: str, path: str) -> str:
+    """The one line that refuses llama.cpp's `--lora FNAME` / `--lora-scaled FNAME SCALE`,
+    saying what to give treadle instead."""
+    kind = (
+        "a GGUF adapter (llama.cpp's format), which treadle does not read"
+        if path.endswith(".gguf") or os.path.isfile(path)
+        else "an adapter"
+    )
+    return (
+        f"{flag} {path}: {kind}; serve PEFT adapter directories (adapter_config.json + "
+        "adapter_model.safetensors) with --enable-lora --lora-modules NAME=DIR, then name one "
+        'per request ("model": NAME, or llama.cpp\'s "lora": [{"id", "scale"}]) or apply one '
+        "to /completion with POST /lora-adapters"
+    )
+
+
 def runtime_updates_allowed() -> bool:
     """TREADLE_ALLOW_RUNTIME_LORA_UPDATING=1 (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     return envs.allow_runtime_lora_updating()
@@ -87,6 +105,7 @@ class FrontendLoRAs:
         self.adapters: dict[str, LoRARequest] = {}
         self.parents: dict[str, str] = {}
         self.roots = tuple(sorted({os.path.dirname(os.path.realpath(m.path)) for m in modules}))
+        self.applied: str | None = None  # llama.cpp's endpoints' adapter (POST /lora-adapters)
         for module in modules:
             self._check_name(module.name)
             if not os.path.isdir(module.path):
@@ -154,7 +173,65 @@ class FrontendLoRAs:
             raise InvalidRequest("lora_name", f"no adapter named {name!r} is loaded")
         request = self.adapters.pop(name)
         self.parents.pop(name, None)
+        if self.applied == name:
+            self.applied = None
         await call("remove_lora", [request.lora_int_id])
+
+    # -- llama.cpp's /lora-adapters and /completion's "lora" -------------------------------
+
+    def llamacpp_list(self) -> list[dict[str, Any]]:
+        """`GET /lora-adapters`: each adapter as `{"id", "path", "scale"}` (ids: the order
+        /v1/models lists them in; scale 1 for the one applied to llama.cpp's endpoints)."""
+        return [
+            {"id": i, "path": r.lora_path, "scale": 1.0 if name == self.applied else 0.0}
+            for i, (name, r) in enumerate(self.adapters.items())
+        ]
+
+    def llamacpp_set(self, entries: object) -> None:
+        """`POST /lora-adapters` with `[{"id", "scale"}]`: the adapter that /completion and
+        /infill apply when a request names none (a listed adapter's scale, 0 unless given)."""
+        self.applied = self._chosen(entries, "body")
+
+    def llamacpp_request(self, model: str | None, entries: object) -> LoRARequest | None:
+        """The adapter of a llama.cpp request: its `lora` list, else its `model` if that
+        names an adapter, else the one `POST /lora-adapters` applied."""
+        named = self.resolve(model)
+        if entries is not None:
+            chosen = self._chosen(entries, "lora")
+            picked = None if chosen is None else self.adapters[chosen]
+            if named is not None and picked != named:
+                raise InvalidRequest("lora", f"names another adapter than model {model!r}")
+            return picked
+        if named is not None or self.applied is None:
+            return named
+        return self.adapters.get(self.applied)
+
+    def _chosen(self, entries: object, field: str) -> str | None:
+        """The one adapter of `[{"id", "scale"}]` with a scale (None: none has one)."""
+        if not isinstance(entries, list):
+            raise InvalidRequest(field, 'must be a list of {"id": ..., "scale": ...}')
+        names = list(self.adapters)
+        chosen: list[str] = []
+        for i, entry in enumerate(entries):
+            where = f"{field}[{i}]"
+            if not isinstance(entry, dict) or set(entry) - {"id", "scale"}:
+                raise InvalidRequest(where, 'must be {"id": ..., "scale": ...}')
+            lora_id, scale = entry.get("id"), entry.get("scale", 1.0)
+            if not isinstance(lora_id, int) or isinstance(lora_id, bool):
+                raise InvalidRequest(f"{where}.id", "must be an integer")
+            if not 0 <= lora_id < len(names):
+                raise InvalidRequest(f"{where}.id", f"no adapter {lora_id} (GET /lora-adapters)")
+            if scale not in (0, 1) or isinstance(scale, bool):
+                raise InvalidRequest(
+                    f"{where}.scale",
+                    f"{scale!r}: treadle applies an adapter whole (1) or not (0), at the "
+                    "lora_alpha its adapter_config.json gives",
+                )
+            if scale == 1:
+                chosen.append(names[lora_id])
+        if len(chosen) > 1:
+            raise InvalidRequest(field, "treadle applies one adapter to a request, not several")
+        return chosen[0] if chosen else None
 
     def _check_allowed(self) -> None:
         if not self.enabled:

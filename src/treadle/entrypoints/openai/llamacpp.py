@@ -10,6 +10,8 @@ field names:
 
 - `POST /completion` (and `/completions`) and `POST /infill`: llama.cpp's own generation
   endpoints (item 1), in `llamacpp_completion.py`.
+- `GET`/`POST /lora-adapters` (in `lora_routes.py`) and /completion's `"lora"`: the
+  `--lora-modules` adapters by their place in the list (`frontend/loras.py`).
 - `GET /slots` and `POST /slots/{id}?action=save|restore|erase` and `/prompt_cache/save|restore`: prompts' KV
   saved to files and restored (item 2), in `llamacpp_slots.py`.
 
@@ -38,7 +40,7 @@ from treadle.entrypoints.openai.tool_calls.plan import template_messages
 from treadle.frontend.input_processor import message_chars
 from treadle.validation import InvalidRequest
 
-KEYED_PATHS = ("/props", "/apply-template", "/completion", "/infill", *SLOT_PATHS)
+KEYED_PATHS = ("/props", "/apply-template", "/completion", "/infill", "/lora-adapters", *SLOT_PATHS)
 
 
 class ApplyTemplateRequest(BaseModel):

@@ -22,9 +22,12 @@ server-sent `data:` events (no `[DONE]`, as llama.cpp). What llama.cpp's fields 
 - `response_fields`: the response holds only these fields (`"timings/prompt_n"` style paths
   become keys), as llama.cpp.
 - `grammar` (GBNF) and `json_schema` constrain the output.
+- `lora: [{"id", "scale"}]`: the adapter of this request (`--lora-modules`' by their place in
+  `GET /lora-adapters`; scale 1 or 0, one adapter at most); `"model": "<adapter>"` too; else
+  the one `POST /lora-adapters` applied (`frontend/loras.py`).
 
 Fields llama.cpp has and treadle does not (mirostat, DRY, XTC, typical-p, top-n-sigma,
-`n_probs`, `logit_bias`, LoRA) are refused with a 400 unless they say "off"; other unknown
+`n_probs`, `logit_bias`) are refused with a 400 unless they say "off"; other unknown
 fields are ignored with a warning, as for the OpenAI endpoints.
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -67,7 +71,6 @@ _OFF_FIELDS: dict[str, Any] = {
     "top_n_sigma": -1.0,
     "n_probs": 0,
     "logit_bias": [],
-    "lora": [],
     "n_cmpl": 1,
 }
 
@@ -123,6 +126,7 @@ class LlamaCompletionServing:
     async def create(self, req: LlamaCompletionRequest, raw: Request, infill: bool) -> Response:
         base = self.base
         base.check_model(req.model)
+        lora = base.loras.llamacpp_request(req.model, (req.model_extra or {}).get("lora"))
         started = time.monotonic()
         _check_fields(req)
         self.slots.check(req.id_slot, auto=True)
@@ -133,12 +137,14 @@ class LlamaCompletionServing:
         prepare = base.engine.input_processor.prepare
         names = {"structured_outputs.grammar": "grammar", "structured_outputs.json": "json_schema"}
         try:
-            prepared = await base.inputs.run(len(ids), prepare, f"{rid}-0", None, ids, params)
+            prepared = await base.inputs.run(
+                len(ids), partial(prepare, lora_request=lora), f"{rid}-0", None, ids, params
+            )
         except InvalidRequest as e:
             raise e.renamed(names) from None
         rank = base.dp_rank(raw)
         slot = await self.slots.acquire(req.id_slot, ids, _slot_params(req, n_predict))
-        job = CompletionJob(req, ids, n_predict == 0, base.model_name, started, slot=slot)
+        job = CompletionJob(req, ids, n_predict == 0, base.shown_model(lora), started, slot=slot)
         try:
             outputs = base.run([prepared], rank)
             if req.stream:
@@ -251,7 +257,7 @@ def _check_fields(req: LlamaCompletionRequest) -> None:
     for name, off in _OFF_FIELDS.items():
         if name in extra and extra.pop(name) not in (off, None):
             raise InvalidRequest(name, "is not supported by treadle (leave it out or off)")
-    for name in ("repeat_last_n", "n_keep", "n_discard", "min_keep", "timings_per_token"):
+    for name in ("repeat_last_n", "n_keep", "n_discard", "min_keep", "timings_per_token", "lora"):
         extra.pop(name, None)  # (documented above) accepted: their effect is treadle's rule
     if extra:
         logger.warning("Ignored fields of a llama.cpp-style request: %s", ", ".join(sorted(extra)))

@@ -1,6 +1,8 @@
 """`POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (vLLM's, with
 TREADLE_ALLOW_RUNTIME_LORA_UPDATING=1 or vLLM's variable): adapters loaded and unloaded while
-serving (`frontend/loras.py` says what is checked)."""
+serving (`frontend/loras.py` says what is checked); and llama.cpp's `GET /lora-adapters`
+(`[{"id", "path", "scale"}]`) and `POST /lora-adapters` (`[{"id", "scale"}]`: the adapter its
+/completion and /infill apply to requests that name none)."""
 
 from __future__ import annotations
 
@@ -48,6 +50,25 @@ def add_lora_routes(app: FastAPI, serving: ServingBase, several: bool = False) -
                 "with several, a load would reach only the one that took this connection; "
                 "give the adapters with --lora-modules instead",
             )
+
+    @app.get("/lora-adapters")
+    async def list_lora_adapters() -> list[dict[str, Any]]:
+        return loras.llamacpp_list()
+
+    @app.post("/lora-adapters", responses=errors(400))
+    async def set_lora_adapters(raw: Request) -> list[dict[str, Any]]:
+        if several:
+            raise InvalidRequest(
+                "body",
+                "setting adapters' scales needs one API server (--api-server-count 1): with "
+                "several, it would reach only the one that took this connection",
+            )
+        try:
+            body = await raw.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(f"JSON decode error: {e}", 400, "BadRequestError") from e
+        loras.llamacpp_set(body)
+        return loras.llamacpp_list()
 
     @app.post("/v1/load_lora_adapter", response_class=Response, responses=ANSWERS)
     async def load_lora_adapter(raw: Request) -> Response:
