@@ -125,7 +125,7 @@ BAD: list[tuple[str, dict[str, Any] | str, str | None]] = [
     (CMPL, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     (CMPL, {"prompt": "hi", "best_of": 2}, "best_of"),
     (CMPL, {"prompt": "hi", "suffix": "x"}, "suffix"),
-    (CMPL, {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    (CHATS, {"messages": CHAT, "use_beam_search": True}, "use_beam_search"),
     (CMPL, {"prompt": "hi", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     (CMPL, {"prompt": "hi", "logits_processors": ["m.f"]}, "logits_processors"),
     (CHATS, {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),

@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from treadle import envs
-from treadle.config import EngineConfig, resolve_model
+from treadle.config import EngineConfig, model_source
 from treadle.core.engine_report import engine_report
 from treadle.core.engine_stats import PeriodicStats, StepMeter, kv_cache_lines
 from treadle.core.grammar_matchers import GrammarMatchers
@@ -404,7 +404,7 @@ def make_executor(
         if config.parallel.distributed_executor_backend == "ray":
             logger.info("One rank: the model runs in the engine core; Ray has nothing to place")
         return UniProcExecutor(config)
-    arch = read_arch(resolve_model(config.model.model))
+    arch = read_arch(model_source(config.model))
     parallel = config.parallel
     check_parallel_layout(arch, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     max_model_len = resolve_max_model_len(config.model.max_model_len, arch)

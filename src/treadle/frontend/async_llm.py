@@ -28,7 +28,7 @@ from treadle.frontend.request_stats import LatencyWindow, RequestStatsTable
 from treadle.frontend.startup import StartupProgress
 from treadle.ipc.zmq_utils import get_bound_address
 from treadle.logger import init_logger
-from treadle.model.loader import read_arch
+from treadle.model.arch_files import read_arch
 from treadle.outputs import RequestOutput
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
@@ -130,7 +130,11 @@ class AsyncLLM:
         # Engine-wide counters reach every API server; only the first one adds them up.
         self.stat_loggers = [
             StatLogger(
-                model_name, self.max_model_len, engine, count_engine_totals=client_index == 0
+                model_name,
+                self.max_model_len,
+                engine,
+                count_engine_totals=client_index == 0,
+                max_loras=config.lora.max_loras if config.lora else None,
             )
             for engine in range(self.client.num_engines)
         ]
@@ -184,6 +188,7 @@ class AsyncLLM:
             len(prompt_token_ids),
             params.max_tokens,
             len(request.children[0].mm_inputs or ()) if request.children else 0,
+            _lora_name(request),
         )
         self.output_processor.add_request(
             request_id, request.prompt, request.shown_prompt_token_ids, params
@@ -402,7 +407,11 @@ class AsyncLLM:
         del self.stat_loggers[n:]
         for engine in range(old, n):
             stat_logger = StatLogger(
-                self.model_name, self.max_model_len, engine, self.client_index == 0
+                self.model_name,
+                self.max_model_len,
+                engine,
+                self.client_index == 0,
+                self.config.lora.max_loras if self.config.lora else None,
             )
             stat_logger.record_cache_config(self.config.cache, self.client.info.num_blocks)
             self.stat_loggers.append(stat_logger)
@@ -426,3 +435,8 @@ def _raise_if_refused(out: RequestOutput) -> None:
     for comp in out.outputs:
         if comp.finish_reason == str(FinishReason.ERROR):
             raise InvalidRequest(None, f"the engine refused the request: {comp.stop_reason}")
+
+
+def _lora_name(request: PreparedRequest) -> str | None:
+    lora = request.children[0].lora_request if request.children else None
+    return None if lora is None else lora.lora_name

@@ -14,9 +14,9 @@ from treadle import envs
 from treadle.config import (
     EngineConfig,
     ModelSource,
+    model_source,
     pp_layer_partition,
     pp_layer_range,
-    resolve_model,
 )
 from treadle.logger import init_logger
 from treadle.model import cpu_kernels
@@ -157,7 +157,7 @@ def check_config(config: EngineConfig) -> None:
     if envs.cpu_kernels():
         cpu_kernels.select_isa()  # a bad TREADLE_CPU_ISA, or a level this CPU cannot run
     check_dtype_name(config.model.dtype)
-    arch = model_arch(resolve_model(config.model.model))
+    arch = model_arch(model_source(config.model))
     max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
     budget = config.cache.kv_cache_memory
     if budget is None:
@@ -199,7 +199,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = pick_device()
-        self.source = resolve_model(config.model.model)
+        self.source = model_source(config.model)
         self.arch = read_arch(self.source)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
