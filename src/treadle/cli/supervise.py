@@ -7,7 +7,7 @@ index and binds its own ROUTER/PULL pair, whose addresses come back on its ready
 the engines' handshake with all those addresses, then watches every child. Each API server
 serves HTTP from the start: until its engine client is built it answers as one API server
 does while its engine starts (`starting.py`), with the phases the handshake here sees
-(`_Notes`). Within one
+(`supervised_desk.Notes`). Within one
 --max-engine-restarts budget, a child that exits non-zero is restarted:
 
 - an engine core: every API server hears of its death (`EngineDied`, `engine_events.py`)
@@ -27,7 +27,7 @@ Any other death, or one past the budget, stops all of them and exits non-zero; S
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import multiprocessing
 import os
 import queue
@@ -40,11 +40,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 
 from treadle import envs
-from treadle.cli.supervised_desk import SupervisorDesk
+from treadle.cli.supervised_desk import Notes, SupervisorDesk
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
@@ -54,7 +53,6 @@ from treadle.frontend.engine_events import (
     EngineEvent,
     EngineLost,
     StallKill,
-    encode,
 )
 from treadle.frontend.engine_state import Death, death_cause, lost_cause, others_serve
 from treadle.frontend.launcher import EngineLauncher, front_end_host
@@ -71,9 +69,9 @@ from treadle.ipc.process import (
     start_process,
     wait_for_ready,
 )
-from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket, remove_ipc_files
+from treadle.ipc.zmq_utils import make_zmq_socket, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.wire.control import DeathReport, StartupPhases
+from treadle.wire.control import DeathReport
 
 logger = init_logger(__name__)
 
@@ -100,6 +98,7 @@ class _Stop:
     children (when restarts are on) a death queues a restart instead."""
 
     def __init__(self, restartable: Callable[[ChildProcess], bool] = lambda child: False) -> None:
+        self.announce: Callable[[ChildProcess], None] = lambda child: None  # said at once
         self.event = threading.Event()
         self.failure: str | None = None
         self.restartable = restartable
@@ -125,6 +124,7 @@ class _Stop:
         if self.event.is_set():
             return
         if child.exitcode != 0 and self.restartable(child):
+            self.announce(child)
             self.restarts.put(child)
             return
         if child.exitcode == 0:
@@ -165,6 +165,7 @@ class _Restarts:
         self.desk: SupervisorDesk | None = None  # the API servers' events; the handshake
         self.publish: Callable[[EngineEvent], None] = lambda event: None
         self.kills: dict[int, str] = {}  # engine rank -> why we killed its process
+        self._deaths: dict[int, concurrent.futures.Future[Death]] = {}  # as announced
 
     def restartable(self, child: ChildProcess) -> bool:
         launcher = self.launcher
@@ -179,12 +180,12 @@ class _Restarts:
         cause = f"{child.describe()} died: {describe_exit(child.exitcode)}"
         fail = self._fail
         rank = self._rank(child)
-        if rank is not None:  # every API server hears of it, in these words
-            report = self._report_of(rank, child.exitcode)
-            died = death_cause(child.name, child.exitcode, self.kills.pop(rank, None))
-            self.publish(EngineDied(rank, child.pid or 0, died, report, time.time()))
-            cause = Death(died, report).describe()
-            fail = lambda why: self._engine_failed(rank, why, report)  # noqa: E731
+        if rank is not None:  # as every API server heard it (`announce`)
+            if rank not in self._deaths:
+                self.announce(child)
+            death = self._deaths.pop(rank).result()
+            cause = death.describe()
+            fail = lambda why: self._engine_failed(rank, why, death.report)  # noqa: E731
         sequence = restart_child(
             child.name, cause, self.budget, lambda: self._start_again(child), fail
         )
@@ -214,6 +215,27 @@ class _Restarts:
         if self.desk is None:
             return None
         return self.desk.report_of(rank, REPORT_WAIT_S if exitcode == 1 else 0.0)
+
+    def announce(self, child: ChildProcess) -> None:
+        """(The process monitor's thread.) An engine core died: every API server hears of it
+        at once (`EngineDied`; for an exit 1 with its report, waited for in a thread), not
+        once the restart of another engine that died first is done."""
+        rank = self._rank(child)
+        if rank is None:
+            return
+        death: concurrent.futures.Future[Death] = concurrent.futures.Future()
+        self._deaths[rank] = death
+
+        def say() -> None:
+            try:
+                report = self._report_of(rank, child.exitcode)
+                died = death_cause(child.name, child.exitcode, self.kills.pop(rank, None))
+                self.publish(EngineDied(rank, child.pid or 0, died, report, time.time()))
+                death.set_result(Death(died, report))
+            except BaseException as e:  # (the restart raises it)
+                death.set_exception(e)
+
+        threading.Thread(target=say, name=f"death of engine {rank}", daemon=True).start()
 
     def stall_kill(self, event: StallKill) -> None:
         """(The desk's thread.) An API server saw engine `rank` stall: kill its process,
@@ -288,60 +310,6 @@ class _Restarts:
             ctx.term()
 
 
-class _Notes:
-    """The supervisor's word to its API servers (issue 25), on PUB sockets from one thread:
-    while the engines start, their phases (`StartupPhases`, to each API server's
-    `startup_address`, bound while its engine client is built) at each change and every half
-    second; then each engine event once, as it comes (`publish`, from any thread:
-    `engine_events.py`). Each API server binds its SUB on an ipc address of its own
-    (`addresses`, by client index; a restarted one binds the same) and the PUB connects to
-    every one: an API server removes its file as it exits, also when this process was killed
-    (its death pipe), and this process removes those of killed API servers."""
-
-    def __init__(self, count: int) -> None:
-        self.addresses = [get_open_zmq_ipc_path() for _ in range(count)]
-        self._thread: threading.Thread | None = None
-        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-
-    def publish(self, event: EngineEvent) -> None:
-        self._outbox.put(encode(event))
-
-    def start(self, progress: StartupProgress, stop: threading.Event) -> None:
-        self._thread = threading.Thread(
-            target=self._run, args=(progress, stop), name="supervisor-notes", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, progress: StartupProgress, stop: threading.Event) -> None:
-        ctx: zmq.Context[Any] = zmq.Context()
-        sock = make_zmq_socket(ctx, self.addresses[0], zmq.PUB, bind=False, linger=0)
-        starting = make_zmq_socket(
-            ctx, startup_address(self.addresses[0]), zmq.PUB, bind=False, linger=0
-        )
-        for address in self.addresses[1:]:
-            sock.connect(address)
-            starting.connect(startup_address(address))
-        try:
-            while not stop.is_set():
-                if not starting.closed:  # at each change, and every half second
-                    progress.changed.wait(0.5)
-                    progress.changed.clear()
-                    starting.send(msgspec.msgpack.encode(StartupPhases(list(progress.phases))))
-                    if progress.done:  # (the last one says every engine is ready)
-                        starting.close(linger=0)
-                    continue
-                with contextlib.suppress(queue.Empty):
-                    sock.send(self._outbox.get(timeout=0.2))
-        finally:
-            starting.close(linger=0)
-            sock.close(linger=0)
-            ctx.term()
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join(2.0)
-
-
 def _split(reports: list[list[str]]) -> tuple[list[str], list[str], list[bytes]]:
     """What the API servers reported on their ready pipes (`AttachTo`): each one's ROUTER and
     PULL addresses and engine key -> the handshake's inputs, outputs and keys."""
@@ -371,7 +339,7 @@ def run_api_servers(
     launcher: EngineLauncher | None = None
     api_servers: list[ChildProcess] = []
     addresses: list[list[str]] = []
-    notes = _Notes(count)
+    notes = Notes(count)
     progress = stop.progress = StartupProgress(config.parallel.data_parallel_size)
     desk: SupervisorDesk | None = None
     report_ctx: zmq.Context[Any] = zmq.Context()
@@ -394,6 +362,7 @@ def run_api_servers(
 
         restarts = _Restarts(config, launcher, stop, start_api_server)
         restarts.publish = notes.publish
+        stop.announce = restarts.announce
         notes.start(progress, stop.event)
         stop.restartable = restarts.restartable
         api_servers = restarts.api_servers  # the same list: a restart replaces its entry

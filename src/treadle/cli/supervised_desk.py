@@ -1,4 +1,6 @@
-"""The supervisor's sockets while serving (issue 25), read by one thread:
+"""The supervisor's sockets while serving (issue 25): its word to the API servers (`Notes`,
+one thread: the engines' start-up phases, then the engine events it publishes), and what it
+reads in one thread (`SupervisorDesk`):
 
 - every API server's engine events (`frontend/engine_events.py`): an engine's death report,
   which the supervisor's `EngineDied` and restart line quote (`report_of`); a stalled engine
@@ -22,11 +24,14 @@ With one API server, that server answers its handshake socket itself (`engine_re
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from treadle import envs
@@ -38,13 +43,16 @@ from treadle.frontend.engine_events import (
     Known,
     StallKill,
     decode,
+    encode,
 )
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
 from treadle.frontend.handshake import HandshakeDesk, Hello
+from treadle.frontend.startup import StartupProgress, startup_address
 from treadle.ipc.inbound import DropLog
 from treadle.ipc.process import ChildProcess
+from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket
 from treadle.logger import init_logger
-from treadle.wire.control import DeathReport
+from treadle.wire.control import DeathReport, StartupPhases
 
 logger = init_logger(__name__)
 
@@ -204,3 +212,57 @@ class SupervisorDesk:
                     f"engine rank {rank} is up and answers: stop it first, or give this one "
                     "another --data-parallel-start-rank",
                 )
+
+
+class Notes:
+    """The supervisor's word to its API servers (issue 25), on PUB sockets from one thread:
+    while the engines start, their phases (`StartupPhases`, to each API server's
+    `startup_address`, bound while its engine client is built) at each change and every half
+    second; then each engine event once, as it comes (`publish`, from any thread:
+    `engine_events.py`). Each API server binds its SUB on an ipc address of its own
+    (`addresses`, by client index; a restarted one binds the same) and the PUB connects to
+    every one: an API server removes its file as it exits, also when this process was killed
+    (its death pipe), and this process removes those of killed API servers."""
+
+    def __init__(self, count: int) -> None:
+        self.addresses = [get_open_zmq_ipc_path() for _ in range(count)]
+        self._thread: threading.Thread | None = None
+        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+
+    def publish(self, event: EngineEvent) -> None:
+        self._outbox.put(encode(event))
+
+    def start(self, progress: StartupProgress, stop: threading.Event) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=(progress, stop), name="supervisor-notes", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, progress: StartupProgress, stop: threading.Event) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = make_zmq_socket(ctx, self.addresses[0], zmq.PUB, bind=False, linger=0)
+        starting = make_zmq_socket(
+            ctx, startup_address(self.addresses[0]), zmq.PUB, bind=False, linger=0
+        )
+        for address in self.addresses[1:]:
+            sock.connect(address)
+            starting.connect(startup_address(address))
+        try:
+            while not stop.is_set():
+                if not starting.closed:  # at each change, and every half second
+                    progress.changed.wait(0.5)
+                    progress.changed.clear()
+                    starting.send(msgspec.msgpack.encode(StartupPhases(list(progress.phases))))
+                    if progress.done:  # (the last one says every engine is ready)
+                        starting.close(linger=0)
+                    continue
+                with contextlib.suppress(queue.Empty):
+                    sock.send(self._outbox.get(timeout=0.2))
+        finally:
+            starting.close(linger=0)
+            sock.close(linger=0)
+            ctx.term()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join(2.0)
