@@ -101,20 +101,22 @@ def test_lean_tokenizer_is_autotokenizers_and_gives_the_same_ids_and_texts(
 def test_start_checks_sizes_are_the_workers() -> None:
     import torch
 
-    from treadle.model.attention import _KV_STORAGE, INT8_SCALE_BYTES
+    from treadle.model import attention
     from treadle.worker import start_checks, worker
 
     assert start_checks.DTYPE_NAMES == worker.DTYPE_NAMES
-    assert start_checks.INT8_SCALE_BYTES == INT8_SCALE_BYTES
-    assert {k: v.itemsize for k, v in _KV_STORAGE.items()} == start_checks.KV_DTYPE_BYTES
+    assert start_checks.INT8_SCALE_BYTES == attention.INT8_SCALE_BYTES
+    assert {k: v.itemsize for k, v in attention._KV_STORAGE.items()} == start_checks.KV_DTYPE_BYTES
     assert {k: v.itemsize for k, v in worker._DTYPES.items()} == start_checks.DTYPE_BYTES
-    arch = start_checks.model_arch(resolve_model(None))
-    for kv in (*start_checks.KV_DTYPE_BYTES, "auto"):
-        name = start_checks.kv_cache_dtype_name(kv, "float32")
-        assert name == worker.resolve_kv_cache_dtype(kv, torch.float32)
-        assert start_checks.kv_bytes_per_block(arch, name, 16) == worker.kv_bytes_per_block(
-            arch, name, 16
-        )
+    for model_dtype in (torch.float32, torch.bfloat16):
+        name = str(model_dtype).removeprefix("torch.")
+        for kv in (*start_checks.KV_DTYPE_BYTES, "auto"):
+            resolved = start_checks.kv_cache_dtype_name(kv, name)
+            assert resolved == attention.resolve_kv_cache_dtype(kv, model_dtype)
+            for head_dim in (64, 128):
+                assert start_checks.kv_row_bytes(resolved, head_dim) == attention.kv_row_bytes(
+                    resolved, head_dim
+                )
     start_checks.torch_has_cuda.cache_clear()
     assert start_checks.torch_has_cuda() == torch.backends.cuda.is_built()
 
