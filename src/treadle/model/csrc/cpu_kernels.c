@@ -688,62 +688,88 @@ void silu_and_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out,
    the update is bound by those reads, not by its arithmetic. */
 #define LORA_COLS 64  /* the columns of B^T one work item updates */
 
-/* h[r, k] = x[r] . a_row for the rows `rs` (4 at a time: one read of a_row for 4 rows). */
-static inline void lora_shrink_row(const float* x, int64_t x_stride, const int64_t* rs,
-                                   int64_t n, const void* a_row, int bf16, int64_t in,
-                                   float* h, int64_t h_stride) {
+/* h[r, k] = x[r] . A[k] and h[r, k + 1] = x[r] . A[k + 1] (`pair`: else A[k] only) for the
+   rows `rs`, 4 at a time: each read of the two rows of A serves 8 products. */
+static inline void lora_shrink_rows(const float* x, int64_t x_stride, const int64_t* rs,
+                                    int64_t n, const void* a_row, int pair, int bf16,
+                                    int64_t in, float* h, int64_t h_stride) {
     const float* restrict a32 = (const float*)a_row;
     const uint16_t* restrict a16 = (const uint16_t*)a_row;
+    const int64_t next = pair ? in : 0;  /* (no pair: the same row twice, its sums dropped) */
     for (int64_t g = 0; g < n; g += 4) {
         const int64_t t = n - g < 4 ? n - g : 4;
         const float* restrict x0 = x + rs[g] * x_stride;
         const float* restrict x1 = x + rs[g + (t > 1)] * x_stride;
         const float* restrict x2 = x + rs[g + (t > 2) * 2] * x_stride;
         const float* restrict x3 = x + rs[g + (t > 3) * 3] * x_stride;
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f, u0 = 0.f, u1 = 0.f, u2 = 0.f, u3 = 0.f;
         if (bf16) {
-            #pragma omp simd reduction(+ : s0, s1, s2, s3)
+            #pragma omp simd reduction(+ : s0, s1, s2, s3, u0, u1, u2, u3)
             for (int64_t i = 0; i < in; i++) {
-                const float w = bf16_to_float(a16[i]);
+                const float w = bf16_to_float(a16[i]), z = bf16_to_float(a16[next + i]);
                 s0 += x0[i] * w; s1 += x1[i] * w; s2 += x2[i] * w; s3 += x3[i] * w;
+                u0 += x0[i] * z; u1 += x1[i] * z; u2 += x2[i] * z; u3 += x3[i] * z;
             }
         } else {
-            #pragma omp simd reduction(+ : s0, s1, s2, s3)
+            #pragma omp simd reduction(+ : s0, s1, s2, s3, u0, u1, u2, u3)
             for (int64_t i = 0; i < in; i++) {
-                const float w = a32[i];
+                const float w = a32[i], z = a32[next + i];
                 s0 += x0[i] * w; s1 += x1[i] * w; s2 += x2[i] * w; s3 += x3[i] * w;
+                u0 += x0[i] * z; u1 += x1[i] * z; u2 += x2[i] * z; u3 += x3[i] * z;
             }
         }
-        const float s[4] = {s0, s1, s2, s3};
-        for (int64_t u = 0; u < t; u++) h[rs[g + u] * h_stride] = s[u];
+        const float sk[4] = {s0, s1, s2, s3}, uk[4] = {u0, u1, u2, u3};
+        for (int64_t e = 0; e < t; e++) {
+            h[rs[g + e] * h_stride] = sk[e];
+            if (pair) h[rs[g + e] * h_stride + 1] = uk[e];
+        }
     }
 }
 
 /* out[r, p:q] += h[r, 0:rank] B for the rows `rs`, with B's row j at b + j * b_stride
-   (columns p:q of it at b[p - c0 .. q - c0)), 4 rows of B per pass over out. */
+   (columns p:q of it at b[p - c0 .. q - c0)): two rows of out at a time, 4 rows of B per
+   pass over them (each read of B serves 8 products). */
 static inline void lora_expand_rows(const float* h, int64_t h_stride, const int64_t* rs,
                                     int64_t n, const float* b, int64_t b_stride, int64_t rank,
                                     int64_t p, int64_t q, int64_t c0, float* out,
                                     int64_t out_stride) {
-    for (int64_t u = 0; u < n; u++) {
+    for (int64_t u = 0; u < n; u += 2) {
+        const int64_t v = u + 1 < n ? u + 1 : u;  /* (an odd last row pairs with itself) */
         const float* hr = h + rs[u] * h_stride;
+        const float* hs = h + rs[v] * h_stride;
         float* restrict o = out + rs[u] * out_stride;
+        float* restrict o2 = out + rs[v] * out_stride;
+        const int pair = v != u;
         int64_t j = 0;
         for (; j + 4 <= rank; j += 4) {
             const float h0 = hr[j], h1 = hr[j + 1], h2 = hr[j + 2], h3 = hr[j + 3];
+            const float g0 = hs[j] * pair, g1 = hs[j + 1] * pair, g2 = hs[j + 2] * pair,
+                        g3 = hs[j + 3] * pair;
             const float* restrict b0 = b + j * b_stride - c0;
             const float* restrict b1 = b0 + b_stride;
             const float* restrict b2 = b1 + b_stride;
             const float* restrict b3 = b2 + b_stride;
-            #pragma omp simd
-            for (int64_t c = p; c < q; c++)
-                o[c] += h0 * b0[c] + h1 * b1[c] + h2 * b2[c] + h3 * b3[c];
+            if (pair) {
+                #pragma omp simd
+                for (int64_t c = p; c < q; c++) {
+                    o[c] += h0 * b0[c] + h1 * b1[c] + h2 * b2[c] + h3 * b3[c];
+                    o2[c] += g0 * b0[c] + g1 * b1[c] + g2 * b2[c] + g3 * b3[c];
+                }
+            } else {
+                #pragma omp simd
+                for (int64_t c = p; c < q; c++)
+                    o[c] += h0 * b0[c] + h1 * b1[c] + h2 * b2[c] + h3 * b3[c];
+            }
         }
         for (; j < rank; j++) {
-            const float hj = hr[j];
+            const float hj = hr[j], gj = hs[j];
             const float* restrict bj = b + j * b_stride - c0;
             #pragma omp simd
             for (int64_t c = p; c < q; c++) o[c] += hj * bj[c];
+            if (pair) {
+                #pragma omp simd
+                for (int64_t c = p; c < q; c++) o2[c] += gj * bj[c];
+            }
         }
     }
 }
@@ -783,12 +809,13 @@ void lora_apply_sharded(const float* x, int64_t x_stride, int64_t rows, const in
     const int64_t work = (rows * w * in + rows * rank * n_out) / 4;
     #pragma omp parallel num_threads(num_threads) if (work >= PARALLEL_MIN_FLOATS)
     {
+        const int64_t pairs = (w + 1) / 2;  /* rows of A two at a time */
         #pragma omp for schedule(static)
-        for (int64_t item = 0; item < used * w; item++) {
-            const int64_t s = slots_used[item / w], k = item % w;
+        for (int64_t item = 0; item < used * pairs; item++) {
+            const int64_t s = slots_used[item / pairs], k = (item % pairs) * 2;
             const char* a_row = (const char*)a + ((size_t)(s * w + k) * (size_t)in) * wsize;
-            lora_shrink_row(x, x_stride, order + start[s], start[s + 1] - start[s], a_row, bf16,
-                            in, h + k, w);
+            lora_shrink_rows(x, x_stride, order + start[s], start[s + 1] - start[s], a_row,
+                             k + 1 < w, bf16, in, h + k, w);
         }
         float* scratch = bf16 ? (float*)malloc(sizeof(float) * (size_t)(rank * LORA_COLS)) : NULL;
         #pragma omp for schedule(static)
