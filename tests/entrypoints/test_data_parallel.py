@@ -19,6 +19,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from test_engine_events_served import both_views, engines_of
 
 from serve_helpers import (
     TREADLE,
@@ -394,6 +395,10 @@ def test_a_headless_engine_started_again_rejoins_its_rank(
         assert sum(int(n) for n in moved) >= 1, front.output()[-3000:]
         assert engine_successes(front).get("0", 0.0) - before == len(PROMPTS)  # all finished on 0
         _wait_for_states(front, ["ready", "lost"], 60)
+        if api_servers == 2:  # one event (whoever found it silent) that both applied, alike
+            views = both_views(front, lambda doc: doc["engines"][1]["state"] == "lost")
+            assert [v["events"] for v in views.values()] == [{"lost": 1}] * 2
+            assert engines_of(views[0]) == engines_of(views[1])
         assert httpx.get(front.url + "/health", timeout=10).status_code == 200
         ready = httpx.get(front.url + "/health/ready", timeout=10)
         assert ready.status_code == 503 and "lost" in ready.text

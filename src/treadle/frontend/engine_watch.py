@@ -244,7 +244,7 @@ class EngineWatch:
     async def on_new_launch(self, rank: int, pid: int) -> None:
         """A new launch of engine `rank` said hello: ours (a restart waits for it), one of
         another host that rejoins its lost rank (`engine_rejoin.py` took its handshake), or
-        the supervisor's, which replaced a process that died (seen by the pid watch, or not
+        the supervisor's, which replaced a process that died (its `EngineDied` applied, or not
         yet)."""
         if rank < len(self.restarts.slots):  # (not one that `POST /scale` adds: no slot yet)
             self.restarts.new_launch(rank, pid)
