@@ -43,7 +43,9 @@ class _Layer(ctypes.Structure):  # decode_layer
         ("qkv_lora_a", _p), ("qkv_lora_b", _p), ("o_lora_a", _p), ("o_lora_b", _p),
         ("gate_up_lora_a", _p), ("gate_up_lora_b", _p), ("down_lora_a", _p),
         ("down_lora_b", _p), ("qkv_lora_ends", _p), ("o_lora_ends", _p),
-        ("gate_up_lora_ends", _p), ("down_lora_ends", _p), ("qkv_lora_rank", _i64),
+        ("gate_up_lora_ends", _p), ("down_lora_ends", _p), ("qkv_lora_as", _p),
+        ("o_lora_as", _p), ("gate_up_lora_as", _p), ("down_lora_as", _p), ("qkv_lora_bs", _p),
+        ("o_lora_bs", _p), ("gate_up_lora_bs", _p), ("down_lora_bs", _p), ("qkv_lora_rank", _i64),
         ("o_lora_rank", _i64), ("gate_up_lora_rank", _i64), ("down_lora_rank", _i64),
         ("qkv_lora_shards", _i64), ("o_lora_shards", _i64), ("gate_up_lora_shards", _i64),
         ("down_lora_shards", _i64),
@@ -55,7 +57,7 @@ class _Model(ctypes.Structure):  # decode_model
         ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("num_layers", _i64), ("num_blocks", _i64),
         ("block_size", _i64), ("eps", _f), ("scale", _f), ("final_norm", _p),
-        ("int8_activations", _i32), ("kv_type", _i32), ("lora_slot", _p), ("lora_bf16", _i32),
+        ("int8_activations", _i32), ("kv_type", _i32), ("lora_slot", _p), ("lora_wtype", _i32),
     ]  # fmt: skip
 
 
@@ -97,7 +99,7 @@ class FusedDecoder:
             return self._layers
         m = self._model
         layers = (_Layer * m.num_layers)()
-        lora_bf16 = False
+        lora_wtype = 0
         for spec, layer, (k_cache, v_cache) in zip(
             layers, m.decoder_layers(), kv_caches, strict=True
         ):
@@ -119,9 +121,11 @@ class FusedDecoder:
                     setattr(spec, f"{name}_lora_a", lora.a.data_ptr())
                     setattr(spec, f"{name}_lora_b", lora.b.data_ptr())
                     setattr(spec, f"{name}_lora_ends", lora.ends.data_ptr())
+                    setattr(spec, f"{name}_lora_as", lora.a_scale.data_ptr())
+                    setattr(spec, f"{name}_lora_bs", lora.b_scale.data_ptr())
                     setattr(spec, f"{name}_lora_rank", lora.rank)
                     setattr(spec, f"{name}_lora_shards", lora.shards)
-                    lora_bf16 = lora.dtype == torch.bfloat16
+                    lora_wtype = lora.wtype
                     self._lora_bound = True
             bias = attn.qkv_proj.bias
             spec.qkv_bias = bias.data_ptr() if bias is not None else None
@@ -142,7 +146,7 @@ class FusedDecoder:
             final_norm=m.model.norm.weight.data_ptr(),
             int8_activations={"int8": 1, "int8x2": 2}.get(self.kernels.activations, 0),
             kv_type=kv_type(k_cache),
-            lora_bf16=int(lora_bf16),
+            lora_wtype=lora_wtype,
         )
         self._layers, self._bound_to = layers, kv_caches
         return layers

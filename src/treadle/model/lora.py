@@ -176,6 +176,8 @@ class SlotWeights:
 
 COLUMNS = 64
 """The columns of B^T in one tile of the C kernel's layout (`lora_apply_sharded`)."""
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+"""The slots' dtypes the C kernel reads (its LORA_F32, LORA_BF16, LORA_I8)."""
 
 
 class LoRABatch:
@@ -229,7 +231,7 @@ def _bind_apply(kernels: Kernels) -> Any:
     once: ctypes hands back its handle)."""
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn = ctypes.CDLL(str(kernels.path)).lora_apply_sharded
-    fn.argtypes = [p, i64, i64, p, p, p, c_int, c_int, i64, i64, i64, p, i64, p, i64, c_int]
+    fn.argtypes = [p, i64, i64, p, p, p, c_int, c_int, p, p, i64, i64, i64, p, i64, p, i64, c_int]
     fn.restype = None
     return fn
 
@@ -260,17 +262,24 @@ class LoRALayer:
         self.dtype, self.device = dtype, device
         self.rank, self.ends = width, torch.tensor([out_features], dtype=torch.long)
         self.a = self.b = torch.empty(0, dtype=dtype)
+        self.a_scale = self.b_scale = torch.empty(0)  # int8 slots: each row's scale
 
     @property
     def shards(self) -> int:
         return self.ends.shape[0]
 
     @property
+    def wtype(self) -> int:
+        return WEIGHT_TYPES[self.dtype]
+
+    @property
     def tiled(self) -> bool:
         return self.batch.apply is not None and self.device.type == "cpu"
 
     def allocate(self, ends: list[int], dtype: torch.dtype | None = None) -> None:
-        """Make the slots: `ends`, where each packed shard's outputs end on this rank."""
+        """Make the slots: `ends`, where each packed shard's outputs end on this rank; int8
+        slots (the C kernels only) keep a float32 scale per row of A and per row of each
+        tile of B^T."""
         if ends[-1] != self.out_features or self.width % len(ends):
             raise ValueError(f"shards ending at {ends} for {self.out_features} outputs")
         self.dtype = dtype or self.dtype
@@ -278,9 +287,13 @@ class LoRALayer:
         self.rank = self.width // len(ends)
         slots, dtype, device = self.batch.num_slots, self.dtype, self.device
         self.a = torch.zeros(slots, self.width, self.in_features, dtype=dtype, device=device)
+        if self.dtype == torch.int8 and not self.tiled:
+            raise ValueError("int8 LoRA slots are for the C kernels")
         if self.tiled:
             tiles = -(-self.out_features // COLUMNS)
             self.b = torch.zeros(slots, tiles, self.rank, COLUMNS, dtype=dtype, device=device)
+            self.a_scale = torch.zeros(slots, self.width)
+            self.b_scale = torch.zeros(slots, tiles, self.rank)
         else:
             self.b = torch.zeros(slots, self.rank, self.out_features, dtype=dtype, device=device)
 
@@ -292,6 +305,7 @@ class LoRALayer:
         self.b[slot].zero_()
         if weights is None:
             return
+        a_full = torch.zeros(self.width, self.in_features)
         if torch.tensor(weights.ends).tolist() != self.ends.tolist():
             raise LoRAError(f"an adapter share for shards ending at {weights.ends}")
         b_t = torch.zeros(self.rank, self.out_features, dtype=torch.float32)
@@ -299,15 +313,21 @@ class LoRALayer:
             r = a.shape[0]
             if r > self.rank:
                 raise LoRAError(f"an adapter share of rank {r} over the slot's {self.rank}")
-            self.a[slot, shard * self.rank : shard * self.rank + r] = a
+            a_full[shard * self.rank : shard * self.rank + r] = a
             col = weights.ends[shard - 1] if shard else 0
             b_t[:r, col : col + b.shape[0]] = b.float().t() * weights.scale
         if self.tiled:
             tiles = self.b.shape[1]
             padded = torch.zeros(self.rank, tiles * COLUMNS)
             padded[:, : self.out_features] = b_t
-            self.b[slot] = padded.view(self.rank, tiles, COLUMNS).transpose(0, 1)
+            b_tiles = padded.view(self.rank, tiles, COLUMNS).transpose(0, 1)
+            if self.dtype == torch.int8:
+                a_full, self.a_scale[slot] = _int8_rows(a_full)
+                b_tiles, self.b_scale[slot] = _int8_rows(b_tiles)
+            self.a[slot] = a_full
+            self.b[slot] = b_tiles
         else:
+            self.a[slot] = a_full
             self.b[slot] = b_t
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -318,8 +338,8 @@ class LoRALayer:
             target = out if out.stride(1) == 1 else torch.zeros(out.shape, dtype=out.dtype)
             batch.apply(
                 x.data_ptr(), x.stride(0), x.shape[0], batch.slot_of_row.data_ptr(),
-                self.a.data_ptr(), self.b.data_ptr(), int(self.dtype == torch.bfloat16), 1,
-                self.in_features, self.rank, self.shards, self.ends.data_ptr(),
+                self.a.data_ptr(), self.b.data_ptr(), self.wtype, 1, self.a_scale.data_ptr(),
+                self.b_scale.data_ptr(), self.in_features, self.rank, self.shards, self.ends.data_ptr(),
                 self.out_features, target.data_ptr(), target.stride(0), torch.get_num_threads(),
             )  # fmt: skip
             if target is not out:  # (never so far: the layers' outputs are their own tensors)
@@ -337,6 +357,13 @@ class LoRALayer:
             first = end
         y = y.view(-1, self.out_features)
         out.index_add_(0, batch.dest, y.index_select(0, batch.places).to(out.dtype))
+
+
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `x` (its last dimension) as int8 with its scale (max |x| / 127)."""
+    scale = x.abs().amax(dim=-1) / 127.0
+    q = torch.round(x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1))
+    return q.clamp(-127, 127).to(torch.int8), scale
 
 
 def column_share(

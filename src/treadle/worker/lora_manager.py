@@ -6,9 +6,10 @@ Adapters arrive by `LoRARequest` (name, id, PEFT directory): through `add` (the 
 asks every rank once, before a request that names it runs) or, failing that, with the first
 request that names it. Ids are the server's, unique per adapter.
 
-The slots hold float32 weights, or bfloat16 where every linear layer runs on GGUF blocks (a
-quantized model on the C kernels): there a step's update is bound by reading the slots'
-weights, and a bfloat16 copy halves them at a rounding far below the blocks' own."""
+The slots hold float32 weights, or int8 ones (a scale per row) where every linear layer runs
+on GGUF blocks (a quantized model on the C kernels): there a step's update is bound by
+reading the slots' weights, and int8 quarters them at a rounding (1/254 of a row's largest
+weight) far below the blocks' own."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class LoRAManager:
         self.batch = model.enable_lora(max_loras, max_rank)
         layers = slot_layers(model)
         on_blocks = self.batch.kernels is not None and all(gguf for _, _, gguf in layers)
-        self.weight_dtype = torch.bfloat16 if on_blocks else None
+        self.weight_dtype = torch.int8 if on_blocks else None
         for lora, ends, _ in layers:
             lora.allocate(ends, self.weight_dtype)
         self.max_loras, self.max_rank = max_loras, max_rank

@@ -678,8 +678,10 @@ void silu_and_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out,
 }
 
 /* LoRA updates of a step's rows (model/lora.py). Slot s of a layer holds its adapter's
-   A [shards * rank, in] (shard k's rows from k * rank) and B^T [rank, n_out] (scaled), float32
-   or bfloat16 (`bf16`); a packed layer's outputs are its shards' columns side by side (shard k
+   A [shards * rank, in] (shard k's rows from k * rank) and B^T [rank, n_out] (scaled), float32,
+   bfloat16 or int8 (`wtype` LORA_F32, _BF16, _I8: int8 rows with a float scale each, A's per
+   row in a_scale [slots, shards * rank], B^T's per tiled block's row in b_scale [slots, blocks,
+   rank]); a packed layer's outputs are its shards' columns side by side (shard k
    ends at column shard_end[k]), and each column takes its own shard's rank rows only (B of a
    packed layer is block-diagonal: only those blocks are kept). Row r with slot[r] >= 0 gets
    out[r, c] += sum_j (x[r] . A[s, k rank + j]) B^T[s, j, c], c in shard k; a row of the base
@@ -687,14 +689,17 @@ void silu_and_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out,
    are read from memory once a step, however many rows use them: at a decode step's few rows
    the update is bound by those reads, not by its arithmetic. */
 #define LORA_COLS 64  /* the columns of B^T one work item updates */
+enum { LORA_F32 = 0, LORA_BF16 = 1, LORA_I8 = 2 };
 
 /* h[r, k] = x[r] . A[k] and h[r, k + 1] = x[r] . A[k + 1] (`pair`: else A[k] only) for the
    rows `rs`, 4 at a time: each read of the two rows of A serves 8 products. */
 static inline void lora_shrink_rows(const float* x, int64_t x_stride, const int64_t* rs,
-                                    int64_t n, const void* a_row, int pair, int bf16,
-                                    int64_t in, float* h, int64_t h_stride) {
+                                    int64_t n, const void* a_row, int pair, int wtype,
+                                    const float* a_scale, int64_t in, float* h,
+                                    int64_t h_stride) {
     const float* restrict a32 = (const float*)a_row;
     const uint16_t* restrict a16 = (const uint16_t*)a_row;
+    const int8_t* restrict a8 = (const int8_t*)a_row;
     const int64_t next = pair ? in : 0;  /* (no pair: the same row twice, its sums dropped) */
     for (int64_t g = 0; g < n; g += 4) {
         const int64_t t = n - g < 4 ? n - g : 4;
@@ -703,7 +708,16 @@ static inline void lora_shrink_rows(const float* x, int64_t x_stride, const int6
         const float* restrict x2 = x + rs[g + (t > 2) * 2] * x_stride;
         const float* restrict x3 = x + rs[g + (t > 3) * 3] * x_stride;
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f, u0 = 0.f, u1 = 0.f, u2 = 0.f, u3 = 0.f;
-        if (bf16) {
+        if (wtype == LORA_I8) {
+            #pragma omp simd reduction(+ : s0, s1, s2, s3, u0, u1, u2, u3)
+            for (int64_t i = 0; i < in; i++) {
+                const float w = (float)a8[i], z = (float)a8[next + i];
+                s0 += x0[i] * w; s1 += x1[i] * w; s2 += x2[i] * w; s3 += x3[i] * w;
+                u0 += x0[i] * z; u1 += x1[i] * z; u2 += x2[i] * z; u3 += x3[i] * z;
+            }
+            const float sa = a_scale[0], sz = a_scale[pair ? 1 : 0];
+            s0 *= sa; s1 *= sa; s2 *= sa; s3 *= sa; u0 *= sz; u1 *= sz; u2 *= sz; u3 *= sz;
+        } else if (wtype == LORA_BF16) {
             #pragma omp simd reduction(+ : s0, s1, s2, s3, u0, u1, u2, u3)
             for (int64_t i = 0; i < in; i++) {
                 const float w = bf16_to_float(a16[i]), z = bf16_to_float(a16[next + i]);
@@ -775,11 +789,13 @@ static inline void lora_expand_rows(const float* h, int64_t h_stride, const int6
 }
 
 void lora_apply_sharded(const float* x, int64_t x_stride, int64_t rows, const int64_t* slot,
-                        const void* a, const void* b_t, int bf16, int tiled, int64_t in,
-                        int64_t rank, int64_t shards, const int64_t* shard_end, int64_t n_out,
-                        float* out, int64_t out_stride, int num_threads) {
+                        const void* a, const void* b_t, int wtype, int tiled,
+                        const float* a_scale, const float* b_scale, int64_t in, int64_t rank,
+                        int64_t shards, const int64_t* shard_end, int64_t n_out, float* out,
+                        int64_t out_stride, int num_threads) {
     const int64_t w = shards * rank;
-    const size_t wsize = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t wsize = wtype == LORA_I8 ? 1 : wtype == LORA_BF16 ? 2 : sizeof(float);
+    if (wtype == LORA_I8 && (!tiled || a_scale == NULL || b_scale == NULL)) return;
     int64_t num_slots = 0, used = 0;
     for (int64_t r = 0; r < rows; r++)
         if (slot[r] >= num_slots) num_slots = slot[r] + 1;
@@ -815,9 +831,10 @@ void lora_apply_sharded(const float* x, int64_t x_stride, int64_t rows, const in
             const int64_t s = slots_used[item / pairs], k = (item % pairs) * 2;
             const char* a_row = (const char*)a + ((size_t)(s * w + k) * (size_t)in) * wsize;
             lora_shrink_rows(x, x_stride, order + start[s], start[s + 1] - start[s], a_row,
-                             k + 1 < w, bf16, in, h + k, w);
+                             k + 1 < w, wtype, a_scale + s * w + k, in, h + k, w);
         }
-        float* scratch = bf16 ? (float*)malloc(sizeof(float) * (size_t)(rank * LORA_COLS)) : NULL;
+        float* scratch = wtype != LORA_F32
+                             ? (float*)malloc(sizeof(float) * (size_t)(rank * LORA_COLS)) : NULL;
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < used * blocks; item++) {
             const int64_t s = slots_used[item / blocks];
@@ -830,13 +847,23 @@ void lora_apply_sharded(const float* x, int64_t x_stride, int64_t rows, const in
             const int64_t stride = tiled ? LORA_COLS : n_out;
             const float* bb = (const float*)b_t + first;
             int64_t b_stride = stride;
-            if (bf16) {
+            if (wtype != LORA_F32) {  /* the block as float32 */
                 if (scratch == NULL) continue;
                 const uint16_t* src = (const uint16_t*)b_t + first;
+                const int8_t* src8 = (const int8_t*)b_t + first;
+                const float* scale = b_scale + (s * blocks + item % blocks) * rank;
                 for (int64_t j = 0; j < rank; j++) {
-                    #pragma omp simd
-                    for (int64_t c = 0; c < c1 - c0; c++)
-                        scratch[j * LORA_COLS + c] = bf16_to_float(src[j * stride + c]);
+                    float* dst = scratch + j * LORA_COLS;
+                    if (wtype == LORA_I8) {
+                        const float sj = scale[j];
+                        #pragma omp simd
+                        for (int64_t c = 0; c < c1 - c0; c++)
+                            dst[c] = (float)src8[j * stride + c] * sj;
+                    } else {
+                        #pragma omp simd
+                        for (int64_t c = 0; c < c1 - c0; c++)
+                            dst[c] = bf16_to_float(src[j * stride + c]);
+                    }
                 }
                 bb = scratch, b_stride = LORA_COLS;
             }
@@ -858,8 +885,8 @@ void lora_apply_sharded(const float* x, int64_t x_stride, int64_t rows, const in
 void lora_apply_f32(const float* x, int64_t x_stride, int64_t rows, const int64_t* slot,
                     const float* a, const float* b_t, int64_t in, int64_t w, int64_t n_out,
                     float* out, int64_t out_stride, int num_threads) {
-    lora_apply_sharded(x, x_stride, rows, slot, a, b_t, 0, 0, in, w, 1, &n_out, n_out, out,
-                       out_stride, num_threads);
+    lora_apply_sharded(x, x_stride, rows, slot, a, b_t, LORA_F32, 0, NULL, NULL, in, w, 1,
+                       &n_out, n_out, out, out_stride, num_threads);
 }
 
 /* The new tokens' K and V into the paged cache: caches [num_kv, slots] rows of head size d
@@ -945,6 +972,8 @@ typedef struct {
     const void *qkv_lora_a, *qkv_lora_b, *o_lora_a, *o_lora_b;
     const void *gate_up_lora_a, *gate_up_lora_b, *down_lora_a, *down_lora_b;
     const int64_t *qkv_lora_ends, *o_lora_ends, *gate_up_lora_ends, *down_lora_ends;
+    const float *qkv_lora_as, *o_lora_as, *gate_up_lora_as, *down_lora_as;  /* (int8) scales */
+    const float *qkv_lora_bs, *o_lora_bs, *gate_up_lora_bs, *down_lora_bs;
     int64_t qkv_lora_rank, o_lora_rank, gate_up_lora_rank, down_lora_rank;
     int64_t qkv_lora_shards, o_lora_shards, gate_up_lora_shards, down_lora_shards;
 } decode_layer;
@@ -957,7 +986,7 @@ typedef struct {
     int32_t int8_activations;  /* the linear layers on gguf_linear_i8 (1), _i8x2 (2), or _f32 */
     int32_t kv_type;           /* the KV cache's rows (common.h's KV_*) */
     const int64_t* lora_slot;  /* [M] each row's LoRA slot (-1: none), or NULL: no adapters */
-    int32_t lora_bf16;         /* the LoRA slots hold bfloat16 (else float32) */
+    int32_t lora_wtype;        /* the LoRA slots' LORA_F32, _BF16 or _I8 */
 } decode_model;
 
 /* A linear layer's LoRA updates, where the step has adapters and the layer holds slots. */
@@ -965,7 +994,8 @@ typedef struct {
     do {                                                                                      \
         if ((m)->lora_slot != NULL && (L)->name##_lora_a != NULL)                             \
             lora_apply_sharded(in, in_dim, M, (m)->lora_slot, (L)->name##_lora_a,             \
-                               (L)->name##_lora_b, (m)->lora_bf16, 1, in_dim,                 \
+                               (L)->name##_lora_b, (m)->lora_wtype, 1, (L)->name##_lora_as,   \
+                               (L)->name##_lora_bs, in_dim,                                   \
                                (L)->name##_lora_rank, (L)->name##_lora_shards,                \
                                (L)->name##_lora_ends, out_dim, out, out_dim, num_threads);    \
     } while (0)
