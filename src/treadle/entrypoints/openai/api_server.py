@@ -58,7 +58,7 @@ from treadle.frontend.async_llm import AsyncLLM
 from treadle.frontend.core_client import AttachTo
 from treadle.frontend.metrics import render_metrics
 from treadle.frontend.startup import StartupProgress, follow_phases, startup_address
-from treadle.ipc.memory import memory_line
+from treadle.ipc.memory import malloc_trim, memory_line
 from treadle.ipc.process import ReadyPipe, freeze_startup_heap
 from treadle.logger import init_logger
 
@@ -90,6 +90,8 @@ def build_app(
     server = server or FrontendArgs()
     api_key = server.api_key
     serving = OpenAIServing(engine, model_name)
+    if own_process:  # the tokenizer's load left ~30 MiB of freed heap: back to the OS now
+        malloc_trim()
     inputs = serving.inputs
 
     @contextlib.asynccontextmanager
