@@ -223,6 +223,7 @@ class ChildProcess:
     death_writer: int
     ready_payload: Any = field(default=None, init=False)
     is_ready: bool = field(default=False, init=False)
+    pipes_closed: bool = field(default=False, init=False)
 
     @property
     def pid(self) -> int | None:
@@ -246,7 +247,12 @@ class ChildProcess:
         return f"{self.name} (pid {self.pid})"
 
     def close_pipes(self) -> None:
-        """Close the parent's pipe ends; closing the death pipe tells the child to exit."""
+        """Close the parent's pipe ends; closing the death pipe tells the child to exit.
+        Once: the death pipe's fd number may serve another child's pipe by a second call (an
+        `LLM` collected after a new one started closed that child's, which then exited)."""
+        if self.pipes_closed:
+            return
+        self.pipes_closed = True
         with contextlib.suppress(OSError):
             self.ready_reader.close()
         if self.death_writer in _death_writers:
