@@ -67,8 +67,7 @@ def prepare(args: argparse.Namespace, warn: bool = False) -> tuple[EngineConfig,
     starts; raises `ValueError` (or `FileNotFoundError`) with one line saying what to change.
     `warn`: print a warning line per vLLM flag that has no effect here."""
     from treadle.config import resolve_model
-    from treadle.executor.multiproc import check_parallel_layout
-    from treadle.worker.worker import check_config, model_arch
+    from treadle.worker.start_checks import check_config, check_parallel_layout, model_arch
 
     for warning in check_vllm_args(vllm_args_given(args), cli=True):
         if warn:

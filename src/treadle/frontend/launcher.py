@@ -36,7 +36,6 @@ import zmq
 from treadle import envs
 from treadle.config import EngineConfig
 from treadle.core.dp_coordinator import run_dp_coordinator
-from treadle.core.engine_core_proc import run_engine_core
 from treadle.frontend.handshake import HandshakeDesk, Hello
 from treadle.frontend.startup import StartupProgress
 from treadle.ipc.inbound import inbound_options
@@ -58,9 +57,17 @@ from treadle.ipc.zmq_utils import (
 )
 from treadle.logger import init_logger
 from treadle.wire.control import CoordinatorAddresses, Handshake, HandshakeStatus, StartupPhase
-from treadle.worker.worker import check_config
+from treadle.worker.start_checks import check_config
 
 logger = init_logger(__name__)
+
+
+def run_engine_core(*args: Any, **kwargs: Any) -> None:
+    """`core.engine_core_proc.run_engine_core`, imported in the child: the engine core's
+    modules (and torch) stay out of the API server (issue 41 item 2)."""
+    from treadle.core.engine_core_proc import run_engine_core as run
+
+    run(*args, **kwargs)
 
 
 def front_end_host(config: EngineConfig) -> str | None:

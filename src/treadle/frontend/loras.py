@@ -22,7 +22,6 @@ from typing import Any
 
 from treadle import envs
 from treadle.model.arch import ModelArch
-from treadle.model.lora import LoRAError, lora_shapes, read_adapter
 from treadle.validation import InvalidRequest
 from treadle.wire.engine import LoRARequest
 
@@ -118,6 +117,8 @@ class FrontendLoRAs:
     def check_files(self, arch: ModelArch, max_rank: int) -> None:
         """At start-up: each `--lora-modules` adapter is read and checked against the base
         model here, so a bad one stops the start with its reason (ValueError)."""
+        from treadle.model.lora import LoRAError, lora_shapes, read_adapter  # (torch)
+
         for name, request in self.adapters.items():
             try:
                 read_adapter(request.lora_path, max_rank, lora_shapes(arch), arch.num_layers)
