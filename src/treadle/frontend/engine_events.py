@@ -47,7 +47,7 @@ class EngineDied(msgspec.Struct, tag="died", forbid_unknown_fields=True):
 
     rank: _Rank
     pid: int
-    cause: _Cause  # `death_cause`
+    cause: _Cause  # `engine_state.death_cause`
     report: DeathReport | None = None
     time: float = 0.0
 
