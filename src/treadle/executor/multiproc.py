@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from multiprocessing import resource_tracker
 
 from treadle import envs
-from treadle.config import EngineConfig, pp_layer_partition
+from treadle.config import EngineConfig
 from treadle.executor.base import Executor
 from treadle.ipc.proc_info import dead_process, process_info
 from treadle.ipc.process import (
@@ -36,11 +36,12 @@ from treadle.ipc.process import (
 from treadle.ipc.shm_broadcast import MessageQueue, remove_orphaned_queue
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.model.arch import ModelArch
 from treadle.wire.topology import ProcessInfo
 from treadle.wire.worker import (
     reader_codec,
 )
+from treadle.worker.start_checks import check_parallel_layout as check_parallel_layout
+from treadle.worker.start_checks import tp_sizes as tp_sizes
 from treadle.worker.worker_proc import STOP_WORKER, run_worker, worker_title
 
 logger = init_logger(__name__)
@@ -59,47 +60,6 @@ def _sigint_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def check_parallel_layout(arch: ModelArch, tp: int, pp: int = 1) -> None:
-    """Reject a layout the model cannot be split into, before any process starts."""
-    if pp < 1:
-        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
-    pp_layer_partition(arch.num_layers, pp)  # a stage without a layer, a bad env partition
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-    if arch.num_heads % tp:
-        divisors = [n for n in range(1, arch.num_heads + 1) if arch.num_heads % n == 0]
-        raise ValueError(
-            f"the model has {arch.num_heads} attention heads, not divisible by "
-            f"tensor_parallel_size {tp} (the sizes that divide them: {_listed(divisors)}; "
-            f"that this model splits at: {_listed(tp_sizes(arch))})"
-        )
-    kv = arch.num_kv_heads
-    if kv % tp and tp % kv:
-        raise ValueError(
-            f"the model has {kv} KV heads: tensor_parallel_size {tp} must divide them or be a "
-            f"multiple of them (this model splits at: {_listed(tp_sizes(arch))})"
-        )
-    if arch.intermediate_size % tp:
-        raise ValueError(
-            f"the MLP width {arch.intermediate_size} is not divisible by tensor_parallel_size "
-            f"{tp} (this model splits at: {_listed(tp_sizes(arch))})"
-        )
-
-
-def tp_sizes(arch: ModelArch) -> list[int]:
-    """The tensor-parallel sizes `check_parallel_layout` accepts for `arch`."""
-    kv, width = arch.num_kv_heads, arch.intermediate_size
-    return [
-        tp
-        for tp in range(1, arch.num_heads + 1)
-        if arch.num_heads % tp == 0 and not (kv % tp and tp % kv) and width % tp == 0
-    ]
-
-
-def _listed(sizes: list[int]) -> str:
-    return ", ".join(map(str, sizes))
 
 
 class MultiprocExecutor(Executor):

@@ -4,23 +4,18 @@ holds the KV cache, and runs steps. The executor calls its methods by name."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import psutil
 import torch
 
-from treadle import envs
 from treadle.config import (
     EngineConfig,
     ModelSource,
     model_source,
-    pp_layer_partition,
     pp_layer_range,
 )
 from treadle.logger import init_logger
-from treadle.model import cpu_kernels
-from treadle.model.arch import ModelArch
 from treadle.model.attention import kv_row_bytes, resolve_kv_cache_dtype
 from treadle.model.llama import LlamaForCausalLM, Stage
 from treadle.model.loader import load_model, read_arch
@@ -33,10 +28,20 @@ from treadle.worker.cpu_share import ThreadGovernor
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.pp_transfer import StageLink, StageLinkError
 from treadle.worker.sampler import TokenPieces
+from treadle.worker.start_checks import (  # the start-up checks, torch-free
+    CPU_DEFAULT_KV_CACHE_BYTES,
+    check_dtype_name,
+    check_kv_budget,
+    resolve_max_model_len,
+)
+
+# Re-exported: their callers import them from here too.
+from treadle.worker.start_checks import check_config as check_config
+from treadle.worker.start_checks import kv_bytes_per_block as kv_bytes_per_block
+from treadle.worker.start_checks import model_arch as model_arch
 
 logger = init_logger(__name__)
 
-CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 GPU_KV_CACHE_FRACTION = 0.9
 
 # vLLM's names: `half` is float16, `float` is float32.
@@ -63,57 +68,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def check_dtype_name(name: str) -> None:
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPE_NAMES)}")
-
-
-def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
-    limit = arch.max_position_embeddings
-    if requested is None:
-        return limit
-    if requested < 1 or requested > limit:
-        raise ValueError(
-            f"max_model_len {requested} is out of range: this model takes at most {limit} "
-            f"tokens (max_position_embeddings); pass --max-model-len {limit} or less"
-        )
-    return requested
-
-
-def kv_bytes_per_block(arch: ModelArch, kv_dtype: str, block_size: int, tp: int = 1) -> int:
-    """K and V of one block on one rank: 2 x kv heads (this rank's share) x the bytes of a row
-    of head_dim values in `kv_dtype` (`attention.kv_row_bytes`: 4, 2 or 1 byte a value, int8
-    plus a 4-byte scale) x block_size x layers."""
-    kv_heads = max(1, arch.num_kv_heads // tp)
-    row = kv_row_bytes(kv_dtype, arch.head_dim)
-    return 2 * kv_heads * row * block_size * arch.num_layers
-
-
-def check_kv_budget(
-    budget: int,
-    per_block: int,
-    block_size: int,
-    max_model_len: int,
-    source: str = "--kv-cache-memory",
-) -> int:
-    """The number of blocks `budget` bytes hold; raises `ValueError` (saying how much memory
-    `max_model_len` needs and which length would fit) when one request of `max_model_len`
-    tokens would not fit: it could never run, or be preempted forever."""
-    num_blocks = budget // per_block
-    needed_blocks = -(-max_model_len // block_size)
-    if num_blocks >= needed_blocks:
-        return int(num_blocks)
-    fits = num_blocks * block_size
-    needed_mib = -(-needed_blocks * per_block // (1 << 20))
-    raise ValueError(
-        f"the KV cache is too small for max_model_len {max_model_len}: one request of that "
-        f"length needs {_size(needed_blocks * per_block)} of KV cache, but {_size(budget)} "
-        f"({source}) holds {f'only {fits} tokens' if fits else f'no block of {block_size} tokens'}; "
-        f"raise --kv-cache-memory to {needed_mib}MiB or more"
-        + (f", or pass --max-model-len {fits} or less" if fits else "")
-    )
-
-
 def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
@@ -123,61 +77,6 @@ def _size(n: int) -> str:
         if n >= 1 << shift:
             return f"{n / (1 << shift):.2f} {unit}"
     return f"{n} bytes"
-
-
-def model_arch(source: ModelSource) -> ModelArch:
-    """`read_arch`, remembered per file (and its size and mtime) for this process: reading a
-    GGUF header takes seconds, and the start-up checks, the CLI and the front end all ask."""
-    path = os.path.join(source.path, "config.json") if not source.is_gguf else source.path
-    st = os.stat(path)
-    return _model_arch(source, st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=8)
-def _model_arch(source: ModelSource, size: int, mtime_ns: int) -> ModelArch:
-    return read_arch(source)
-
-
-def check_config(config: EngineConfig) -> None:
-    """The start-up checks that need no device and no weights, run before any process starts:
-    the thread count and kernel ISA level from the environment, the dtype name, max_model_len against the model's limit (config.json or GGUF header) and,
-    when the budget is known without loading (an explicit --kv-cache-memory, or the CPU
-    default), whether the KV cache holds one request of max_model_len. Raises `ValueError`
-    with one line that says what to change. The engine checks the same again after loading
-    (`Worker.determine_num_blocks`), where a CUDA budget is known."""
-    scheduler = config.scheduler
-    for name, value in (
-        ("--block-size", config.cache.block_size),
-        ("--max-num-seqs", scheduler.max_num_seqs),
-        ("--max-num-batched-tokens", scheduler.max_num_batched_tokens),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, not {value}")
-    config.parallel.model_threads()  # a bad TREADLE_CPU_THREADS
-    if envs.cpu_kernels():
-        cpu_kernels.select_isa()  # a bad TREADLE_CPU_ISA, or a level this CPU cannot run
-    check_dtype_name(config.model.dtype)
-    arch = model_arch(model_source(config.model))
-    max_model_len = resolve_max_model_len(config.model.max_model_len, arch)
-    budget = config.cache.kv_cache_memory
-    if budget is None:
-        if torch.backends.cuda.is_built():
-            return  # a fraction of free device memory: known only once the model is loaded
-        budget, source = CPU_DEFAULT_KV_CACHE_BYTES, "the CPU default"
-    else:
-        source = "--kv-cache-memory"
-    name = config.model.dtype
-    dtype = torch.float32 if name == "auto" else _DTYPES[name]  # auto is float32 on CPU
-    if name == "auto" and torch.backends.cuda.is_built():
-        dtype = torch.bfloat16  # the smaller one: never refuse what the device may accept
-    block_size = config.cache.block_size
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
-    parallel = config.parallel
-    per_block = kv_bytes_per_block(arch, kv_dtype, block_size, parallel.tensor_parallel_size)
-    if parallel.pipeline_parallel_size > 1:  # the stage with the most layers holds the most
-        most = max(pp_layer_partition(arch.num_layers, parallel.pipeline_parallel_size))
-        per_block = per_block * most // arch.num_layers
-    check_kv_budget(budget, per_block, block_size, max_model_len, source)
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
