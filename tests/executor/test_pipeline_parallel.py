@@ -9,10 +9,10 @@ import psutil
 import pytest
 
 from treadle import LLM, SamplingParams
-from treadle.config import ParallelConfig, pp_layer_partition, pp_layer_range
 from treadle.engine_args import EngineArgs
 from treadle.executor.multiproc import check_parallel_layout
 from treadle.model.arch import ModelArch
+from treadle.parallel_config import ParallelConfig, pp_layer_partition, pp_layer_range
 from treadle.sampling_params import StructuredOutputsParams
 
 LAYERS = 5  # -pp 3 leaves a remainder: [2, 2, 1]

@@ -12,9 +12,10 @@ import re
 import sys
 
 from treadle import envs
-from treadle.config import EngineConfig, ModelSource, model_source, pp_layer_partition
+from treadle.config import EngineConfig, ModelSource, model_source
 from treadle.model.arch import ModelArch
 from treadle.model.arch_files import read_arch
+from treadle.parallel_config import pp_layer_partition
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
