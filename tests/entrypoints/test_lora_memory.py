@@ -1,6 +1,6 @@
 """The engine core's memory comes back after its adapters are unloaded (issue 40): the
 default model served with `--enable-lora`, 4 adapters of rank 16 on every projection (~20 MiB
-each, float32 as read) loaded while serving and each used by a request, then unloaded: the
+each as read in float32, ~10 MiB as kept: bfloat16 over GGUF blocks) loaded while serving and each used by a request, then unloaded: the
 engine core's resident memory (its whole process tree) ends near where it started."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_unloaded_adapters_give_their_memory_back(
     time.sleep(0.5)
     after = engine_rss(server)
     grew = loaded - before
-    assert grew > 40 * MIB, f"4 adapters of ~20 MiB each added only {grew / MIB:.1f} MiB"
+    assert grew > 20 * MIB, f"4 adapters of ~10 MiB each added only {grew / MIB:.1f} MiB"
     # back within a quarter of what they took (measured: ~1%, the new requests' KV blocks)
     assert after - before < grew / 4, (
         f"before {before / MIB:.1f} MiB, loaded {loaded / MIB:.1f}, unloaded {after / MIB:.1f}"

@@ -9,7 +9,8 @@ request that names it. Ids are the server's, unique per adapter.
 The slots hold float32 weights, or int8 ones (a scale per row) where every linear layer runs
 on GGUF blocks (a quantized model on the C kernels): there a step's update is bound by
 reading the slots' weights, and int8 quarters them at a rounding (1/254 of a row's largest
-weight) far below the blocks' own."""
+weight) far below the blocks' own; each adapter read is then kept in bfloat16 (half the
+memory of float32) to fill the slots from."""
 
 from __future__ import annotations
 
@@ -83,6 +84,10 @@ class LoRAManager:
         adapter = read_adapter(
             request.lora_path, self.max_rank, self.model.lora_shapes(), self.model.arch.num_layers
         )
+        if self.weight_dtype is not None:  # (int8 slots: a bfloat16 copy is plenty to fill them)
+            adapter.weights = {
+                key: (a.bfloat16(), b.bfloat16()) for key, (a, b) in adapter.weights.items()
+            }
         self.adapters[request.lora_int_id] = adapter
         return adapter.nbytes
 
