@@ -5,6 +5,8 @@ a step gives each running request up to the difference, under a token budget. A 
 thus prefilled in chunks beside the decodes of other requests. When blocks run out, the
 lowest-priority running request is preempted (its blocks are freed and it is recomputed
 later). Waiting requests are admitted FCFS, or by `priority` (lower first) then arrival.
+Speculative decoding's share of a step (proposals, what a verified step appends) is
+`core/spec_schedule.py`.
 """
 
 from __future__ import annotations
@@ -20,16 +22,7 @@ from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.prompt_inputs import encoder_cut
 from treadle.core.request import Request, RequestStatus
-from treadle.core.spec_decode import (
-    ENGINE_DECAY,
-    PROBE_EVERY,
-    StepTimes,
-    acceptance,
-    can_speculate,
-    plan,
-    propose,
-    tally,
-)
+from treadle.core.spec_schedule import SpecScheduling
 from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs, SchedulerStats
 from treadle.wire.worker import (
     CachedRequestData,
@@ -42,7 +35,7 @@ if TYPE_CHECKING:
     from treadle.core.spec_draft import DraftProposer
 
 
-class Scheduler:
+class Scheduler(SpecScheduling):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -56,9 +49,8 @@ class Scheduler:
         """`speculative`: proposals to verify (`core/spec_decode.py`): n-gram prompt lookup,
         or `draft`'s (`core/spec_draft.py`) for the method "draft_model"; `max_loras`: LoRA
         adapters the running requests may use at once (None: adapters are not enabled)."""
-        self.speculative = speculative
+        self._init_speculation(speculative, draft)
         self.max_loras = max_loras
-        self.draft = draft
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -74,20 +66,10 @@ class Scheduler:
         # For the periodic stats line: prompts that got their first token, tokens sampled.
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        # Speculative decoding's counters (vLLM's spec_decode_* metrics).
-        self.spec_drafts = 0
         # The vision encoder's totals (`ModelRunnerOutput.images_encoded`, ...).
         self.images_encoded = 0
         self.encoder_cache_hits = 0
         self.encoder_seconds = 0.0
-        # (hits, trials) over every request's verifying steps: a new request's prior
-        self.spec_engine_rate = (0.0, 0.0)
-        self.spec_draft_tokens = 0
-        self.spec_accepted_tokens = 0
-        k = 0 if speculative is None else speculative.num_speculative_tokens
-        self.spec_accepted_per_pos = [0] * k
-        self.step_times = StepTimes()  # of steps of decode rows, by rows (`spec_decode.plan`)
-        self._step_started: float | None = None
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -222,20 +204,14 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         for rid, n in out.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
-        self._step_started = time.monotonic() if self.speculative is not None else None
+        self._start_step_clock()
         return out
 
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> dict[int, list[EngineCoreOutput]]:
         """Append the sampled tokens, finish what must stop; outputs grouped by client."""
-        if self._step_started is not None:
-            seconds = time.monotonic() - self._step_started
-            spec = sched.spec_tokens
-            if sched.num_scheduled_tokens and all(  # decode rows only: the fused path's steps
-                n == 1 or rid in spec for rid, n in sched.num_scheduled_tokens.items()
-            ):
-                self.step_times.record(sched.total_num_scheduled_tokens, seconds)
+        self._record_step_time(sched)
         self.images_encoded += result.images_encoded
         self.encoder_cache_hits += result.encoder_cache_hits
         self.encoder_seconds += result.encoder_seconds
@@ -286,115 +262,6 @@ class Scheduler:
                 out.prefill_time = time.monotonic() - req.scheduled_ts
             outputs.setdefault(req.client_index, []).append(out)
         return outputs
-
-    def _proposals(self, budget: int) -> dict[str, list[int]]:
-        """The decoding requests' proposals for this step (none without
-        --speculative-config), n-gram or the draft model's, as many of each as
-        `spec_decode.plan` finds worth verifying. Only the requests the plan gives rows look
-        their proposals up (or run the draft)."""
-        config = self.speculative
-        if config is None:
-            return {}
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        draft = self.draft
-        prior = acceptance(*self.spec_engine_rate)
-        candidates = {
-            r.request_id: (self._room(r, budget), acceptance(r.spec_hits, r.spec_trials, prior))
-            for r in decoding
-            if can_speculate(r.sampling_params)
-            and (draft is None or r.prompt_embeds is None)  # the draft reads token ids
-        }
-        if not candidates:
-            return {}
-        draft_times = None if draft is None else draft.times
-        counts, probe = plan(candidates, len(decoding), self.step_times, draft_times)
-        wanted: list[tuple[Request, int]] = []
-        for rid in candidates:
-            req = self.requests[rid]
-            n = counts.get(rid, 0)
-            if n == 0 and probe and candidates[rid][0] > 0:
-                req.spec_idle += 1
-                if req.spec_idle >= PROBE_EVERY:
-                    n = 1
-            if n:
-                req.spec_idle = 0
-                wanted.append((req, n))
-        if draft is not None:
-            proposed = draft.propose(wanted) if wanted else {}
-        else:
-            proposed = {req.request_id: propose(req.all_token_ids, n, config) for req, n in wanted}
-        chosen: dict[str, list[int]] = {}
-        for rid, proposal in proposed.items():
-            grammar = self.requests[rid].grammar
-            if grammar is not None and proposal:  # cut before what the grammar rejects
-                proposal = proposal[: grammar.validate_tokens(proposal)]
-            if proposal:
-                chosen[rid] = proposal
-        return chosen
-
-    def _room(self, req: Request, budget: int) -> int:
-        """How many proposals a decoding request may verify: no more than its remaining
-        tokens, the context or the step's budget leave room for."""
-        assert self.speculative is not None
-        p = req.sampling_params
-        room = min(
-            self.speculative.num_speculative_tokens,
-            budget - 1,
-            self.max_model_len - req.num_tokens - 1,
-        )
-        if p.max_tokens is not None:
-            room = min(room, p.max_tokens - req.num_output_tokens - 1)
-        return max(room, 0)
-
-    def _speculated(
-        self,
-        req: Request,
-        proposal: list[int],
-        accepted: list[int],
-        token: int,
-        logprobs: Logprobs | None,
-    ) -> EngineCoreOutput:
-        """A speculating request's step: the accepted proposals and the model's own next
-        token, appended one by one under the usual stop rules; the rejected positions are
-        given back (they are computed again, with the right tokens, later). `logprobs`: one
-        row per token, cut with them."""
-        self.spec_drafts += 1
-        self.spec_draft_tokens += len(proposal)
-        self.spec_accepted_tokens += len(accepted)
-        for pos in range(len(accepted)):
-            self.spec_accepted_per_pos[pos] += 1
-        req.spec_hits, req.spec_trials = tally(
-            req.spec_hits, req.spec_trials, len(proposal), len(accepted)
-        )
-        self.spec_engine_rate = tally(
-            *self.spec_engine_rate, len(proposal), len(accepted), decay=ENGINE_DECAY
-        )
-        req.num_computed_tokens -= len(proposal) - len(accepted)
-        new: list[int] = []
-        reason = None
-        for t in [*accepted, token]:
-            req.all_token_ids.append(t)
-            new.append(t)
-            self.generation_tokens_total += 1
-            reason = self._check_stop(req, t)
-            if reason is not None:
-                break
-        # past a stop, the rest of the accepted tokens were never generated
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        self.kv.cache_full_blocks(req)
-        if reason is not None:
-            self._finish(req, reason)
-        if logprobs is not None and len(logprobs.ranks) > len(new):
-            n = len(new)
-            logprobs = Logprobs(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
-        return EngineCoreOutput(
-            request_id=req.request_id,
-            new_token_ids=new,
-            new_logprobs=logprobs,
-            finish_reason=reason,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=req.num_cached_tokens,
-        )
 
     def _pooled(self, req: Request, pooled: torch.Tensor) -> EngineCoreOutput:
         self.kv.cache_full_blocks(req)
