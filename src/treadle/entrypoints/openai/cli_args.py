@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from treadle.config import EngineConfig, FrontendConfig, RestartConfig
 from treadle.engine_args import arg, from_namespace, parse_bytes
 from treadle.entrypoints.openai.reasoning import check_reasoning_parser
-from treadle.frontend.loras import parse_lora_module
+from treadle.frontend.loras import llamacpp_flag_refusal, parse_lora_module
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -79,6 +79,8 @@ class FrontendArgs:
     """Largest HTTP request body; a larger one gets 413. Accepts 8MiB or bytes (default 8MiB)."""
     max_prompt_chars: int | None = arg(None, group="frontend", area=FrontendConfig)
     lora_modules: tuple[str, ...] = arg((), group="frontend", area=FrontendConfig, nargs="+")
+    lora: tuple[str, ...] = arg((), group="frontend", nargs="+")
+    """llama.cpp's --lora FNAME: refused, saying what to give instead (docs/lora.md)."""
     allowed_local_media_path: str | None = arg(None, group="frontend", area=FrontendConfig)
     allowed_media_domains: tuple[str, ...] = arg(
         (), group="frontend", area=FrontendConfig, nargs="+"
@@ -130,6 +132,8 @@ class FrontendArgs:
         self.restart_config().check()
         for module in self.lora_modules:
             parse_lora_module(module)  # (raises ValueError with what to change)
+        for path in self.lora:
+            raise ValueError(llamacpp_flag_refusal("--lora", path))
         media = self.allowed_local_media_path
         if media is not None and not os.path.isdir(os.path.expanduser(media)):
             raise ValueError(f"--allowed-local-media-path {media!r}: not a directory")
