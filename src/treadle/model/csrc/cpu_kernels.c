@@ -476,6 +476,27 @@ void gguf_dequantize_f32(const void* tiles, int kind, int64_t N, int64_t K, floa
     }
 }
 
+/* Per-thread scratch that a decode step's calls reuse (grow-only, up to SCRATCH_MAX bytes a
+   slot; larger asks are malloc'ed and the caller frees them: *owned). Freed each call, a
+   step's buffers of more than glibc's trim threshold went back to the OS and came back as
+   zeroed pages: 3-6% of a 64-row decode step in the kernel's clear_page. Kept: at most ~2.3
+   MiB a thread (64 rows of the default model). */
+enum { SCRATCH_XQ, SCRATCH_XDS, SCRATCH_DECODE, SCRATCH_SLOTS };
+#define SCRATCH_MAX ((size_t)4 << 20)
+static __thread void* scratch_buf[SCRATCH_SLOTS];
+static __thread size_t scratch_cap[SCRATCH_SLOTS];
+
+static void* scratch(int slot, size_t bytes, int* owned) {
+    *owned = bytes > SCRATCH_MAX;
+    if (*owned) return malloc(bytes);
+    if (bytes > scratch_cap[slot]) {
+        free(scratch_buf[slot]);
+        scratch_buf[slot] = malloc(bytes);
+        scratch_cap[slot] = bytes;
+    }
+    return scratch_buf[slot];
+}
+
 /* x's M rows as int8 blocks (int8.h, quantize_rows_q8): the quants, and in *xds the pairs
    (d, s); both malloc'ed, for the caller to free. */
 static int8_t* quantized_rows(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
@@ -486,25 +507,11 @@ static int8_t* quantized_rows(const float* x, int64_t x_row_stride, int64_t M, i
     return xq;
 }
 
-/* x's M rows each as two int8 rows (rows 2r and 2r + 1): the row's blocks, then the blocks of
-   what their rounding left, x - d q (at most d / 2 an element), so that a row is the sum of
-   the two to ~1 / 32,000 of its block's largest value instead of ~1 / 254: the products of
-   both, added, are nearly float32's (int8's cost on rows that share one pass over the
-   weights). */
-static int8_t* quantized_rows_x2(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
-                                 float** xds) {
-    const int64_t nb = K / 32;
-    int8_t* xq = (int8_t*)malloc((size_t)(2 * M * K));
-    *xds = (float*)malloc(sizeof(float) * 2 * 2 * M * nb);
-    for (int64_t r = 0; r < M; r++)
-        quantize_row_q8_x2(x + r * x_row_stride, K, xq + 2 * r * K, *xds + 2 * 2 * r * nb);
-    return xq;
-}
-
 /* A G16 weight (common.h, int8_g16.h) against int8 activations, for every row count: each group
    of 16 outputs passes over G16_ROWS rows at a time while it stays in L1. A kind this level
    does not run 16 wide (Python never lays one out so) gives NaN. `parts`: 1, or 2 for each row
-   as two int8 rows (quantized_rows_x2), whose products are added. */
+   as two int8 rows (quantize_row_q8_x2: rows 2r and 2r + 1, the row's blocks, then the blocks
+   of what their rounding left, at most d / 2 an element), whose products are added. */
 static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
                             const void* w, int kind, int64_t N, float* y, int64_t y_row_stride,
                             int num_threads, int parts)
@@ -517,31 +524,45 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
 #if G16_KINDS
     const int64_t nb = K / 32, ngroups = (N + G16 - 1) / G16;
     const int64_t group_bytes = nb * g16_block_bytes(kind);
-    float* xds;
-    int8_t* xq = parts == 2 ? quantized_rows_x2(x, x_row_stride, M, K, &xds)
-                            : quantized_rows(x, x_row_stride, M, K, &xds);
     const int64_t R = parts * M;  /* G16_ROWS is even: a row's two parts share a pass */
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < ngroups; g++) {
-        const char* grp = (const char*)w + g * group_bytes;
-        const int64_t valid = N - g * G16 < G16 ? N - g * G16 : G16;
-        for (int64_t r0 = 0; r0 < R; r0 += G16_ROWS) {
-            const int64_t rows = R - r0 < G16_ROWS ? R - r0 : G16_ROWS;
-            float out[G16_ROWS][G16];
-            g16_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows, out);
-            if (parts == 1) {
-                for (int64_t r = 0; r < rows; r++)
-                    memcpy(y + (r0 + r) * y_row_stride + g * G16, out[r], sizeof(float) * valid);
-            } else {
-                for (int64_t r = 0; r < rows; r += 2) {
-                    float* yr = y + (r0 + r) / 2 * y_row_stride + g * G16;
-                    for (int64_t n = 0; n < valid; n++) yr[n] = out[r][n] + out[r + 1][n];
+    /* The rows are quantized by the same threads, a row each (the same bits as one thread's
+       loop), into this thread's scratch (a decode step's sizes: kept, not a malloc, munmap
+       and page faults a call). */
+    int own_q, own_d;
+    int8_t* xq = (int8_t*)scratch(SCRATCH_XQ, (size_t)(R * K), &own_q);
+    float* xds = (float*)scratch(SCRATCH_XDS, sizeof(float) * 2 * R * nb, &own_d);
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) {
+            if (parts == 2)
+                quantize_row_q8_x2(x + r * x_row_stride, K, xq + 2 * r * K, xds + 2 * 2 * r * nb);
+            else
+                quantize_rows_q8(x + r * x_row_stride, x_row_stride, 1, K, xq + r * K,
+                                 xds + 2 * r * nb);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < ngroups; g++) {
+            const char* grp = (const char*)w + g * group_bytes;
+            const int64_t valid = N - g * G16 < G16 ? N - g * G16 : G16;
+            for (int64_t r0 = 0; r0 < R; r0 += G16_ROWS) {
+                const int64_t rows = R - r0 < G16_ROWS ? R - r0 : G16_ROWS;
+                float out[G16_ROWS][G16];
+                g16_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows, out);
+                if (parts == 1) {
+                    for (int64_t r = 0; r < rows; r++)
+                        memcpy(y + (r0 + r) * y_row_stride + g * G16, out[r], sizeof(float) * valid);
+                } else {
+                    for (int64_t r = 0; r < rows; r += 2) {
+                        float* yr = y + (r0 + r) / 2 * y_row_stride + g * G16;
+                        for (int64_t n = 0; n < valid; n++) yr[n] = out[r][n] + out[r + 1][n];
+                    }
                 }
             }
         }
     }
-    free(xq);
-    free(xds);
+    if (own_q) free(xq);
+    if (own_d) free(xds);
 #endif
 }
 
@@ -580,7 +601,7 @@ void gguf_linear_i8(
     free(xds);
 }
 
-/* The same with each row as two int8 rows, its blocks and their rounding's (quantized_rows_x2):
+/* The same with each row as two int8 rows, its blocks and their rounding's (quantize_row_q8_x2):
    nearly float32's products at int8's speed on few rows. Weights not laid out 16 wide take the
    float32 product. */
 void gguf_linear_i8x2(
@@ -1011,13 +1032,16 @@ void decode_layers_f32(
     const int64_t H = m->hidden, d = m->head_dim, I = m->intermediate;
     const int64_t q_size = m->heads * d, kv_size = m->kv_heads * d;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    float* residual = (float*)malloc(sizeof(float) * M * H);
-    float* h = (float*)malloc(sizeof(float) * M * H);
-    float* x = (float*)malloc(sizeof(float) * M * H);
-    float* qkv = (float*)malloc(sizeof(float) * M * qkv_size);
-    float* attn = (float*)malloc(sizeof(float) * M * q_size);
-    float* gate_up = (float*)malloc(sizeof(float) * M * 2 * I);
-    float* act = (float*)malloc(sizeof(float) * M * I);
+    int owned;
+    float* const buf = (float*)scratch(
+        SCRATCH_DECODE, sizeof(float) * M * (3 * H + qkv_size + q_size + 3 * I), &owned);
+    float* residual = buf;
+    float* h = residual + M * H;
+    float* x = h + M * H;
+    float* qkv = x + M * H;
+    float* attn = qkv + M * qkv_size;
+    float* gate_up = attn + M * q_size;
+    float* act = gate_up + M * 2 * I;
     void (*const linear)(const float*, int64_t, int64_t, int64_t, const void*, int, int64_t,
                          float*, int64_t, int) =
         m->int8_activations == 2 ? gguf_linear_i8x2
@@ -1051,5 +1075,5 @@ void decode_layers_f32(
         DECODE_LORA(m, L, down, act, I, M, x, H, num_threads);
     }
     add_rms_norm_f32(residual, x, M, H, m->final_norm, m->eps, out, num_threads);
-    free(residual); free(h); free(x); free(qkv); free(attn); free(gate_up); free(act);
+    if (owned) free(buf);
 }
