@@ -30,7 +30,6 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -44,6 +43,7 @@ import zmq
 
 from treadle import envs
 from treadle.cli.supervised_desk import Notes, SupervisorDesk
+from treadle.cli.supervisor_stop import Stop
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
@@ -93,53 +93,6 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Stop:
-    """Set by a signal or a child's death; the main thread waits on it. With `restartable`
-    children (when restarts are on) a death queues a restart instead."""
-
-    def __init__(self, restartable: Callable[[ChildProcess], bool] = lambda child: False) -> None:
-        self.announce: Callable[[ChildProcess], None] = lambda child: None  # said at once
-        self.event = threading.Event()
-        self.failure: str | None = None
-        self.restartable = restartable
-        self.restarts: queue.SimpleQueue[ChildProcess] = queue.SimpleQueue()
-        # The engines' start-up, while it runs: a stop then ends their processes, so that the
-        # handshake fails at once instead of waiting for the model to load.
-        self.progress: StartupProgress | None = None
-        self.signalled = False
-
-    def on_signal(self, signum: int, frame: Any) -> None:
-        # Said once: the API servers pass the stop they get from here back (`AsyncMPClient.
-        # _chain_stop_signals`), which would say it again for each of them.
-        if not self.signalled:
-            logger.info("Received %s; shutting down", signal.Signals(signum).name)
-        self.signalled = True
-        self.event.set()
-        if self.progress is not None and not self.progress.done:
-            self.progress.stop()
-
-    def on_death(self, child: ChildProcess) -> None:
-        """A child that exited 0 was stopped on purpose (e.g. a signal sent to it alone):
-        everything stops cleanly. Any other end is a failure."""
-        if self.event.is_set():
-            return
-        if child.exitcode != 0 and self.restartable(child):
-            self.announce(child)
-            self.restarts.put(child)
-            return
-        if child.exitcode == 0:
-            logger.info("%s stopped; shutting down", child.describe())
-        else:
-            self.failure = f"{child.describe()} died: {describe_exit(child.exitcode)}"
-        self.event.set()
-
-    def wait(self, on_restart: Callable[[ChildProcess], None] = lambda child: None) -> None:
-        """Until stopped; meanwhile run `on_restart` (in this thread) for each queued death."""
-        while not self.event.wait(0.2):
-            while not self.restarts.empty() and not self.event.is_set():
-                on_restart(self.restarts.get())
-
-
 class _Restarts:
     """The supervisor's side of restarts, within the --max-engine-restarts budget that an API
     server with its own engines spends too: engine cores and the DP coordinator (the API
@@ -149,7 +102,7 @@ class _Restarts:
         self,
         config: EngineConfig,
         launcher: EngineLauncher,
-        stop: _Stop,
+        stop: Stop,
         start_api_server: Callable[[int, list[str] | None], ChildProcess],
     ) -> None:
         self.budget = RestartBudget(config.restart.max_engine_restarts)
@@ -333,7 +286,7 @@ def run_api_servers(
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         metrics_dir = tempfile.mkdtemp(prefix="treadle-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    stop = _Stop()
+    stop = Stop()
     signal.signal(signal.SIGTERM, stop.on_signal)
     signal.signal(signal.SIGINT, stop.on_signal)
     launcher: EngineLauncher | None = None
@@ -439,7 +392,7 @@ def run_api_servers(
 def run_headless(config: EngineConfig, shutdown_timeout: float) -> int:
     """This host's engine cores only; they find the front end through the DP address and port
     and exit when it disconnects, and so does this process."""
-    stop = _Stop()
+    stop = Stop()
     signal.signal(signal.SIGTERM, stop.on_signal)
     signal.signal(signal.SIGINT, stop.on_signal)
     p = config.parallel
