@@ -116,26 +116,26 @@ def measure(
 def build_variant(isa: str, ref: str, defines: list[str], into: str) -> str:
     """The kernels' library for `isa` from the csrc/ of git ref `ref` ('.': the working tree),
     compiled with the level's flags and `defines` into the directory `into`."""
-    from treadle.model import cpu_kernels as ck
+    from treadle.model import kernel_build as kb
 
     src = Path(into) / f"src-{len(os.listdir(into))}"
     src.mkdir()
-    for name in ck._SOURCES:
+    for name in kb.SOURCES:
         if ref == ".":
-            text = (ck._CSRC / name).read_text()
+            text = (kb.CSRC / name).read_text()
         else:
             shown = subprocess.run(
                 ["git", "show", f"{ref}:src/treadle/model/csrc/{name}"],
-                capture_output=True, text=True, cwd=ck._CSRC,
+                capture_output=True, text=True, cwd=kb.CSRC,
             )  # fmt: skip
             if shown.returncode != 0:  # a header that ref does not have (nor include)
                 continue
             text = shown.stdout
         (src / name).write_text(text)
     out = src / "kernel.so"
-    cc, _ = ck._compiler()
-    flags = ck._LEVEL_CC_FLAGS[isa][0]
-    cmd = [cc, *ck._COMMON_CC_FLAGS, *flags, *defines, str(src / "cpu_kernels.c"), "-o", str(out)]
+    cc, _ = kb.compiler()
+    flags = kb.LEVEL_CC_FLAGS[isa][0]
+    cmd = [cc, *kb.COMMON_CC_FLAGS, *flags, *defines, str(src / "cpu_kernels.c"), "-o", str(out)]
     subprocess.run(cmd, check=True)
     return str(out)
 

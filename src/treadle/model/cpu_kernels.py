@@ -1,5 +1,5 @@
-"""treadle's C kernels for the CPU (`csrc/`): which ISA level to use, building and caching one
-library per level, and typed calls into it.
+"""treadle's C kernels for the CPU (`csrc/`): which ISA level to use, one library per level
+(built and cached by `kernel_build.py`), and typed calls into it.
 
 The kernels: decode/prefill attention over the paged KV cache (`paged_decode_attention`; the
 cache in float32, float16, bfloat16 or int8, `KV_TYPES`),
@@ -32,11 +32,8 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import hashlib
-import os
 import platform
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -45,6 +42,7 @@ import torch
 from treadle import envs
 from treadle.config import CPU_ACTIVATION_DTYPES
 from treadle.logger import init_logger
+from treadle.model.kernel_build import build as _build
 
 logger = init_logger(__name__)
 
@@ -57,23 +55,6 @@ _LEVEL_CPU_FLAGS = {
     "avx2vnni": {"avx2", "fma", "f16c", "avx_vnni"},
     "avx2": {"avx2", "fma", "f16c"},
 }
-# Compiler flags per level: the psABI level names (GCC >= 11, Clang >= 12), then the same
-# feature set spelled out for older compilers.
-_LEVEL_CC_FLAGS = {
-    "avx512vnni": (["-march=x86-64-v4", "-mavx512vnni"],
-                   ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
-                    "-mavx2", "-mfma", "-mf16c"]),
-    "avx512": (["-march=x86-64-v4"], ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
-                                       "-mavx2", "-mfma", "-mf16c"]),
-    "avx2vnni": (["-march=x86-64-v3", "-mavxvnni"], ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
-    "avx2": (["-march=x86-64-v3"], ["-mavx2", "-mfma", "-mf16c"]),
-    "portable": ([], []),
-}  # fmt: skip
-# -fno-trapping-math: no code here reads the floating-point exception flags, and without it GCC
-# keeps every loop with a comparison in it (the clamps of exp_nonpositive: SiLU, softmax) scalar.
-_COMMON_CC_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_kernels.c", "common.h", "avx512.h", "avx2.h", "portable.h", "int8.h", "int8_g16.h")
 
 
 def cpu_flags() -> set[str]:
@@ -106,69 +87,6 @@ def select_isa() -> str:
             f"TREADLE_CPU_ISA={forced}, but this CPU runs only {', '.join(available_isas())}"
         )
     return forced
-
-
-def _compiler() -> tuple[str, str]:
-    """(the C compiler command, its version line), for the build and the cache key."""
-    cc = os.environ.get("CC", "cc")
-    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True)
-    return cc, out.stdout.partition("\n")[0]
-
-
-def _kernel_dir() -> Path:
-    """The kernel cache, or (where it cannot be written, e.g. a read-only home) a private
-    directory for this process, so that the kernels still run, only built again next time."""
-    path = envs.cache_dir() / "kernels"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    fallback = Path(tempfile.mkdtemp(prefix="treadle-kernels-"))
-    logger.warning(
-        "Cannot write the kernel cache %s; building in %s for this process only "
-        "(set TREADLE_CACHE_DIR to a writable directory to keep it)",
-        path,
-        fallback,
-    )
-    return fallback
-
-
-def _build(isa: str) -> Path:
-    """The library for `isa`, compiled into the cache unless it is there already."""
-    cc, version = _compiler()
-    sources = b"".join((_CSRC / name).read_bytes() for name in _SOURCES)
-    last_error: subprocess.CalledProcessError | None = None
-    for flags in _LEVEL_CC_FLAGS[isa]:
-        key = hashlib.sha256(
-            b"\0".join(
-                [
-                    sources,
-                    isa.encode(),
-                    " ".join(_COMMON_CC_FLAGS + flags).encode(),
-                    version.encode(),
-                ]
-            )
-        ).hexdigest()[:16]
-        target = _kernel_dir() / f"cpu_kernels_{isa}_{key}.so"
-        if target.exists():
-            return target
-        logger.info(
-            "Compiling treadle's CPU kernels for %s (%s %s)", isa, cc, " ".join(flags) or "-O3"
-        )
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / "kernel.so"
-            cmd = [cc, *_COMMON_CC_FLAGS, *flags, str(_CSRC / "cpu_kernels.c"), "-o", str(built)]
-            try:
-                subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-            except subprocess.CalledProcessError as e:
-                last_error = e  # e.g. a compiler without -march=x86-64-v3: try the long form
-                continue
-            os.replace(built, target)  # atomic: a concurrent process sees all of it or nothing
-        return target
-    assert last_error is not None
-    raise last_error
 
 
 i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
