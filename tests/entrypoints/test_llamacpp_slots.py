@@ -144,8 +144,10 @@ def test_llama_server_save_restore_script(
     assert second["timings"]["cache_n"] == saved.json()["n_saved"]
     assert third["tokens"] == first["tokens"]
     assert third["timings"]["cache_n"] == saved.json()["n_saved"], third
+    # The restored prompt is a prefix hit (cache_n above); what it saves in time is measured
+    # beside a cold run by benchmarks/prompt_cache.py, not here (CI once saw 2.1 s for both
+    # under load, with the hit).
     print(f"slot restore: cold {cold * 1e3:.0f} ms, restored {warm * 1e3:.0f} ms")
-    assert warm <= 0.25 * cold, (cold, warm)
 
 
 def _after_an_engine_restart(server: RemoteServer) -> dict[str, Any]:
