@@ -63,11 +63,12 @@ def test_the_supervisors_restart_line_quotes_the_engines_death_report(
     assert len(lines) == 2 and all(raised in line for line in lines), lines
 
 
-def test_scaling_needs_one_api_server(srv: RemoteServer) -> None:
-    """`POST /scale` with two API servers: a 400 that says what to change, and both serve on."""
-    answer = httpx.post(srv.url + "/scale", json={"data_parallel_size": 3}, timeout=30)
+def test_a_bad_scale_is_refused_with_two_api_servers(srv: RemoteServer) -> None:
+    """`POST /scale` with two API servers (`test_engine_scale_supervised.py` scales them): a
+    size out of range gets a 400 that says what to change, and both serve on."""
+    answer = httpx.post(srv.url + "/scale", json={"data_parallel_size": 0}, timeout=30)
     assert answer.status_code == 400, answer.text
-    assert "needs --api-server-count 1" in answer.json()["error"]["message"]
+    assert "at least 1" in answer.json()["error"]["message"]
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
 
 

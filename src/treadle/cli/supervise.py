@@ -43,6 +43,7 @@ import zmq
 
 from treadle import envs
 from treadle.cli.supervised_desk import Notes, SupervisorDesk
+from treadle.cli.supervised_scale import SupervisorScale, split_addresses
 from treadle.cli.supervisor_stop import Stop
 from treadle.config import EngineConfig
 from treadle.entrypoints.openai.api_server import run_api_server_worker
@@ -221,6 +222,12 @@ class _Restarts:
         shutdown_processes([failed], timeout=1.0)
         desk.lose(EngineLost(rank, lost_cause(why, rank), report, time.time()))
 
+    def forget(self, rank: int) -> None:
+        """Rank `rank` was removed (`POST /scale`)."""
+        self.kills.pop(rank, None)
+        if self.desk is not None:
+            self.desk.lost.pop(rank, None)
+
     def _rank(self, child: ChildProcess) -> int | None:
         launcher = self.launcher
         i = next((i for i, e in enumerate(launcher.engines) if e is child), None)
@@ -258,19 +265,9 @@ class _Restarts:
             return new
         ctx: zmq.Context[Any] = zmq.Context()
         try:
-            return launcher.restart_engine(rank, ctx, *_split(self.addresses))
+            return launcher.restart_engine(rank, ctx, *split_addresses(self.addresses))
         finally:
             ctx.term()
-
-
-def _split(reports: list[list[str]]) -> tuple[list[str], list[str], list[bytes]]:
-    """What the API servers reported on their ready pipes (`AttachTo`): each one's ROUTER and
-    PULL addresses and engine key -> the handshake's inputs, outputs and keys."""
-    return (
-        [r[0] for r in reports],
-        [r[1] for r in reports],
-        [bytes.fromhex(r[2]) for r in reports],
-    )
 
 
 def run_api_servers(
@@ -323,7 +320,7 @@ def run_api_servers(
         addresses = wait_for_ready(api_servers, timeout)
         # With engines on other hosts, the handshake socket stays open (`supervised_desk.py`).
         remote = config.parallel.multi_node
-        launcher.handshake(report_ctx, *_split(addresses), watch=api_servers, keep=remote)
+        launcher.handshake(report_ctx, *split_addresses(addresses), watch=api_servers, keep=remote)
         progress.finish()
         logger.info(
             "%d API servers listening on http://%s:%d; %d engine core(s) ready",
@@ -340,13 +337,17 @@ def run_api_servers(
         for address in notes.addresses[1:]:
             reports.connect(reports_address(address))
         local_ranks = lambda: launcher.local_ranks  # noqa: E731
-        desk = SupervisorDesk(
-            reports, launcher.desk, local_ranks, notes.publish, restarts.stall_kill
+        scaler = SupervisorScale(
+            launcher, stop, notes.publish, api_servers, lambda: restarts.addresses, restarts.forget
         )
+        desk = SupervisorDesk(
+            reports, launcher.desk, local_ranks, notes.publish, restarts.stall_kill,
+            scaler.on_event,
+        )  # fmt: skip
         desk.start()
         restarts.desk = desk
         monitor = ProcessMonitor([*api_servers, *launcher.children], stop.on_death)
-        restarts.monitor = monitor
+        restarts.monitor = scaler.monitor = monitor
         stop.wait(restarts.restart)
         monitor.stop()
     except KeyboardInterrupt:

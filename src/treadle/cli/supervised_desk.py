@@ -41,6 +41,8 @@ from treadle.frontend.engine_events import (
     EngineLost,
     EngineRaised,
     Known,
+    ScaleAck,
+    ScaleAsk,
     StallKill,
     decode,
     encode,
@@ -68,12 +70,14 @@ class SupervisorDesk:
         local_ranks: Callable[[], range],
         publish: Callable[[EngineEvent], None],
         kill: Callable[[StallKill], None],
+        scale: Callable[[ScaleAsk | ScaleAck], None] = lambda event: None,
     ) -> None:
         self.reports = reports
         self.desk = desk
         self.local_ranks = local_ranks
         self.publish = publish
         self.kill = kill
+        self.scale = scale  # `POST /scale` (`supervised_scale.py`)
         self.stop = threading.Event()
         self._changed = threading.Condition()  # guards everything below, and `desk`
         self._deaths: dict[int, DeathReport] = {}  # rank -> its report, until asked for
@@ -176,6 +180,8 @@ class SupervisorDesk:
             self.publish(event)
         elif isinstance(event, Ask):
             self.publish(Known(list(self.lost.values())))
+        elif isinstance(event, ScaleAsk | ScaleAck):
+            self.scale(event)
 
     def _on_hello(self, hello: Hello) -> None:
         """A HELLO the desk did not expect: a remote engine that rejoins its rank, or not."""

@@ -26,6 +26,8 @@ class Stop:
         self.failure: str | None = None
         self.restartable = restartable
         self.restarts: queue.SimpleQueue[ChildProcess] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # `POST /scale`
+        self.retired: list[ChildProcess] = []  # stopped on purpose (`POST /scale`): expected
         # The engines' start-up, while it runs: a stop then ends their processes, so that the
         # handshake fails at once instead of waiting for the model to load.
         self.progress: StartupProgress | None = None
@@ -44,7 +46,7 @@ class Stop:
     def on_death(self, child: ChildProcess) -> None:
         """A child that exited 0 was stopped on purpose (e.g. a signal sent to it alone):
         everything stops cleanly. Any other end is a failure."""
-        if self.event.is_set():
+        if self.event.is_set() or any(child is c for c in self.retired):
             return
         if child.exitcode != 0 and self.restartable(child):
             self.announce(child)
@@ -57,7 +59,10 @@ class Stop:
         self.event.set()
 
     def wait(self, on_restart: Callable[[ChildProcess], None] = lambda child: None) -> None:
-        """Until stopped; meanwhile run `on_restart` (in this thread) for each queued death."""
+        """Until stopped; meanwhile run `on_restart` (in this thread) for each queued death,
+        and each queued job (a scale), one at a time."""
         while not self.event.wait(0.2):
             while not self.restarts.empty() and not self.event.is_set():
                 on_restart(self.restarts.get())
+            if not self.jobs.empty() and not self.event.is_set():
+                self.jobs.get()()

@@ -97,7 +97,67 @@ class Known(msgspec.Struct, tag="known", forbid_unknown_fields=True):
     lost: list[EngineLost]
 
 
-EngineEvent = EngineDied | EngineLost | EngineRaised | StallKill | Ask | Known
+class ScaleAsk(msgspec.Struct, tag="scale_ask", forbid_unknown_fields=True):
+    """API server -> supervisor: `POST /scale` came here; run `size` engines
+    (`frontend/scale_events.py` tells the steps)."""
+
+    client_index: int
+    size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    drain_timeout: float
+
+
+class ScaleStep(msgspec.Struct, tag="scale_step", forbid_unknown_fields=True):
+    """Supervisor -> API servers, a step before `Scaled`, which each acknowledges
+    (`ScaleAck`): `admit` (ranks up to `size` may say hello) or `drain` (ranks from `size`
+    up take no new request; what they run ends there within `drain_timeout`, or moves)."""
+
+    step: str
+    size: _Rank
+    drain_timeout: float = 0.0
+
+
+class ScaleAck(msgspec.Struct, tag="scale_ack", forbid_unknown_fields=True):
+    """API server -> supervisor: `step` (a `ScaleStep`'s, or "scaled") is done here."""
+
+    client_index: int
+    step: str
+    size: _Rank
+
+
+class Scaled(msgspec.Struct, tag="scaled", forbid_unknown_fields=True):
+    """Supervisor -> API servers: the engines are now ranks 0..`size`-1 (from `old`; `pids`:
+    the new ranks' processes). Each API server resizes its slots, router and loggers."""
+
+    old: _Rank
+    size: _Rank
+    pids: list[int] = []
+
+
+class ScaleEnded(msgspec.Struct, tag="scale_end", forbid_unknown_fields=True):
+    """Supervisor -> API servers: the scale that API server `client_index` asked for is done
+    (every API server applied it), or refused or failed (`error`; `busy`: try later)."""
+
+    client_index: int
+    old: int
+    size: int
+    error: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)] = ""
+    busy: bool = False
+
+
+ScaleEvent = ScaleStep | Scaled | ScaleEnded
+EngineEvent = (
+    EngineDied
+    | EngineLost
+    | EngineRaised
+    | StallKill
+    | Ask
+    | Known
+    | ScaleAsk
+    | ScaleStep
+    | ScaleAck
+    | Scaled
+    | ScaleEnded
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(EngineEvent)
@@ -128,6 +188,8 @@ class Applier(Protocol):
 
     async def lost(self, ranks: list[int], death: Death | None = None) -> None: ...
 
+    async def on_scale(self, event: ScaleEvent) -> None: ...
+
 
 class EventCounts:
     """How many events of each kind this process applied (`/topology`: `events`)."""
@@ -151,6 +213,10 @@ async def apply(event: EngineEvent, machine: Applier, counts: EventCounts) -> No
     elif isinstance(event, EngineLost):
         counts.applied["lost"] += 1
         await _lost(event, machine)
+    elif isinstance(event, ScaleStep | Scaled | ScaleEnded):
+        if isinstance(event, Scaled):
+            counts.applied["scaled"] += 1
+        await machine.on_scale(event)
 
 
 def _died(event: EngineDied, machine: Applier) -> None:

@@ -35,6 +35,7 @@ mode is `RestartMode`, set once per client:
 | supervisor's monitor (`cli/supervise.py`) | its engine core or coordinator exits non-zero | (its own process) | `EngineDied` to every API server, `restart_child` there; the API servers follow (`EngineDied`, hello) |
 | supervisor's `EngineLost`, FOLLOW | its restart of an engine failed, others serve; or an API server found a remote engine silent | `lost` | its requests resume on the others |
 | `POST /scale` (`engine_scale.py`), OWN | fewer engines asked | (draining) | no new request; drained or moved (`lost`), stopped, removed; a death meanwhile: `lost` |
+| the supervisor's `ScaleStep`/`Scaled` (`scale_follow.py`), FOLLOW | `POST /scale` to any API server | (draining), resize | as OWN's, each step acknowledged to the supervisor, which stops or starts the processes |
 
 `RestartBudget` is --max-engine-restarts in a 10-minute window; the supervisor spends the same
 budget when it restarts its engines itself.
@@ -43,7 +44,7 @@ budget when it restarts its engines itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from treadle.config import RestartConfig
@@ -121,6 +122,8 @@ class EngineRestarts:
         self.slots = [EngineSlot(rank) for rank in range(num_engines)]
         self._waiting = 0
         self.max_waiting = max_waiting
+        # The supervisor's scale steps (`engine_events.ScaleEvent`), applied by the scaler.
+        self.scale_events: Callable[[Any], Awaitable[None]] | None = None
 
     @property
     def states(self) -> list[EngineState]:
@@ -384,6 +387,11 @@ class EngineRestarts:
         lost: nothing in flight) by `POST /scale`: slots added or dropped."""
         del self.slots[n:]
         self.slots.extend(EngineSlot(rank) for rank in range(len(self.slots), n))
+
+    async def on_scale(self, event: Any) -> None:
+        """A step of a scale that the supervisor runs (`frontend/scale_follow.py`)."""
+        if self.scale_events is not None:
+            await self.scale_events(event)
 
     def drain(self, ranks: range) -> None:
         """`POST /scale` removes these: no new request goes to them (a lost one stays lost)."""

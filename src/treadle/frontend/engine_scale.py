@@ -1,6 +1,7 @@
 """Engines that join and leave while serving (issue 25, `POST /scale`): an API server that
 started its engines itself (`RestartMode.OWN`, `--api-server-count 1`, every engine on this
-host) changes its data-parallel size.
+host) changes its data-parallel size. With several API servers (`RestartMode.FOLLOW`) the
+supervisor runs it and every API server follows (`scale_follow.py`), with the same steps.
 
 Scale out, ranks old..N-1: the launcher starts their engine cores, which do their handshake on
 the handshake socket kept open while serving (`engine_rejoin.py:EngineJoins.handshake`) and
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from treadle.frontend.engine_state import Death, EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
+from treadle.frontend.scale_follow import ScaleRefused, SupervisedScale
 from treadle.ipc.process import ChildProcess, signal_children, stop_watched
 from treadle.logger import init_logger
 
@@ -39,13 +41,15 @@ logger = init_logger(__name__)
 MAX_DATA_PARALLEL_SIZE = 64
 """The most engines `POST /scale` starts (each is a process with its model and KV cache)."""
 
-
-class ScaleRefused(ValueError):
-    """The scale cannot be done as asked (HTTP 400; `busy`: 409, try again later)."""
-
-    def __init__(self, message: str, busy: bool = False) -> None:
-        super().__init__(message)
-        self.busy = busy
+NO_COORDINATOR = (
+    "the server started with --data-parallel-size 1 (no DP coordinator): start it with "
+    "--data-parallel-size 2 or more to scale"
+)
+REMOTE_ENGINES = (
+    "POST /scale scales engines of this host only; some run on other hosts "
+    "(--data-parallel-size-local < --data-parallel-size): start or stop --headless engines "
+    "there instead"
+)
 
 
 class EngineScaler:
@@ -53,6 +57,9 @@ class EngineScaler:
         self.client = client
         self.scaling = False
         self._retired: list[ChildProcess] = []  # stopped on purpose: their exits are expected
+        # With several API servers the supervisor scales, and every API server follows.
+        self.supervised = SupervisedScale(client, self)
+        client.restarts.scale_events = self.supervised.on_event
 
     def retired(self, child: ChildProcess) -> bool:
         return any(child is c for c in self._retired)
@@ -64,28 +71,6 @@ class EngineScaler:
             raise ScaleRefused(f"data_parallel_size must be an integer of at least 1, not {n!r}")
         if n > MAX_DATA_PARALLEL_SIZE:
             raise ScaleRefused(f"data_parallel_size {n} is above {MAX_DATA_PARALLEL_SIZE}")
-        launcher = client.launcher
-        if launcher is None:
-            raise ScaleRefused(
-                "this API server's engines were started by the supervisor "
-                "(--api-server-count > 1): POST /scale needs --api-server-count 1"
-            )
-        if client.mode is not RestartMode.OWN or client.joins is None:
-            raise ScaleRefused(
-                "POST /scale needs engine restarts on (--max-engine-restarts > 0): new engines "
-                "do their handshake on the socket that restarts keep open"
-            )
-        if launcher.config.parallel.multi_node:
-            raise ScaleRefused(
-                "POST /scale scales engines of this host only; some run on other hosts "
-                "(--data-parallel-size-local < --data-parallel-size): start or stop "
-                "--headless engines there instead"
-            )
-        if launcher.coordinator is None:
-            raise ScaleRefused(
-                "the server started with --data-parallel-size 1 (no DP coordinator): start it "
-                "with --data-parallel-size 2 or more to scale"
-            )
         if self.scaling:
             raise ScaleRefused("a scale is already under way: try again when it ends", busy=True)
         for rank, state in enumerate(client.engine_states):
@@ -94,6 +79,18 @@ class EngineScaler:
                     f"engine core {rank} is {state}: try again once /health/ready is 200",
                     busy=True,
                 )
+        if client.mode is RestartMode.FOLLOW:  # the supervisor checks the rest
+            return
+        launcher = client.launcher
+        if launcher is None or client.mode is not RestartMode.OWN or client.joins is None:
+            raise ScaleRefused(
+                "POST /scale needs engine restarts on (--max-engine-restarts > 0): new engines "
+                "do their handshake on the socket that restarts keep open"
+            )
+        if launcher.config.parallel.multi_node:
+            raise ScaleRefused(REMOTE_ENGINES)
+        if launcher.coordinator is None:
+            raise ScaleRefused(NO_COORDINATOR)
 
     async def scale(self, n: int, drain_timeout: float) -> int:
         """Scale to `n` engines; returns the size before. Raises `ScaleRefused`, or what a
@@ -104,6 +101,8 @@ class EngineScaler:
             return old
         self.scaling = True
         try:
+            if self.client.mode is RestartMode.FOLLOW:
+                return await self.supervised.scale(n, drain_timeout)
             if n > old:
                 await self._out(old, n)
             else:
@@ -147,7 +146,7 @@ class EngineScaler:
         finally:
             for rank in hellos:
                 client.watch.forget_hello(rank)
-        self._resize(n)
+        self.resize(n)
         client.restarts.started(pids, first=old)
         await self._new_coordinator()
         logger.info("Scaled out from %d to %d engines in %.1f s", old, n, time.monotonic() - start)
@@ -172,9 +171,9 @@ class EngineScaler:
             f"; {lost} are lost" if lost else "",
         )
         deadline = time.monotonic() + drain_timeout
-        while any(self._draining(r) for r in leaving) and time.monotonic() < deadline:
+        while any(self.draining(r) for r in leaving) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        left = [r for r in leaving if self._draining(r)]
+        left = [r for r in leaving if self.draining(r)]
         if left:
             why = f"scale in: the drain timeout of {drain_timeout:.0f} s passed"
             logger.warning("Scaling in: %s; moving what EngineCore_DP%s run", why, left)
@@ -182,7 +181,7 @@ class EngineScaler:
         await self._stop(n)
         logger.info("Scaled in from %d to %d engines", old, n)
 
-    def _draining(self, rank: int) -> bool:
+    def draining(self, rank: int) -> bool:
         client = self.client
         return client.restarts.slots[rank].state is EngineState.DRAINING and (
             client.inflight.count(rank) > 0
@@ -205,14 +204,14 @@ class EngineScaler:
         await asyncio.to_thread(stop_watched, children, 30.0)
         for child in running:
             logger.info("Scaling in: %s stopped", child.describe())
-        self._resize(n)
+        self.resize(n)
         await self._new_coordinator()
         # A STOPPED frame comes before its exit: one not read by now never comes (killed).
         client.watch.expected_stops = 0
 
     # -- both -----------------------------------------------------------------------------
 
-    def _resize(self, n: int) -> None:
+    def resize(self, n: int) -> None:
         client = self.client
         client.num_engines = n
         client.engines.resize(n)

@@ -1,0 +1,121 @@
+"""`POST /scale` with two API servers (issue 42 item 3, `cli/supervised_scale.py` and
+`frontend/scale_follow.py`): 2 -> 3 -> 2 engines while 16 greedy streams run, every text the
+undisturbed run's; each scale is exactly one event (`scaled`) that both API servers apply,
+and `/topology` says the same of the engines from either API server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from test_engine_scale import AUTH, KEY, Streams, prompts, scale
+
+from serve_helpers import RemoteServer
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iterator[RemoteServer]:  # type: ignore[no-untyped-def]
+    server = RemoteServer(
+        [str(tiny_model_factory("llama")), "-dp", "2", "--api-server-count", "2",
+         "--api-key", KEY, "--max-engine-restarts", "5"],
+        tmp_path_factory.mktemp("scale-supervised"),
+        env={"TREADLE_LOGGING_LEVEL": "INFO"},
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+def both_views(
+    srv: RemoteServer, done: Callable[[dict[str, Any]], bool], timeout: float = 90.0
+) -> dict[int, dict[str, Any]]:
+    """`/topology` from each API server (each request a new connection: the kernel picks
+    who accepts it), once `done` holds for the answers of both."""
+    views: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    doc: dict[str, Any] = {}
+    while len(views) < 2:
+        assert time.monotonic() < deadline, (
+            views,
+            doc.get("events"),
+            doc.get("engines"),
+            srv.output()[-3000:],
+        )
+        doc = httpx.get(srv.url + "/topology", headers=AUTH, timeout=30).json()
+        if done(doc):
+            views[doc["served_by"]["api_server"]] = doc
+        time.sleep(0.05)
+    return views
+
+
+def engines_of(view: dict[str, Any]) -> list[dict[str, Any]]:
+    keys = ("dp_rank", "state", "last_death")
+    return [{k: e.get(k) for k in keys} for e in view["engines"]]
+
+
+def settled(size: int, scaled: int) -> Callable[[dict[str, Any]], bool]:
+    events = {"scaled": scaled} if scaled else {}
+    return lambda doc: (
+        doc["events"] == events and [e["state"] for e in doc["engines"]] == ["ready"] * size
+    )
+
+
+def test_scale_out_and_in_with_two_api_servers_changes_no_text(srv: RemoteServer) -> None:
+    texts = prompts()
+    reference = Streams(srv.url, texts).results()  # undisturbed, on two engines
+    views = both_views(srv, settled(2, 0), timeout=30)
+    assert [v["events"] for v in views.values()] == [{}, {}]
+
+    # 2 -> 3 while 16 streams run.
+    streams = Streams(srv.url, texts)
+    streams.wait_started()
+    answer = scale(srv, {"data_parallel_size": 3})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["old_data_parallel_size"] == 2
+    assert answer.json()["new_data_parallel_size"] == 3
+    assert streams.results() == reference
+    views = both_views(srv, settled(3, 1))
+    assert [engines_of(v) for v in views.values()] == [engines_of(views[0])] * 2
+    new_pid = srv.pid_of("treadle::EngineCore_DP2")
+    # Both API servers route to the new rank: a request pinned there, to each.
+    for _ in range(4):
+        pinned = httpx.post(
+            srv.url + "/v1/completions",
+            json={"prompt": texts[5], "max_tokens": 8, "temperature": 0},
+            headers={**AUTH, "X-data-parallel-rank": "2"},
+            timeout=60,
+        )
+        assert pinned.status_code == 200, pinned.text
+    output = srv.output()
+    assert "The DP coordinator now counts 3 engines" in output
+
+    # 3 -> 2 while 16 streams run, some of them on rank 2: they finish there.
+    streams = Streams(srv.url, texts)
+    streams.wait_started()
+    answer = scale(srv, {"data_parallel_size": 2})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["old_data_parallel_size"] == 3
+    assert streams.results() == reference
+    views = both_views(srv, settled(2, 2))
+    assert [engines_of(v) for v in views.values()] == [engines_of(views[0])] * 2
+    assert not psutil.pid_exists(new_pid) or psutil.Process(new_pid).status() == "zombie"
+    assert "Scaled in from 3 to 2 engines" in srv.output()
+    since = srv.output().split("Scaling out from 2 to 3")[1].splitlines()
+    # The removed engine's stop and exit 0, and the old coordinator's, are expected: neither
+    # the supervisor nor an API server stops.
+    assert not [line for line in since if "APIServerSupervisor" in line and "shutting" in line]
+    assert not [line for line in since if "was stopped; stopping" in line]
+    assert httpx.get(srv.url + "/health/ready", timeout=10).status_code == 200
+
+
+def test_bad_scale_requests_are_refused_and_both_serve_on(srv: RemoteServer) -> None:
+    for body in ({"data_parallel_size": 0}, {"data_parallel_size": 65}):
+        answer = scale(srv, body)
+        assert answer.status_code == 400, (body, answer.text)
+    same = scale(srv, {"data_parallel_size": 2})
+    assert same.status_code == 200, same.text
+    views = both_views(srv, settled(2, 2))
+    assert len(views) == 2
