@@ -142,8 +142,6 @@ class AsyncLLM:
             stat_logger.record_cache_config(config.cache, info.num_blocks)
         self.last_output_time = time.monotonic()
         self.latencies = LatencyWindow(self.client.num_engines)  # for the dashboard
-        # When each engine's unanswered health ping was sent (None: none is unanswered).
-        self._ping_sent: list[float | None] = [None] * self.client.num_engines
         self._pings: dict[int, int] = {}  # rank -> the generation of its ping task
         self.progress = progress or StartupProgress(self.client.num_engines)
         self.progress.finish()
@@ -322,7 +320,7 @@ class AsyncLLM:
                 continue
             busy = self.client.inflight.count(rank) > 0
             step = now - slot.last_progress if busy else 0.0
-            sent = self._ping_sent[rank]
+            sent = slot.ping_sent
             silences.append((step, 0.0 if sent is None else now - sent))
         return silences
 
@@ -337,14 +335,13 @@ class AsyncLLM:
                 self._pings.pop(rank, None)
                 return
             if self.client.engine_states[rank].serves:
-                self._ping_sent[rank] = time.monotonic()
+                self.client.restarts.ping(rank, sent=True)
                 try:
                     await self.client.call_utility("get_stats", engine=rank)
                 except EngineDeadError:
                     pass
                 finally:
-                    if rank < len(self._ping_sent):
-                        self._ping_sent[rank] = None
+                    self.client.restarts.ping(rank, sent=False)
             await asyncio.sleep(interval)
 
     # -- what the client tells (`ClientListener`) ------------------------------------------
@@ -416,7 +413,6 @@ class AsyncLLM:
             stat_logger.record_cache_config(self.config.cache, self.client.info.num_blocks)
             self.stat_loggers.append(stat_logger)
         self.latencies.resize(n)
-        self._ping_sent = self._ping_sent[:n] + [None] * (n - old)
         self.progress.resize(n)
         if n > old:
             self._start_pings(old)

@@ -157,6 +157,12 @@ class EngineRestarts:
         if final:
             self.slots[rank].last_death = Death(f"EngineCore_DP{rank} failed", report)
 
+    def ping(self, rank: int, sent: bool) -> None:
+        """A health ping to `rank` was sent (`sent`), or answered or failed (its rank may be
+        gone by then: scaled in)."""
+        if rank < len(self.slots):
+            self.slots[rank].ping_sent = time.monotonic() if sent else None
+
     def pid_of(self, rank: int) -> int:
         return self.slots[rank].pid
 

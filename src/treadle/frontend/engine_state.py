@@ -102,6 +102,8 @@ class EngineSlot:
     """Requests to resume on it, one at a time."""
     up: asyncio.Event = field(default_factory=_set_event)
     """Set while new requests may go to it (clear while it restarts)."""
+    ping_sent: float | None = None
+    """When its unanswered health ping was sent (None: none is unanswered)."""
 
     @property
     def down(self) -> bool:
