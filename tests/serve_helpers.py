@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,34 @@ def stream_text(url: str, prompt: str, max_tokens: int, chunks: list[float] | No
                 if chunks is not None:
                     chunks.append(time.monotonic())
     return text
+
+
+def both_views(
+    srv: RemoteServer,
+    done: Callable[[dict[str, Any]], bool],
+    timeout: float = 90.0,
+    headers: dict[str, str] | None = None,
+) -> dict[int, dict[str, Any]]:
+    """`/topology` from each of two API servers (each request a new connection: the kernel
+    picks who accepts it), once `done` holds for the answers of both."""
+    views: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    doc: dict[str, Any] = {}
+    while len(views) < 2:
+        assert time.monotonic() < deadline, (
+            views,
+            doc.get("events"),
+            doc.get("engines"),
+            srv.output()[-3000:],
+        )
+        doc = httpx.get(srv.url + "/topology", headers=headers, timeout=30).json()
+        if done(doc):
+            views[doc["served_by"]["api_server"]] = doc
+        time.sleep(0.05)
+    return views
+
+
+def engines_of(view: dict[str, Any]) -> list[dict[str, Any]]:
+    """What two API servers must say alike of each engine (not its load, which moves)."""
+    keys = ("dp_rank", "state", "last_death")
+    return [{k: e.get(k) for k in keys} for e in view["engines"]]

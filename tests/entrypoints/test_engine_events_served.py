@@ -15,14 +15,12 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
-import httpx
 import pytest
 from test_engine_restart import stream_completion
 
-from serve_helpers import RemoteServer
+from serve_helpers import RemoteServer, both_views, engines_of
 
 
 @pytest.fixture(scope="module")
@@ -36,28 +34,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iterato
     )  # fmt: skip
     yield server
     server.stop()
-
-
-def both_views(
-    srv: RemoteServer, done: Callable[[dict[str, Any]], bool], timeout: float = 90.0
-) -> dict[int, dict[str, Any]]:
-    """`/topology` from each API server (each request a new connection: the kernel picks
-    who accepts it), once `done` holds for the answers of both."""
-    views: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    while len(views) < 2:
-        assert time.monotonic() < deadline, (views, srv.output()[-4000:])
-        doc = httpx.get(srv.url + "/topology", timeout=30).json()
-        if done(doc):
-            views[doc["served_by"]["api_server"]] = doc
-        time.sleep(0.05)
-    return views
-
-
-def engines_of(view: dict[str, Any]) -> list[dict[str, Any]]:
-    """What both API servers must say alike of each engine (not its load, which moves)."""
-    keys = ("dp_rank", "state", "last_death")
-    return [{k: e.get(k) for k in keys} for e in view["engines"]]
 
 
 def test_a_killed_engine_is_one_event_that_both_api_servers_apply(srv: RemoteServer) -> None:

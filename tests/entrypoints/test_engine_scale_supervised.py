@@ -5,7 +5,6 @@ and `/topology` says the same of the engines from either API server."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,7 +13,7 @@ import psutil
 import pytest
 from test_engine_scale import AUTH, KEY, Streams, prompts, scale
 
-from serve_helpers import RemoteServer
+from serve_helpers import RemoteServer, both_views, engines_of
 
 
 @pytest.fixture(scope="module")
@@ -29,33 +28,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory) -> Iterato
     server.stop()
 
 
-def both_views(
-    srv: RemoteServer, done: Callable[[dict[str, Any]], bool], timeout: float = 90.0
-) -> dict[int, dict[str, Any]]:
-    """`/topology` from each API server (each request a new connection: the kernel picks
-    who accepts it), once `done` holds for the answers of both."""
-    views: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    doc: dict[str, Any] = {}
-    while len(views) < 2:
-        assert time.monotonic() < deadline, (
-            views,
-            doc.get("events"),
-            doc.get("engines"),
-            srv.output()[-3000:],
-        )
-        doc = httpx.get(srv.url + "/topology", headers=AUTH, timeout=30).json()
-        if done(doc):
-            views[doc["served_by"]["api_server"]] = doc
-        time.sleep(0.05)
-    return views
-
-
-def engines_of(view: dict[str, Any]) -> list[dict[str, Any]]:
-    keys = ("dp_rank", "state", "last_death")
-    return [{k: e.get(k) for k in keys} for e in view["engines"]]
-
-
 def settled(size: int, scaled: int) -> Callable[[dict[str, Any]], bool]:
     events = {"scaled": scaled} if scaled else {}
     return lambda doc: (
@@ -66,7 +38,7 @@ def settled(size: int, scaled: int) -> Callable[[dict[str, Any]], bool]:
 def test_scale_out_and_in_with_two_api_servers_changes_no_text(srv: RemoteServer) -> None:
     texts = prompts()
     reference = Streams(srv.url, texts).results()  # undisturbed, on two engines
-    views = both_views(srv, settled(2, 0), timeout=30)
+    views = both_views(srv, settled(2, 0), timeout=30, headers=AUTH)
     assert [v["events"] for v in views.values()] == [{}, {}]
 
     # 2 -> 3 while 16 streams run.
@@ -77,7 +49,7 @@ def test_scale_out_and_in_with_two_api_servers_changes_no_text(srv: RemoteServer
     assert answer.json()["old_data_parallel_size"] == 2
     assert answer.json()["new_data_parallel_size"] == 3
     assert streams.results() == reference
-    views = both_views(srv, settled(3, 1))
+    views = both_views(srv, settled(3, 1), headers=AUTH)
     assert [engines_of(v) for v in views.values()] == [engines_of(views[0])] * 2
     new_pid = srv.pid_of("treadle::EngineCore_DP2")
     # Both API servers route to the new rank: a request pinned there, to each.
@@ -99,7 +71,7 @@ def test_scale_out_and_in_with_two_api_servers_changes_no_text(srv: RemoteServer
     assert answer.status_code == 200, answer.text
     assert answer.json()["old_data_parallel_size"] == 3
     assert streams.results() == reference
-    views = both_views(srv, settled(2, 2))
+    views = both_views(srv, settled(2, 2), headers=AUTH)
     assert [engines_of(v) for v in views.values()] == [engines_of(views[0])] * 2
     assert not psutil.pid_exists(new_pid) or psutil.Process(new_pid).status() == "zombie"
     assert "Scaled in from 3 to 2 engines" in srv.output()
@@ -117,5 +89,5 @@ def test_bad_scale_requests_are_refused_and_both_serve_on(srv: RemoteServer) -> 
         assert answer.status_code == 400, (body, answer.text)
     same = scale(srv, {"data_parallel_size": 2})
     assert same.status_code == 200, same.text
-    views = both_views(srv, settled(2, 2))
+    views = both_views(srv, settled(2, 2), headers=AUTH)
     assert len(views) == 2
