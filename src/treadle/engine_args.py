@@ -316,7 +316,7 @@ class EngineArgs:
     def create_engine_config(self, frontend: FrontendConfig | None = None) -> EngineConfig:
         """The checked `EngineConfig` (the model path resolved to local files). Raises
         `ValueError` or `FileNotFoundError` with one line that says what to change; the checks
-        that need the model's header run later (`worker.check_config`)."""
+        that need the model's header run later (`start_checks.check_config`)."""
         if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError(
                 "--speculative-config does not work with --pipeline-parallel-size > 1 yet"

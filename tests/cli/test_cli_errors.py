@@ -12,8 +12,7 @@ import pytest
 
 from treadle.cli.main import main
 from treadle.config import resolve_model
-from treadle.executor.multiproc import check_parallel_layout, tp_sizes
-from treadle.worker.worker import model_arch
+from treadle.worker.start_checks import check_parallel_layout, model_arch, tp_sizes
 
 TREADLE = str(Path(sys.executable).parent / "treadle")
 

@@ -18,7 +18,8 @@ import torch
 
 from serve_helpers import TREADLE
 from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from treadle.worker.worker import check_config, resolve_dtype
+from treadle.worker.start_checks import check_config
+from treadle.worker.worker import resolve_dtype
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import pytest
 
 from treadle import LLM, SamplingParams
 from treadle.engine_args import EngineArgs
-from treadle.executor.multiproc import check_parallel_layout
 from treadle.model.arch import ModelArch
 from treadle.parallel_config import ParallelConfig, pp_layer_partition, pp_layer_range
 from treadle.sampling_params import StructuredOutputsParams
+from treadle.worker.start_checks import check_parallel_layout
 
 LAYERS = 5  # -pp 3 leaves a remainder: [2, 2, 1]
 PROMPTS = [

@@ -260,7 +260,7 @@ def test_greedy_output_on_the_kernels_is_the_pytorch_paths(
 
 def test_the_same_memory_holds_more_tokens(default_model_path: str) -> None:
     from treadle.config import resolve_model
-    from treadle.worker.worker import kv_bytes_per_block, model_arch
+    from treadle.worker.start_checks import kv_bytes_per_block, model_arch
 
     arch = model_arch(resolve_model(default_model_path))
     per = {name: kv_bytes_per_block(arch, name, 16) for name in KV_DTYPES}
@@ -272,7 +272,7 @@ def test_the_start_up_check_sizes_the_cache_by_its_dtype(tiny_model_factory: Any
     """64 KiB hold 128 tokens of the tiny model in float32 (8 blocks); 256 tokens need a
     16-bit cache, 400 an int8 one (head size 16: 20 bytes a row against 64, 3.2x)."""
     from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from treadle.worker.worker import check_config
+    from treadle.worker.start_checks import check_config
 
     tiny = str(tiny_model_factory("llama"))
 

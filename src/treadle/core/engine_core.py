@@ -25,7 +25,7 @@ from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
 from treadle.core.spec_draft import DraftProposer
 from treadle.executor.base import Executor
-from treadle.executor.multiproc import MultiprocExecutor, check_parallel_layout
+from treadle.executor.multiproc import MultiprocExecutor
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
 from treadle.model.loader import read_arch
@@ -46,7 +46,7 @@ from treadle.wire.engine import (
 )
 from treadle.wire.topology import EngineChannels, EngineReport
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.worker import resolve_max_model_len
+from treadle.worker.start_checks import check_parallel_layout, resolve_max_model_len
 
 logger = init_logger(__name__)
 

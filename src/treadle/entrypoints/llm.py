@@ -14,7 +14,6 @@ from treadle import envs
 from treadle.config import model_source
 from treadle.engine_args import EngineArgs
 from treadle.entrypoints.openai.protocol import ImagePart, template_message
-from treadle.executor.multiproc import check_parallel_layout
 from treadle.frontend.beam_search import (
     BeamSearch,
     BeamSearchOutput,
@@ -38,6 +37,7 @@ from treadle.sampling_params import BeamSearchParams, SamplingParams, generation
 from treadle.tokenizer import load_model_tokenizer
 from treadle.validation import InvalidRequest, ModelLimits
 from treadle.wire.engine import LoRARequest, MultiModalInput, SchedulerStats
+from treadle.worker.start_checks import check_parallel_layout
 
 logger = init_logger(__name__)
 

@@ -40,8 +40,6 @@ from treadle.wire.topology import ProcessInfo
 from treadle.wire.worker import (
     reader_codec,
 )
-from treadle.worker.start_checks import check_parallel_layout as check_parallel_layout
-from treadle.worker.start_checks import tp_sizes as tp_sizes
 from treadle.worker.worker_proc import STOP_WORKER, run_worker, worker_title
 
 logger = init_logger(__name__)

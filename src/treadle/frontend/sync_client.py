@@ -16,7 +16,7 @@ from treadle.frontend.core_client import EngineDeadError, EngineInfo, MPClient, 
 from treadle.logger import init_logger
 from treadle.wire.control import ENGINE_CORE_DEAD, ENGINE_CORE_STOPPED, DeathReport
 from treadle.wire.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from treadle.worker.worker import check_config
+from treadle.worker.start_checks import check_config
 
 logger = init_logger(__name__)
 

@@ -9,18 +9,14 @@ from typing import Any
 import psutil
 import torch
 
-from treadle.config import (
-    EngineConfig,
-    ModelSource,
-    model_source,
-    pp_layer_range,
-)
+from treadle.config import EngineConfig, ModelSource, model_source
 from treadle.logger import init_logger
 from treadle.model.attention import kv_row_bytes, resolve_kv_cache_dtype
 from treadle.model.llama import LlamaForCausalLM, Stage
 from treadle.model.loader import load_model, read_arch
 from treadle.model.lora import LoRAError
 from treadle.model.parallel import pp_rank, pp_size, tp_rank
+from treadle.parallel_config import pp_layer_range
 from treadle.wire.engine import LoRARequest
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker import kv_file
@@ -36,9 +32,6 @@ from treadle.worker.start_checks import (  # the start-up checks, torch-free
 )
 
 # Re-exported: their callers import them from here too.
-from treadle.worker.start_checks import check_config as check_config
-from treadle.worker.start_checks import kv_bytes_per_block as kv_bytes_per_block
-from treadle.worker.start_checks import model_arch as model_arch
 
 logger = init_logger(__name__)
 
