@@ -43,6 +43,23 @@ def test_api_server_modules_tokenizer_and_checks_import_no_torch() -> None:
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
+COORDINATOR = """
+import sys
+import treadle.cli.main, treadle.core.dp_coordinator
+print(sorted(m for m in ("numpy", "torch", "transformers") if m in sys.modules))
+"""
+
+
+def test_dp_coordinator_imports_no_numpy() -> None:
+    """Every spawned child of `treadle` imports the CLI (its `__main__`), the DP coordinator
+    included: `treadle bench`'s numpy stays out of it (~15 MiB of RSS, issue 41 item 2)."""
+    done = subprocess.run(
+        [sys.executable, "-c", COORDINATOR], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 TEXTS = [
     "Hello, world!",
     "  leading spaces and trailing  ",

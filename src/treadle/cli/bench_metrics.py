@@ -7,8 +7,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # --percentile-metrics names, vLLM's
 
 
@@ -107,6 +105,8 @@ def _stats_ms(
     names = [f"p{percentile_name(p)}" for p in percentiles]
     if not values:
         return 0.0, 0.0, 0.0, dict.fromkeys(names, 0.0)
+    import numpy as np  # here, not at import: every spawned child of `treadle` imports the CLI
+
     arr = np.asarray(values, dtype=np.float64) * 1000.0
     found = {name: float(np.percentile(arr, p)) for name, p in zip(names, percentiles, strict=True)}
     return float(arr.mean()), float(np.median(arr)), float(arr.std()), found
