@@ -75,7 +75,36 @@ def load_model(
     """The model, loaded and prepared; `cpu_activation_dtype`: the GGUF-block linear layers'
     activations on treadle's CPU kernels (`Kernels.with_activations`; nothing elsewhere);
     `stage`: a pipeline stage's layers (default: the whole model), whose tensors alone are
-    read from the file."""
+    read from the file.
+
+    Loads and prepares on one PyTorch thread: a layer's preparation is many small tensor
+    operations, and with two intra-op threads on a busy CPU each one waited for the thread that
+    lost its core (a warm start's preparation, 2 cores at load 5: 3.3-6.9 s on 2 threads
+    against 0.38 s on one). The model's own steps use the threads
+    the engine set (restored here before the last line)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, prepared = _load_and_prepare(
+            source, arch, dtype, device, max_positions, cpu_activation_dtype, stage
+        )
+    finally:
+        torch.set_num_threads(threads)
+    on_threads = f" with {threads} threads" if device.type == "cpu" else ""
+    logger.info("Model runs on %s", prepared % on_threads)
+    return model
+
+
+def _load_and_prepare(
+    source: ModelSource,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    cpu_activation_dtype: str,
+    stage: Stage | None,
+) -> tuple[LlamaForCausalLM, str]:
+    """`load_model`'s work: the model, and what it runs on (a `%s` where its threads go)."""
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
@@ -109,14 +138,12 @@ def load_model(
     model.prepare(kernels)  # then the model, which looks at its layers' choices
     _release_freed_memory()
     fused = model.fused
-    logger.info(
-        "Model runs on %s%s%s (layers prepared in %.1f s)",
-        cpu_kernels.describe(kernels, device, dtype),
-        f" with {torch.get_num_threads()} threads" if device.type == "cpu" else "",
-        f"; decode steps of up to {fused.max_rows} requests in one fused call" if fused else "",
-        time.monotonic() - loaded,
+    runs_on = cpu_kernels.describe(kernels, device, dtype)
+    steps = f"; decode steps of up to {fused.max_rows} requests in one fused call" if fused else ""
+    return (
+        model.eval(),
+        f"{runs_on}%s{steps} (layers prepared in {time.monotonic() - loaded:.1f} s)",
     )
-    return model.eval()
 
 
 def _counted(
