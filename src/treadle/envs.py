@@ -95,6 +95,11 @@ def engine_ready_timeout_s() -> int:
     return _int("TREADLE_ENGINE_READY_TIMEOUT_S", 600)
 
 
+def scale_join_timeout_s() -> int:
+    """How long `POST /scale` waits for the HELLO of another host's engine for a new rank."""
+    return _int("TREADLE_SCALE_JOIN_TIMEOUT_S", 300)
+
+
 def execute_model_timeout_seconds() -> int:
     return _int("TREADLE_EXECUTE_MODEL_TIMEOUT_SECONDS", 300)
 

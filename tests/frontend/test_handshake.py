@@ -3,9 +3,11 @@ replies wait in its outbox)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
+import pytest
 
 from treadle.frontend.handshake import HandshakeDesk, Hello
 from treadle.ipc.engine_auth import engine_token
@@ -92,3 +94,37 @@ def test_phases_of_a_greeted_rank_with_its_secret_are_told_and_others_dropped() 
     assert d.on_message(phase(b"s0", "profiling the KV cache")) is None
     assert told == [(0, StartupPhase.LOADING_WEIGHTS), (0, StartupPhase.PROFILING_KV_CACHE)]
     assert d.on_message(frames(b"p0", "READY", 0, b"s0")) == 0
+
+
+def test_a_hello_for_a_rank_not_ours_yet_is_held_until_a_scale_admits_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`POST /scale` with engines on other hosts: a headless engine started for rank 2 of a
+    2-engine server says HELLO first; it is held (a second one for rank 2 is refused), and
+    answered once the scale admits rank 2; one never admitted is refused after
+    TREADLE_ENGINE_READY_TIMEOUT_S, saying why."""
+    d = desk()
+    hello = d.on_message(frames(b"p2", "HELLO", 2))
+    assert isinstance(hello, Hello) and hello.rank == 2
+    assert d.on_message(frames(b"p2", "READY", 2)) is None  # not a HELLO: dropped
+    d.hold(hello)
+    d.hold(Hello(b"p8", 2, b""))
+    assert [(p, r.status) for p, r in replies(d)] == [(b"p8", "REFUSED")]
+    d.decide_early()
+    assert d.take() == []  # still waits
+    d.launches.append(0)  # the scale admits rank 2 (`EngineLauncher.add_engines`)
+    d.expect([2])
+    d.decide_early()
+    ((peer, reply),) = replies(d)
+    assert peer == b"p2" and reply.status == "ADDRESSES" and reply.launch == 1
+    assert d.joining(2) and d.on_message(frames(b"p2", "READY", 2)) == 2
+    # Held too long: refused.
+    monkeypatch.setenv("TREADLE_ENGINE_READY_TIMEOUT_S", "0")
+    late = d.on_message(frames(b"p3", "HELLO", 3))
+    assert isinstance(late, Hello)
+    d.hold(late)
+    time.sleep(0.01)
+    d.decide_early()
+    ((peer, reply),) = replies(d)
+    assert peer == b"p3" and reply.status == "REFUSED" and "no engine rank 3" in reply.reason
+    assert d.on_message(frames(b"p9", "HELLO", 64)) is None  # past MAX_ENGINES: dropped

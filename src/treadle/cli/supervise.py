@@ -345,7 +345,7 @@ def run_api_servers(
             scaler.on_event,
         )  # fmt: skip
         desk.start()
-        restarts.desk = desk
+        restarts.desk = scaler.desk = desk
         monitor = ProcessMonitor([*api_servers, *launcher.children], stop.on_death)
         restarts.monitor = scaler.monitor = monitor
         stop.wait(restarts.restart)
@@ -408,7 +408,18 @@ def run_headless(config: EngineConfig, shutdown_timeout: float) -> int:
         p.data_parallel_start_rank + p.local_engine_count - 1,
         launcher.handshake_address,
     )
-    monitor = ProcessMonitor(launcher.children, stop.on_death)
+
+    def on_death(child: ChildProcess) -> None:
+        # One engine released by its front end (`POST /scale` removed its rank) exits 0;
+        # the others serve on, and this process ends with the last.
+        if child.exitcode == 0 and any(e.exitcode is None for e in launcher.engines):
+            logger.info(
+                "%s stopped (its front end released it); the others serve on", child.describe()
+            )
+            return
+        stop.on_death(child)
+
+    monitor = ProcessMonitor(launcher.children, on_death)
     try:
         stop.wait()
     except KeyboardInterrupt:

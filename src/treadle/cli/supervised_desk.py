@@ -18,6 +18,9 @@ reads in one thread (`SupervisorDesk`):
     that went away (`HOLD_S`); past that, an engine of that rank still answers and the new
     one is refused (it fails its start-up saying why). This host's own ranks never rejoin
     this way.
+  - another host's, for a rank that `POST /scale` adds (`join`, `cli/supervised_scale.py`):
+    answered once the scale admits that rank, whether its HELLO came first (held:
+    `HandshakeDesk.hold`) or within TREADLE_SCALE_JOIN_TIMEOUT_S after.
 
 With one API server, that server answers its handshake socket itself (`engine_rejoin.py`).
 """
@@ -35,6 +38,7 @@ import msgspec
 import zmq
 
 from treadle import envs
+from treadle.config import EngineConfig
 from treadle.frontend.engine_events import (
     Ask,
     EngineEvent,
@@ -47,6 +51,7 @@ from treadle.frontend.engine_events import (
     decode,
     encode,
 )
+from treadle.frontend.engine_rejoin import join_timeout
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
 from treadle.frontend.handshake import HandshakeDesk, Hello
 from treadle.frontend.startup import StartupProgress, startup_address
@@ -54,7 +59,7 @@ from treadle.ipc.inbound import DropLog
 from treadle.ipc.process import ChildProcess
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, make_zmq_socket
 from treadle.logger import init_logger
-from treadle.wire.control import DeathReport, StartupPhases
+from treadle.wire.control import DeathReport, Handshake, StartupPhases
 
 logger = init_logger(__name__)
 
@@ -127,6 +132,36 @@ class SupervisorDesk:
                     "TREADLE_ENGINE_READY_TIMEOUT_S if loading the model takes longer"
                 )
 
+    def join(self, rank: int, launcher_config: EngineConfig) -> Handshake:
+        """`POST /scale` adds `rank`, another host's: its HELLO is answered (held already, or
+        within TREADLE_SCALE_JOIN_TIMEOUT_S), and its READY awaited (within
+        TREADLE_ENGINE_READY_TIMEOUT_S); returns the READY. Raises `TimeoutError` saying what
+        to start where."""
+        desk = self.desk
+        assert desk is not None
+        with self._changed:
+            desk.expect([rank])
+        deadline, loading = time.monotonic() + envs.scale_join_timeout_s(), False
+        while True:
+            with self._changed:
+                if self._changed.wait_for(lambda: rank in desk.ready, timeout=0.1):
+                    return desk.ready[rank]
+                if not loading and desk.joining(rank):  # greeted: it loads now
+                    deadline, loading = time.monotonic() + envs.engine_ready_timeout_s(), True
+            if self.stop.is_set():
+                raise RuntimeError("stopped while it joined")
+            if time.monotonic() > deadline:
+                raise TimeoutError(join_timeout(rank, loading, launcher_config))
+
+    def forget(self, ranks: range) -> None:
+        """These ranks were removed, or their scale out failed."""
+        with self._changed:
+            if self.desk is not None:
+                self.desk.forget(ranks)
+            for rank in ranks:
+                self.lost.pop(rank, None)
+                self._held.pop(rank, None)
+
     # -- the thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -187,7 +222,9 @@ class SupervisorDesk:
         """A HELLO the desk did not expect: a remote engine that rejoins its rank, or not."""
         assert self.desk is not None
         rank = hello.rank
-        if rank in self.local_ranks():
+        if rank >= len(self.desk.launches):  # not ours (yet): `POST /scale` may add it
+            self.desk.hold(hello)
+        elif rank in self.local_ranks():
             self.desk.drops.drop(
                 "Dropped a HELLO for engine rank %d on the handshake socket: that engine runs "
                 "on this host, and this is not its process",
@@ -201,9 +238,13 @@ class SupervisorDesk:
     def _decide_held(self) -> None:
         """Greet each held HELLO whose rank API server 0 has lost; refuse those held too long."""
         assert self.desk is not None
+        self.desk.decide_early()
         now = time.monotonic()
         for rank, (hello, since) in list(self._held.items()):
-            if rank in self.lost:  # (dropped when the engine that joined last said READY)
+            if self.desk.admits(rank):  # (it came as `POST /scale` admitted its rank)
+                del self._held[rank]
+                self.desk.greet(hello)
+            elif rank in self.lost:  # (dropped when the engine that joined last said READY)
                 del self._held[rank]
                 logger.warning(
                     "An engine core of another host joins as rank %d (lost before): answering "

@@ -2,7 +2,13 @@
 the engines' processes, the handshake and the DP coordinator, so it runs the scale that an
 API server asks for (`ScaleAsk`) in its main thread (between restarts, never beside one),
 and every API server applies each step and acknowledges it (`frontend/scale_follow.py`
-draws the steps). Engines on other hosts (`--headless`) are refused, saying why.
+draws the steps).
+
+With engines on other hosts (`-dpl` < `-dp`) this host keeps its `-dpl` engines: a new rank
+is another host's (`treadle serve --headless -dpr R`), whose HELLO the handshake socket kept
+open answers once the rank is admitted (`SupervisorDesk.join`: held if it came first, else
+awaited for TREADLE_SCALE_JOIN_TIMEOUT_S); a leaving one is asked to stop by the API servers
+(the `release` step) once drained, and exits 0 on its host.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from treadle.cli.supervised_desk import SupervisorDesk
 from treadle.cli.supervisor_stop import Stop
 from treadle.frontend.engine_events import (
     EngineEvent,
@@ -25,9 +32,15 @@ from treadle.frontend.engine_events import (
     ScaleEnded,
     ScaleStep,
 )
-from treadle.frontend.engine_scale import MAX_DATA_PARALLEL_SIZE, NO_COORDINATOR, REMOTE_ENGINES
+from treadle.frontend.engine_scale import (
+    MAX_DATA_PARALLEL_SIZE,
+    NO_COORDINATOR,
+    RELEASE_S,
+    check_local,
+)
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
 from treadle.frontend.launcher import EngineLauncher
+from treadle.frontend.scale_follow import ScaleRefused
 from treadle.ipc.process import (
     ChildProcess,
     ProcessMonitor,
@@ -78,6 +91,7 @@ class SupervisorScale:
         self.addresses = addresses
         self.forget = forget  # a removed rank's lost record and stall kill
         self.monitor: ProcessMonitor | None = None
+        self.desk: SupervisorDesk | None = None  # its handshake socket: engines of other hosts
         self._busy = False
         self._acks: dict[tuple[str, int], set[int]] = {}
         self._changed = threading.Condition()
@@ -125,8 +139,11 @@ class SupervisorScale:
         launcher = self.launcher
         if not 1 <= n <= MAX_DATA_PARALLEL_SIZE:
             raise _Refused(f"data_parallel_size must be 1 to {MAX_DATA_PARALLEL_SIZE}, not {n}")
-        if launcher.config.parallel.multi_node:
-            raise _Refused(REMOTE_ENGINES)
+        p = launcher.config.parallel
+        try:
+            check_local(n, p.local_engine_count, p.multi_node)
+        except ScaleRefused as e:
+            raise _Refused(str(e)) from None
         if launcher.coordinator is None:
             raise _Refused(NO_COORDINATOR)
         if self.stop.event.is_set():
@@ -148,8 +165,13 @@ class SupervisorScale:
     def _out(self, old: int, n: int) -> None:
         launcher, monitor = self.launcher, self.monitor
         assert monitor is not None
+        where = (
+            "waiting for the --headless engine(s) of"
+            if launcher.config.parallel.multi_node
+            else "starting"
+        )
         logger.info(
-            "Scaling out from %d to %d engines: starting EngineCore_DP%d..%d", old, n, old, n - 1
+            "Scaling out from %d to %d engines: %s EngineCore_DP%d..%d", old, n, where, old, n - 1
         )
         start = time.monotonic()
         self._step(ScaleStep("admit", n), "admit", n, ACK_S)
@@ -157,14 +179,24 @@ class SupervisorScale:
             launcher.progress.resize(n)
         children = launcher.add_engines(n)
         ctx: zmq.Context[Any] = zmq.Context()
+        pids = [child.pid or 0 for child in children]
+        theirs = range(old + len(children), n)  # (another host's: nothing starts here)
         try:
-            launcher.handshake(ctx, *split_addresses(self.addresses()), ranks=range(old, n))
+            if children:
+                ours = range(old, old + len(children))
+                launcher.handshake(ctx, *split_addresses(self.addresses()), ranks=ours)
+            for rank in theirs:
+                assert self.desk is not None
+                pids.append(self.desk.join(rank, launcher.config).pid)
+                logger.info("Scaling out: EngineCore_DP%d of another host is ready", rank)
         except BaseException as e:
             logger.error("Scaling out to %d engines failed: %s; stopping the new ones", n, e)
             self.stop.retired.extend(children)
             for child in children:
                 child.process.kill()
             shutdown_processes(children, timeout=1.0)
+            if self.desk is not None:
+                self.desk.forget(range(old, n))
             launcher.remove_engines(old)
             if launcher.progress is not None:
                 launcher.progress.resize(old)
@@ -175,7 +207,6 @@ class SupervisorScale:
         for child in children:
             monitor.add(child)
         self._new_coordinator()
-        pids = [child.pid or 0 for child in children]
         self._step(Scaled(old, n, pids), "scaled", n, ENGINE_PING_TIMEOUT_S + ACK_S)
         logger.info("Scaled out from %d to %d engines in %.1f s", old, n, time.monotonic() - start)
 
@@ -185,6 +216,10 @@ class SupervisorScale:
             "Scaling in from %d to %d engines: draining EngineCore_DP%d..%d", old, n, n, old - 1
         )
         self._step(ScaleStep("drain", n, drain_timeout), "drain", n, drain_timeout + ACK_S)
+        if any(rank not in launcher.local_ranks for rank in range(n, old)):  # other hosts'
+            self._step(ScaleStep("release", n), "release", n, RELEASE_S + ACK_S)
+        if self.desk is not None:
+            self.desk.forget(range(n, old))
         children = launcher.remove_engines(n)
         self.stop.retired.extend(children)
         # (By its sentinel: `is_alive` would reap it, which is the process monitor's job.)

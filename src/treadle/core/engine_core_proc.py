@@ -56,7 +56,7 @@ from treadle.core.engine_core_io import (
     send_to_all,
 )
 from treadle.core.engine_handshake import join_front_end
-from treadle.core.engine_stop import Shutdown, StoppedUnasked
+from treadle.core.engine_stop import RELEASE, Shutdown, StoppedUnasked
 from treadle.core.engine_waves import EngineWaves
 from treadle.executor.base import ExecutorStoppedError
 from treadle.ipc.engine_auth import seal_control
@@ -391,12 +391,17 @@ class EngineCoreProc:
     def _call_utility(self, call: UtilityRequest) -> None:
         result = UtilityOutput(call.call_id)
         try:
-            if call.method.startswith("_"):
-                raise AttributeError(f"no utility method {call.method!r}")
-            method = getattr(self.engine, call.method, None)
-            if method is None or not callable(method):
-                raise AttributeError(f"no utility method {call.method!r}")
-            result.result = method(*call.args)
+            if call.method == RELEASE:  # POST /scale removes this engine core: as SIGUSR1
+                if not self.shutdown.asked:
+                    logger.info("Released by a front end (POST /scale); shutting down")
+                self.shutdown.asked = True
+            else:
+                if call.method.startswith("_"):
+                    raise AttributeError(f"no utility method {call.method!r}")
+                method = getattr(self.engine, call.method, None)
+                if method is None or not callable(method):
+                    raise AttributeError(f"no utility method {call.method!r}")
+                result.result = method(*call.args)
         except Exception as e:
             result.failure_message = f"{type(e).__name__}: {e}"
         outputs = EngineCoreOutputs(self.dp_rank, utility_output=result, timestamp=time.time())

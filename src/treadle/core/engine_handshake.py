@@ -15,6 +15,7 @@ request socket (with its token: `ipc/engine_auth.py`).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +27,16 @@ from treadle.core.engine_core_io import LINGER_MS
 from treadle.ipc.engine_auth import routing_id
 from treadle.ipc.inbound import inbound_options
 from treadle.ipc.zmq_utils import make_zmq_socket
+from treadle.logger import init_logger
 from treadle.wire.control import Handshake, HandshakeStatus, StartupPhase
 
 if TYPE_CHECKING:
     from treadle.core.engine_core import EngineCore
+
+logger = init_logger(__name__)
+
+_FIRST_WAIT_LOG_S = 5.0  # a HELLO unanswered this long is logged, then every _WAIT_LOG_S
+_WAIT_LOG_S = 30.0
 
 
 def join_front_end(
@@ -56,11 +63,24 @@ def join_front_end(
     try:
         hs.send(encode(Handshake(HandshakeStatus.HELLO, rank=dp_rank, secret=secret)))
         timeout = envs.engine_ready_timeout_s()
-        if not hs.poll(timeout * 1000):
-            raise TimeoutError(
-                f"no front end answered at {handshake_address} within {timeout} s "
-                "(TREADLE_ENGINE_READY_TIMEOUT_S)"
+        deadline = time.monotonic() + timeout
+        wait_s = _FIRST_WAIT_LOG_S
+        while not hs.poll(int(max(0.0, min(wait_s, deadline - time.monotonic())) * 1000)):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no front end answered at {handshake_address} within {timeout} s "
+                    "(TREADLE_ENGINE_READY_TIMEOUT_S)"
+                )
+            # A rank the head does not have yet waits there until POST /scale adds it.
+            logger.info(
+                "Engine rank %d: no answer yet from the front end at %s (not up yet, or it "
+                "has no rank %d until POST /scale adds it); waiting up to %.0f s more",
+                dp_rank,
+                handshake_address,
+                dp_rank,
+                deadline - time.monotonic(),
             )
+            wait_s = _WAIT_LOG_S
         addresses = decode(hs.recv())
         if addresses.status is HandshakeStatus.REFUSED:
             raise RuntimeError(f"the front end refused this engine core: {addresses.reason}")

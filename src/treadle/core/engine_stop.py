@@ -23,6 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+RELEASE = "release_engine"
+"""The utility call by which a front end asks its engine core to stop as SIGUSR1 does: one
+of another host that `POST /scale` removes (nobody there signals it); it exits 0."""
+
 ASK_GRACE_S = 3.0
 """How long a SIGTERM/SIGINT waits for the front end's SIGUSR1 before it is a death."""
 

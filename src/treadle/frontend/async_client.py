@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from treadle.config import EngineConfig
+from treadle.core.engine_stop import RELEASE
 from treadle.frontend.core_client import (
     AttachTo,
     EngineDeadError,
@@ -129,7 +130,7 @@ class AsyncMPClient(MPClient):
             if self.launcher is not None and desk is not None
             else None
         )
-        self.scaler = EngineScaler(self)
+        self.scaler = EngineScaler(self, p.multi_node, p.local_engine_count)
 
     def start(self) -> None:
         """Start reading outputs; call from inside the running event loop."""
@@ -346,6 +347,13 @@ class AsyncMPClient(MPClient):
         self._utility_engine[call_id] = engine
         await self._async_input.send_multipart(frames)
         return await fut
+
+    async def release(self, rank: int) -> None:
+        """Ask engine `rank` (another host's, that `POST /scale` removes) to stop as SIGUSR1
+        would: it says STOPPED and exits 0 (its answer to the call is not awaited)."""
+        if self._async_input is not None:
+            frames = self._utility_frames(rank, next(self._call_ids), RELEASE, ())
+            await self._async_input.send_multipart(frames)
 
     def fail_calls(self, rank: int, cause: str) -> None:
         for call_id, engine in list(self._utility_engine.items()):

@@ -13,6 +13,9 @@ kinds of engine core that start later.
   ENGINE_PING_TIMEOUT_S: then it is lost first (its requests resume on the others) and the
   new one takes its place. This host's own ranks never rejoin this way (a HELLO of one
   without its process's secret is dropped).
+- One of another host for a rank that `POST /scale` adds (`join`): its HELLO is answered
+  once the scale admits the rank, whether it came first (held: `HandshakeDesk.hold`) or
+  within TREADLE_SCALE_JOIN_TIMEOUT_S after; the scale waits for its READY.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 import zmq.asyncio
 
 from treadle import envs
+from treadle.config import EngineConfig
 from treadle.frontend.engine_restarts import EngineRestarts
 from treadle.frontend.engine_state import EngineState
 from treadle.frontend.engine_watch import EngineWatch
@@ -32,8 +36,27 @@ from treadle.frontend.handshake import HandshakeDesk, Hello
 from treadle.frontend.launcher import EngineLauncher
 from treadle.ipc.process import ChildProcess
 from treadle.logger import init_logger
+from treadle.wire.control import Handshake
 
 logger = init_logger(__name__)
+
+
+def join_timeout(rank: int, loading: bool, config: EngineConfig) -> str:
+    """What a scale out says when the engine of another host for `rank` did not join."""
+    if loading:
+        return (
+            f"the engine core of another host for rank {rank} said HELLO but was not ready "
+            f"within {envs.engine_ready_timeout_s()} s (TREADLE_ENGINE_READY_TIMEOUT_S): stop "
+            "it on its host"
+        )
+    p = config.parallel
+    return (
+        f"no engine core of another host said HELLO for rank {rank} within "
+        f"{envs.scale_join_timeout_s()} s (TREADLE_SCALE_JOIN_TIMEOUT_S): on its host, start "
+        f"`treadle serve MODEL --headless -dp {rank + 1} -dpl 1 -dpr {rank} -dpa "
+        f"{p.data_parallel_address or '127.0.0.1'} -dpp {p.data_parallel_rpc_port}` with this "
+        "server's other flags, before POST /scale or within that time"
+    )
 
 
 class Spawner(Protocol):
@@ -61,9 +84,11 @@ class EngineJoins:
         """Read the handshake socket (a background task, while the client runs)."""
         self._sock = zmq.asyncio.Socket.from_socket(self.desk.sock)
         while True:
-            got = self.desk.on_message(await self._sock.recv_multipart(copy=False))
-            if isinstance(got, Hello):
-                self.client.spawn(self._join(got), f"join of engine rank {got.rank}", False)
+            if await self._sock.poll(1000):  # (each second at least: held HELLOs expire)
+                got = self.desk.on_message(await self._sock.recv_multipart(copy=False))
+                if isinstance(got, Hello):
+                    self.client.spawn(self._join(got), f"join of engine rank {got.rank}", False)
+            self.desk.decide_early()
             await self._send()
 
     async def _send(self) -> None:
@@ -86,9 +111,35 @@ class EngineJoins:
                 )
             await asyncio.sleep(0.05)
 
+    async def join(self, rank: int) -> Handshake:
+        """`POST /scale` adds `rank`, another host's: its engine's HELLO (held already, or
+        within TREADLE_SCALE_JOIN_TIMEOUT_S) is answered, and its READY awaited (within
+        TREADLE_ENGINE_READY_TIMEOUT_S); returns the READY. Raises `TimeoutError` saying what
+        to start where."""
+        desk = self.desk
+        desk.expect([rank])
+        desk.decide_early()
+        await self._send()
+        join_s, ready_s = envs.scale_join_timeout_s(), envs.engine_ready_timeout_s()
+        deadline, loading = time.monotonic() + join_s, False
+        while rank not in desk.ready:
+            if not loading and desk.joining(rank):  # greeted: it loads now
+                deadline, loading = time.monotonic() + ready_s, True
+            if time.monotonic() > deadline:
+                raise TimeoutError(join_timeout(rank, loading, self.launcher.config))
+            await asyncio.sleep(0.05)
+        return desk.ready[rank]
+
     async def _join(self, hello: Hello) -> None:
         """A HELLO the desk did not expect: a remote engine that rejoins its rank, or not."""
         rank = hello.rank
+        if rank >= self.launcher.num_engines:  # (not ours yet: `POST /scale` may add it)
+            if self.launcher.config.parallel.multi_node:
+                self.desk.hold(hello)
+                await self._send()
+            else:
+                self.desk.drops.drop("Dropped a HELLO for engine rank %d: not one of ours", rank)
+            return
         if rank in self.launcher.local_ranks:
             self.desk.drops.drop(
                 "Dropped a HELLO for engine rank %d on the handshake socket: that engine runs "

@@ -11,12 +11,24 @@ output checks, the listener's metrics, dashboard windows and health pings) and t
 coordinator is replaced by one for N engines on the same addresses. A start that fails
 stops what it started and leaves the size as it was.
 
+With engines on other hosts (`-dpl` < `-dp`: `--headless` ones) this host keeps its `-dpl`
+engines and a new rank is another host's: nothing starts here; the rank is admitted on the
+handshake socket and `POST /scale` waits for the HELLO of an engine started there with
+`treadle serve --headless -dp N -dpl 1 -dpr R` (one that came first waits for it:
+`HandshakeDesk.hold`; else within TREADLE_SCALE_JOIN_TIMEOUT_S), then for its READY
+(`engine_rejoin.py:EngineJoins.join`), then goes on as above. Such ranks are watched as the
+first remote ones are (a disconnect and a silence: `EngineWatch.unwatched`).
+
 Scale in, ranks N..old-1 (the highest): they are `draining` (no new request; a request pinned
 to one gets 503), what they run finishes there; after the drain timeout what is left moves to
 the others through the resume path (`EngineRestarts.lost`: sent again with what its client
 has, so greedy text is the same). Then each process is asked to stop (SIGUSR1) and stops (its
 `ENGINE_CORE_STOPPED` frame and exit 0 are expected, not the server's stop), the lists shrink
 and the coordinator is replaced. A `lost` rank is removed the same way, with nothing to drain.
+An engine of another host is asked through its request socket instead (`release`: the
+`RELEASE` utility call, which it takes as SIGUSR1), and its STOPPED frame is awaited (at
+most RELEASE_S); it exits 0, and so does its `--headless` CLI when no other engine of its
+is left. This host's own `-dpl` engines are never removed there.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from treadle.frontend.engine_state import Death, EngineState, RestartMode
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
+from treadle.frontend.handshake import MAX_ENGINES
 from treadle.frontend.scale_follow import ScaleRefused, SupervisedScale
 from treadle.ipc.process import ChildProcess, signal_children, stop_watched
 from treadle.logger import init_logger
@@ -38,25 +51,37 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-MAX_DATA_PARALLEL_SIZE = 64
+MAX_DATA_PARALLEL_SIZE = MAX_ENGINES
 """The most engines `POST /scale` starts (each is a process with its model and KV cache)."""
 
 NO_COORDINATOR = (
     "the server started with --data-parallel-size 1 (no DP coordinator): start it with "
     "--data-parallel-size 2 or more to scale"
 )
-REMOTE_ENGINES = (
-    "POST /scale scales engines of this host only; some run on other hosts "
-    "(--data-parallel-size-local < --data-parallel-size): start or stop --headless engines "
-    "there instead"
-)
+RELEASE_S = 30.0
+"""How long a removed engine of another host has to say it stopped (it has no requests)."""
+
+
+def check_local(n: int, local: int, remote: bool) -> None:
+    """With engines on other hosts, `POST /scale` adds and removes those: this host's stay."""
+    if remote and n < local:
+        raise ScaleRefused(
+            f"data_parallel_size {n} would remove engines of this host: with engines on other "
+            f"hosts, POST /scale adds and removes those, and this host's {local} "
+            "(--data-parallel-size-local) stay; scale to at least that"
+        )
 
 
 class EngineScaler:
-    def __init__(self, client: AsyncMPClient) -> None:
+    def __init__(self, client: AsyncMPClient, remote: bool, local: int) -> None:
+        """`remote`: some engines run on other hosts (new ranks are theirs); `local`: how
+        many run here (`-dpl`)."""
         self.client = client
+        self.remote = remote
+        self.local = local
         self.scaling = False
         self._retired: list[ChildProcess] = []  # stopped on purpose: their exits are expected
+        self.releasing: list[int] = []  # ranks leaving that still run (a scale in)
         # With several API servers the supervisor scales, and every API server follows.
         self.supervised = SupervisedScale(client, self)
         client.restarts.scale_events = self.supervised.on_event
@@ -79,6 +104,7 @@ class EngineScaler:
                     f"engine core {rank} is {state}: try again once /health/ready is 200",
                     busy=True,
                 )
+        check_local(n, self.local, self.remote)
         if client.mode is RestartMode.FOLLOW:  # the supervisor checks the rest
             return
         launcher = client.launcher
@@ -87,8 +113,6 @@ class EngineScaler:
                 "POST /scale needs engine restarts on (--max-engine-restarts > 0): new engines "
                 "do their handshake on the socket that restarts keep open"
             )
-        if launcher.config.parallel.multi_node:
-            raise ScaleRefused(REMOTE_ENGINES)
         if launcher.coordinator is None:
             raise ScaleRefused(NO_COORDINATOR)
 
@@ -117,8 +141,9 @@ class EngineScaler:
         client = self.client
         launcher, joins, monitor = client.launcher, client.joins, client.monitor
         assert launcher is not None and joins is not None and monitor is not None
+        where = "waiting for the --headless engine(s) of" if self.remote else "starting"
         logger.info(
-            "Scaling out from %d to %d engines: starting EngineCore_DP%d..%d", old, n, old, n - 1
+            "Scaling out from %d to %d engines: %s EngineCore_DP%d..%d", old, n, where, old, n - 1
         )
         start = time.monotonic()
         client.engines.resize(n)  # (their first message on the request socket is admitted)
@@ -128,11 +153,14 @@ class EngineScaler:
         for child in children:
             monitor.add(child)
         try:
-            for rank, child in zip(range(old, n), children, strict=True):
+            for rank, child in zip(range(old, old + len(children)), children, strict=True):
                 await joins.handshake(rank, child)
                 logger.info(
                     "Scaling out: EngineCore_DP%d (pid %d) is ready", rank, pids[rank - old]
                 )
+            for rank in range(old + len(children), n):  # another host's
+                pids.append((await joins.join(rank)).pid)
+                logger.info("Scaling out: EngineCore_DP%d of another host is ready", rank)
             await asyncio.wait_for(asyncio.gather(*hellos.values()), ENGINE_PING_TIMEOUT_S)
         except BaseException as e:
             logger.error("Scaling out to %d engines failed: %s; stopping the new ones", n, e)
@@ -140,6 +168,7 @@ class EngineScaler:
             for child in children:
                 child.process.kill()
             await asyncio.to_thread(stop_watched, children, 0.0)
+            joins.desk.forget(range(old, n))
             launcher.remove_engines(old)
             client.engines.resize(old)
             raise
@@ -158,6 +187,7 @@ class EngineScaler:
         restarts = client.restarts
         leaving = range(n, old)
         lost = [r for r in leaving if restarts.slots[r].state is EngineState.LOST]
+        self.releasing = [r for r in leaving if r not in lost]  # (moved ones too: they run)
         restarts.drain(leaving)
         logger.info(
             "Scaling in from %d to %d engines: EngineCore_DP%d..%d take no new request; "
@@ -195,6 +225,12 @@ class EngineScaler:
         assert client.launcher is not None
         for rank in range(n, client.num_engines):
             client.fail_calls(rank, f"engine core {rank} was removed (POST /scale)")
+        theirs = [r for r in self.releasing if r not in client.launcher.local_ranks]
+        before = client.watch.expected_stops
+        client.watch.expected_stops += len(theirs)
+        await self.release(theirs, before)
+        if client.joins is not None:
+            client.joins.desk.forget(range(n, client.num_engines))
         children = client.launcher.remove_engines(n)
         self._retired.extend(children)
         # (By its sentinel: `is_alive` would reap it, which is the process monitor's job.)
@@ -209,10 +245,39 @@ class EngineScaler:
         # A STOPPED frame comes before its exit: one not read by now never comes (killed).
         client.watch.expected_stops = 0
 
+    async def release(self, ranks: list[int], keep: int) -> None:
+        """Ask these engines of other hosts to stop (`RELEASE`: they have no request left)
+        and wait, at most RELEASE_S, until each has said STOPPED here (the stops still
+        expected fall to `keep`: this host's, which come after)."""
+        client = self.client
+        if not ranks:
+            return
+        for rank in ranks:
+            await client.release(rank)
+        deadline = time.monotonic() + RELEASE_S
+        while client.watch.expected_stops > keep and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if client.watch.expected_stops > keep:
+            logger.warning(
+                "Scaling in: EngineCore_DP%s (other hosts) did not say they stopped within "
+                "%.0f s; removed all the same",
+                ranks,
+                RELEASE_S,
+            )
+        else:
+            logger.info("Scaling in: EngineCore_DP%s (other hosts) released and stopped", ranks)
+        for rank in ranks:  # (their connections drop next)
+            client.watch.note_gone(
+                f"EngineCore_DP{rank} of another host was released (POST /scale)"
+            )
+
     # -- both -----------------------------------------------------------------------------
 
     def resize(self, n: int) -> None:
         client = self.client
+        watch = client.watch
+        if self.remote:  # every rank but this host's is another host's, watched so
+            watch.unwatched = [r for r in range(n) if r not in watch.local_ranks]
         client.num_engines = n
         client.engines.resize(n)
         client.router.resize(n)

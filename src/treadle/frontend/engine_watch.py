@@ -178,9 +178,12 @@ class EngineWatch:
 
     def note_exit(self, child: ChildProcess) -> None:
         """A process of this host exited: it explains a peer that leaves a socket."""
-        self._exits.append(
-            (time.monotonic(), f"{child.describe()} exited: {describe_exit(child.exitcode)}")
-        )
+        self.note_gone(f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+
+    def note_gone(self, what: str) -> None:
+        """`what` explains a peer that leaves a socket now (e.g. an engine of another host
+        that `POST /scale` released)."""
+        self._exits.append((time.monotonic(), what))
 
     async def _died(self, rank: int, cause: str, exitcode: int | None) -> None:
         """Report the death with the engine's own report: an engine core that raised sent it

@@ -16,11 +16,18 @@ caller (`Hello`: `greet` or `refuse` it) or dropped with a rate-limited log line
 only reads and decides: the replies wait in `outbox` for the caller to send. An engine of
 this host must show the secret its process was started with; one of another host is taken
 on first use (nothing else can prove it).
+
+A HELLO for a rank this server does not have (yet) is handed back too; where engines of
+other hosts may join (`POST /scale`), the caller `hold`s it: one per rank, logged, until
+`POST /scale` admits that rank (`expect`, then `decide_early` greets it) or for at most
+TREADLE_ENGINE_READY_TIMEOUT_S (as long as the engine itself waits for an answer), after
+which it is refused saying why. Ranks from MAX_ENGINES up are dropped.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +35,16 @@ from typing import Any
 import msgspec
 import zmq
 
+from treadle import envs
 from treadle.ipc.engine_auth import engine_token
 from treadle.ipc.inbound import DropLog
 from treadle.logger import init_logger
 from treadle.wire.control import Handshake, HandshakeStatus, StartupPhase
 
 logger = init_logger(__name__)
+
+MAX_ENGINES = 64
+"""The most engine ranks a server runs (`POST /scale` stops there)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class HandshakeDesk:
         self.expected: set[int] = set()
         self.ready: dict[int, Handshake] = {}  # rank -> its READY, since it was expected
         self._greeted: dict[int, tuple[bytes, bytes]] = {}  # rank -> (its secret, the reply)
+        self.early: dict[int, tuple[Hello, float]] = {}  # rank not (yet) ours -> HELLO, since
         self.drops = DropLog(logger)
         self.outbox: list[list[bytes]] = []  # replies the caller sends (`take`), in order
         self._decode = msgspec.msgpack.Decoder(Handshake).decode
@@ -82,8 +94,12 @@ class HandshakeDesk:
             peer, payload = (f.bytes if isinstance(f, zmq.Frame) else bytes(f) for f in frames)
             msg = self._decode(payload)
             rank = msg.rank
-            if not 0 <= rank < len(self.launches):
+            if not 0 <= rank < MAX_ENGINES:
                 raise ValueError(f"unknown engine rank {rank}")
+            if rank >= len(self.launches):  # (a rank `POST /scale` may add: the caller holds it)
+                if msg.status is HandshakeStatus.HELLO:
+                    return Hello(peer, rank, msg.secret)
+                raise ValueError(f"{msg.status} of engine rank {rank}, which is not one of ours")
             expected = rank in self.expected and rank not in self.ready
             if msg.status is HandshakeStatus.HELLO and (not expected or rank in self._greeted):
                 return Hello(peer, rank, msg.secret)
@@ -126,6 +142,59 @@ class HandshakeDesk:
         logger.warning("Refused an engine core for rank %d: %s", hello.rank, reason)
         refusal = Handshake(HandshakeStatus.REFUSED, rank=hello.rank, reason=reason)
         self.outbox.append([hello.peer, msgspec.msgpack.encode(refusal)])
+
+    def admits(self, rank: int) -> bool:
+        """Whether a HELLO of `rank` would be greeted now (expected, not greeted yet)."""
+        return (
+            rank < len(self.launches)
+            and rank in self.expected
+            and rank not in self._greeted
+            and rank not in self.ready
+        )
+
+    def forget(self, ranks: range) -> None:
+        """Ranks removed (`POST /scale`), or whose scale out failed: expected no more."""
+        for rank in ranks:
+            self.expected.discard(rank)
+            self._greeted.pop(rank, None)
+            self.ready.pop(rank, None)
+
+    def hold(self, hello: Hello) -> None:
+        """Keep the HELLO of an engine of another host for a rank this server does not have
+        (yet), until `POST /scale` admits it (`decide_early`); a second one is refused."""
+        rank = hello.rank
+        if rank in self.early:
+            self.refuse(hello, f"another engine core already waits to join as rank {rank}")
+            return
+        self.early[rank] = (hello, time.monotonic())
+        logger.warning(
+            "An engine core of another host says HELLO for engine rank %d, which this server "
+            "does not have (it runs %d engines): it waits until POST /scale "
+            '{"data_parallel_size": %d} (or more) adds that rank, for at most %d s',
+            rank,
+            len(self.launches),
+            rank + 1,
+            envs.engine_ready_timeout_s(),
+        )
+
+    def decide_early(self) -> None:
+        """Greet each held HELLO whose rank is admitted now; refuse those held too long."""
+        limit = envs.engine_ready_timeout_s()
+        for rank, (hello, since) in list(self.early.items()):
+            if self.admits(rank):
+                del self.early[rank]
+                logger.info("Engine rank %d was added: answering the HELLO that waited", rank)
+                try:
+                    self.greet(hello)
+                except ValueError as e:  # (a rank of this host: never one of another host's)
+                    self.refuse(hello, str(e))
+            elif time.monotonic() - since > limit:
+                del self.early[rank]
+                self.refuse(
+                    hello,
+                    f"this server has no engine rank {rank}: no POST /scale added it within "
+                    f"{limit} s (TREADLE_ENGINE_READY_TIMEOUT_S)",
+                )
 
     def joining(self, rank: int) -> bool:
         """Whether an engine of `rank` was answered and has not said READY yet."""

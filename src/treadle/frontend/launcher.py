@@ -167,14 +167,17 @@ class EngineLauncher:
         wait_for_ready([new], envs.engine_ready_timeout_s())
         return new
 
-    # -- scaling (`POST /scale`, `engine_scale.py`): this host's engines only ----------------
+    # -- scaling (`POST /scale`, `engine_scale.py`) -----------------------------------------
 
     def add_engines(self, n: int) -> list[ChildProcess]:
-        """Start engine cores for the ranks from `num_engines` up to `n` (each says HELLO to
-        `desk`, kept open); returns the new children."""
+        """Admit the ranks from `num_engines` up to `n`; returns the children started for
+        them: engine cores of this host (each says HELLO to `desk`, kept open), or none
+        where engines run on other hosts (`multi_node`): a new rank is then another host's,
+        started there with `treadle serve --headless` (this host keeps its `-dpl`)."""
         start = self.num_engines
         self._launches.extend([0] * (n - start))  # (in place: the desk reads this list)
-        new = [self._start_engine(rank) for rank in range(start, n)]
+        remote = self.config.parallel.multi_node
+        new = [] if remote else [self._start_engine(rank) for rank in range(start, n)]
         self.engines.extend(new)
         self._set_size(n)
         return new
@@ -268,7 +271,12 @@ class EngineLauncher:
                 self.check(poller, events, watch, everyone)
                 if sock in events:
                     hello = desk.on_message(sock.recv_multipart())
-                    if isinstance(hello, Hello):  # a second one for its rank
+                    if isinstance(hello, Hello) and hello.rank >= self.num_engines:
+                        if keep:  # (kept for `POST /scale`, which may add its rank)
+                            desk.hold(hello)
+                        else:
+                            desk.refuse(hello, f"this server has no engine rank {hello.rank}")
+                    elif isinstance(hello, Hello):  # a second one for its rank
                         desk.refuse(hello, f"engine rank {hello.rank} has said HELLO already")
                     elif hello is not None and on_phase is not None:  # its READY
                         on_phase(hello, StartupPhase.HANDSHAKE)

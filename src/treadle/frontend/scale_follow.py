@@ -7,7 +7,9 @@ and every API server applies the same steps, each acknowledged (`engine_events.S
          (their hello is awaited), acks; the supervisor starts them and runs their handshake
     in:  ScaleStep(drain, N)  every API server sends nothing new to ranks N..old-1; what runs
          there finishes (or moves after drain_timeout, as one API server's scale does), acks;
-         the supervisor stops them (SIGUSR1: their STOPPED frame and exit are expected)
+         ScaleStep(release, N) (when some are other hosts'): every API server asks those to
+         stop (`RELEASE`, on its request socket) and acks once their STOPPED frame came;
+         the supervisor stops this host's (SIGUSR1: their STOPPED frame and exit are expected)
     both: Scaled(old, N)      every API server resizes its slots, router and loggers (for new
          ranks once their hello came), acks; one event, counted (`/topology`: `events`)
     ScaleEnded                the answer to the API server that asked (its HTTP 200, or why not)
@@ -53,6 +55,7 @@ class SupervisedScale:
         self.scaler = scaler
         self._asked: asyncio.Future[ScaleEnded] | None = None
         self._hellos: dict[int, asyncio.Future[None]] = {}  # new rank -> its hello
+        self._theirs: list[int] = []  # ranks of other hosts leaving that still run (scale in)
 
     async def scale(self, n: int, drain_timeout: float) -> int:
         """Ask the supervisor; returns the size before once every API server applied it.
@@ -88,6 +91,8 @@ class SupervisedScale:
             self._ack("admit", event.size)
         elif isinstance(event, ScaleStep) and event.step == "drain":
             client.spawn(self._drain(event.size, event.drain_timeout), "scale-in drain")
+        elif isinstance(event, ScaleStep) and event.step == "release":
+            client.spawn(self._release(event.size), "scale-in release")
         elif isinstance(event, Scaled):
             self._scaled(event)
 
@@ -155,6 +160,8 @@ class SupervisedScale:
         running = [r for r in leaving if restarts.slots[r].state is not EngineState.LOST]
         restarts.drain(leaving)
         client.watch.expected_stops += len(running)  # each says STOPPED to every API server
+        local = client.watch.local_ranks
+        self._theirs = [r for r in running if r not in local] if self.scaler.remote else []
         logger.info(
             "Scaling in to %d engines: EngineCore_DP%s take no new request; draining %d "
             "request(s) (at most %.0f s)",
@@ -172,3 +179,12 @@ class SupervisedScale:
             logger.warning("Scaling in: %s; moving what EngineCore_DP%s run", why, left)
             await restarts.lost(left, Death(f"{why}; its requests resume on the others"))
         self._ack("drain", n)
+
+    async def _release(self, n: int) -> None:
+        """The leaving engines of other hosts are asked to stop (each API server asks: the
+        first one's call stops it) and their STOPPED frames awaited; this host's, the
+        supervisor stops after."""
+        theirs, self._theirs = self._theirs, []
+        watch = self.client.watch
+        await self.scaler.release(theirs, max(0, watch.expected_stops - len(theirs)))
+        self._ack("release", n)
