@@ -42,7 +42,8 @@ class Cluster:
                 str(api_servers),
             ],  # fmt: skip
             tmp,
-            env={"TREADLE_LOGGING_LEVEL": "INFO"},
+            # (a scale out that cannot join fails within a minute, not five)
+            env={"TREADLE_LOGGING_LEVEL": "INFO", "TREADLE_SCALE_JOIN_TIMEOUT_S": "60"},
             wait=False,
         )
         self.headless: list[subprocess.Popen[bytes]] = []
