@@ -34,7 +34,7 @@ mode is `RestartMode`, set once per client:
 | a background task raises | a bug in a reader | client dead | as above |
 | supervisor's monitor (`cli/supervise.py`) | its engine core or coordinator exits non-zero | (its own process) | `EngineDied` to every API server, `restart_child` there; the API servers follow (`EngineDied`, hello) |
 | supervisor's `EngineLost`, FOLLOW | its restart of an engine failed, others serve; or an API server found a remote engine silent | `lost` | its requests resume on the others |
-| `POST /scale` (`engine_scale.py`), OWN | fewer engines asked | (draining) | no new request; drained or moved (`lost`), stopped, removed; a death meanwhile: `lost` |
+| `POST /scale` (`engine_scale.py`), OWN | fewer engines asked | (draining) | no new request; drained or moved (`lost`), stopped (another host's: released, its STOPPED awaited), removed; a death meanwhile: `lost` |
 | the supervisor's `ScaleStep`/`Scaled` (`scale_follow.py`), FOLLOW | `POST /scale` to any API server | (draining), resize | as OWN's, each step acknowledged to the supervisor, which stops or starts the processes |
 
 `RestartBudget` is --max-engine-restarts in a 10-minute window; the supervisor spends the same

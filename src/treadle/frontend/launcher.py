@@ -272,7 +272,7 @@ class EngineLauncher:
                 if sock in events:
                     hello = desk.on_message(sock.recv_multipart())
                     if isinstance(hello, Hello) and hello.rank >= self.num_engines:
-                        if keep:  # (kept for `POST /scale`, which may add its rank)
+                        if keep and self.config.parallel.multi_node:  # `POST /scale` may add it
                             desk.hold(hello)
                         else:
                             desk.refuse(hello, f"this server has no engine rank {hello.rank}")

@@ -69,7 +69,7 @@ class SupervisedScale:
         self._asked = client.loop.create_future()
         try:
             publish(ScaleAsk(client.client_index, n, drain_timeout))
-            limit = drain_timeout + 2 * envs.engine_ready_timeout_s() + 120
+            limit = drain_timeout + envs.scale_join_timeout_s() + 2 * envs.engine_ready_timeout_s()
             ended = await asyncio.wait_for(asyncio.shield(self._asked), limit)
         finally:
             self._asked = None
