@@ -79,7 +79,7 @@ def treadle_start(cache_dir: str | None) -> float:
 
 def llama_start() -> float:
     with tempfile.NamedTemporaryFile(suffix=".log") as log:
-        server = LlamaServer(LLAMA, resolve_model(None), 1, Path(log.name))
+        server = LlamaServer(LLAMA, resolve_model(None).path, 1, Path(log.name))
         try:
             return first_success(server.url, server.started)
         finally:
