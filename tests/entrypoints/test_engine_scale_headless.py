@@ -27,34 +27,29 @@ from serve_helpers import TREADLE, RemoteServer, both_views, engines_of
 class Cluster:
     """The head (`RemoteServer`) and its headless CLIs, each killed by pid at the end."""
 
-    def __init__(self, model: str, tmp: Path, api_servers: int = 2) -> None:
+    def __init__(
+        self, model: str, tmp: Path, api_servers: int = 2, size: int = 2, remote: int = 1
+    ) -> None:
+        """A head with engine 0 of `size`, and one headless CLI with the `remote` others."""
         self.model, self.tmp = model, tmp
         self.port = str(_free_port())
+        flags = ["--api-key", KEY, "--max-engine-restarts", "5"]
         self.head = RemoteServer(
-            [
-                model,
-                *self.common(2),
-                "--api-key",
-                KEY,
-                "--max-engine-restarts",
-                "5",
-                "--api-server-count",
-                str(api_servers),
-            ],  # fmt: skip
+            [model, *self.common(size), *flags, "--api-server-count", str(api_servers)],
             tmp,
             # (a scale out that cannot join fails within a minute, not five)
             env={"TREADLE_LOGGING_LEVEL": "INFO", "TREADLE_SCALE_JOIN_TIMEOUT_S": "60"},
             wait=False,
         )
         self.headless: list[subprocess.Popen[bytes]] = []
-        self.start_headless(2, 1)
+        self.start_headless(size, 1, remote)
 
-    def common(self, size: int) -> list[str]:
-        return ["-dp", str(size), "-dpl", "1", "-dpa", "127.0.0.1", "-dpp", self.port]
+    def common(self, size: int, local: int = 1) -> list[str]:
+        return ["-dp", str(size), "-dpl", str(local), "-dpa", "127.0.0.1", "-dpp", self.port]
 
-    def start_headless(self, size: int, rank: int) -> subprocess.Popen[bytes]:
-        """`treadle serve --headless` for engine `rank` of `size` (the second "host")."""
-        command = [TREADLE, "serve", self.model, *self.common(size), "-dpr", str(rank)]
+    def start_headless(self, size: int, rank: int, local: int = 1) -> subprocess.Popen[bytes]:
+        """`treadle serve --headless` for engines `rank`.. of `size` (the second "host")."""
+        command = [TREADLE, "serve", self.model, *self.common(size, local), "-dpr", str(rank)]
         with open(self.log(rank), "w") as log:
             proc = subprocess.Popen(
                 [*command, "--headless"],
@@ -180,36 +175,43 @@ def complete(url: str, prompt: str, rank: int) -> str:
 def test_one_api_server_scale_first_then_the_engine_and_in_past_the_first_headless(
     tmp_path: Path, tiny_model_factory
 ) -> None:  # type: ignore[no-untyped-def]
-    """The other order, with one API server (`engine_scale.py`): `POST /scale` first (it
-    waits for the engine's HELLO), then the headless engine for rank 2; then 3 -> 1
-    releases both headless engines (rank 1's was there from the start), and both CLIs
-    exit 0."""
-    c = Cluster(str(tiny_model_factory("llama")), tmp_path, api_servers=1)
+    """The other order, with one API server (`engine_scale.py`), and a headless CLI with two
+    engines (ranks 1 and 2 of 3): `POST /scale` to 4 first (it waits for the engine's
+    HELLO), then the headless engine for rank 3; 4 -> 2 releases ranks 3 and 2: rank 3's
+    CLI exits 0, the other keeps rank 1 serving; 2 -> 1 releases rank 1, and its CLI exits
+    0 too."""
+    c = Cluster(str(tiny_model_factory("llama")), tmp_path, api_servers=1, size=3, remote=2)
     try:
         c.head.wait_healthy()
-        url = c.head.url
-        reference = complete(url, "The quick brown fox", 0)
+        url, prompt = c.head.url, "The quick brown fox"
+        reference = complete(url, prompt, 0)
         answers: list[httpx.Response] = []
         asking = threading.Thread(
-            target=lambda: answers.append(scale(c.head, {"data_parallel_size": 3}))
+            target=lambda: answers.append(scale(c.head, {"data_parallel_size": 4}))
         )
         asking.start()
-        wait_for_line(c.head.log_path, "Scaling out from 2 to 3", c.headless[0], 60)
-        third = c.start_headless(3, 2)
+        wait_for_line(c.head.log_path, "Scaling out from 3 to 4", c.headless[0], 60)
+        fourth = c.start_headless(4, 3)
         asking.join(120)
         assert answers and answers[0].status_code == 200, answers and answers[0].text
         doc = httpx.get(url + "/topology", headers=AUTH, timeout=30).json()
-        assert [e["state"] for e in doc["engines"]] == ["ready"] * 3
-        assert doc["events"] == {} or "lost" not in doc["events"]
-        assert complete(url, "The quick brown fox", 2) == reference
+        assert [e["state"] for e in doc["engines"]] == ["ready"] * 4
+        assert complete(url, prompt, 3) == reference
+
+        answer = scale(c.head, {"data_parallel_size": 2})
+        assert answer.status_code == 200, answer.text
+        assert fourth.wait(30) == 0, c.log(3).read_text()[-3000:]
+        assert "stopped (its front end released it); the others serve on" in c.log(1).read_text()
+        assert c.headless[0].poll() is None
+        assert complete(url, prompt, 1) == reference  # rank 1 serves on there
 
         answer = scale(c.head, {"data_parallel_size": 1})
         assert answer.status_code == 200, answer.text
-        assert third.wait(30) == 0, c.log(2).read_text()[-3000:]
         assert c.headless[0].wait(30) == 0, c.log(1).read_text()[-3000:]
         doc = httpx.get(url + "/topology", headers=AUTH, timeout=30).json()
         assert [e["state"] for e in doc["engines"]] == ["ready"]
-        assert complete(url, "The quick brown fox", 0) == reference
+        assert "lost" not in doc["events"] and "died" not in doc["events"]
+        assert complete(url, prompt, 0) == reference
         assert "was stopped; stopping" not in c.head.output()
         assert scale(c.head, {"data_parallel_size": 0}).status_code == 400
     finally:
