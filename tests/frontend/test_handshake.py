@@ -128,3 +128,21 @@ def test_a_hello_for_a_rank_not_ours_yet_is_held_until_a_scale_admits_it(
     ((peer, reply),) = replies(d)
     assert peer == b"p3" and reply.status == "REFUSED" and "no engine rank 3" in reply.reason
     assert d.on_message(frames(b"p9", "HELLO", 64)) is None  # past MAX_ENGINES: dropped
+
+
+def test_a_failed_start_up_is_kept_for_whoever_waits_and_a_new_hello_is_greeted() -> None:
+    """FAILED (instead of READY) from a greeted rank with its secret: the engine's error is
+    kept (`POST /scale` answers with it at once instead of waiting for the ready timeout);
+    from anyone else it is dropped."""
+    d = desk()
+    d.expect([1])
+    assert d.on_message(frames(b"p1", "HELLO", 1, b"x")) is None and len(d.take()) == 1
+    stranger = [b"p9", msgspec.msgpack.encode(Handshake("FAILED", rank=1, reason="no"))]
+    assert d.on_message(stranger) is None and d.failed == {}  # not its secret
+    failed = Handshake("FAILED", rank=1, secret=b"x", reason="OSError: no such model")
+    assert d.on_message([b"p1", msgspec.msgpack.encode(failed)]) is None
+    assert d.failed == {1: "OSError: no such model"} and not d.joining(1)
+    assert d.on_message(frames(b"p2", "HELLO", 1)) is None  # another try: greeted
+    assert [p for p, _ in replies(d)] == [b"p2"]
+    d.expect([1])
+    assert d.failed == {}

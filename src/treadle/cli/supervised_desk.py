@@ -51,7 +51,7 @@ from treadle.frontend.engine_events import (
     decode,
     encode,
 )
-from treadle.frontend.engine_rejoin import join_timeout
+from treadle.frontend.engine_rejoin import failed_join, join_timeout
 from treadle.frontend.engine_watch import ENGINE_PING_TIMEOUT_S
 from treadle.frontend.handshake import HandshakeDesk, Hello
 from treadle.frontend.startup import StartupProgress, startup_address
@@ -146,6 +146,8 @@ class SupervisorDesk:
             with self._changed:
                 if self._changed.wait_for(lambda: rank in desk.ready, timeout=0.1):
                     return desk.ready[rank]
+                if rank in desk.failed:
+                    raise RuntimeError(failed_join(rank, desk.failed[rank]))
                 if not loading and desk.joining(rank):  # greeted: it loads now
                     deadline, loading = time.monotonic() + envs.engine_ready_timeout_s(), True
             if self.stop.is_set():

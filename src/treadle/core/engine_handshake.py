@@ -6,6 +6,7 @@ is `frontend/handshake.py`), on a DEALER to the front end's handshake ROUTER:
         (or <--REFUSED (reason)--: the start-up fails saying why)
     --PHASE (loading weights, profiling / allocating the KV cache)--> front end
     (the engine loads, sizes its KV cache) --READY (limits, KV blocks, pid)--> front end
+        (or --FAILED (its start-up error)-->: a head on another host learns why at once)
 
 `join_front_end` runs it around `load` (which builds the `EngineCore`) and returns the
 addresses and, per front end, the ready message the engine sends first on that front end's
@@ -37,6 +38,7 @@ logger = init_logger(__name__)
 
 _FIRST_WAIT_LOG_S = 5.0  # a HELLO unanswered this long is logged, then every _WAIT_LOG_S
 _WAIT_LOG_S = 30.0
+MAX_FAILED_CHARS = 2000  # of a start-up error sent to the front end
 
 
 def join_front_end(
@@ -96,7 +98,13 @@ def join_front_end(
                 encode(Handshake(HandshakeStatus.PHASE, rank=dp_rank, secret=secret, phase=phase))
             )
 
-        engine = load(addresses, say)
+        try:
+            engine = load(addresses, say)
+        except Exception as e:  # the front end hears why (a head far away waits on it)
+            reason = f"{type(e).__name__}: {e}"[:MAX_FAILED_CHARS]
+            failed = Handshake(HandshakeStatus.FAILED, rank=dp_rank, secret=secret, reason=reason)
+            hs.send(encode(failed))
+            raise
         info = Handshake(
             HandshakeStatus.READY,
             num_blocks=engine.num_blocks,

@@ -59,6 +59,10 @@ def join_timeout(rank: int, loading: bool, config: EngineConfig) -> str:
     )
 
 
+def failed_join(rank: int, error: str) -> str:
+    return f"the engine core of another host for rank {rank} failed to start: {error}"
+
+
 class Spawner(Protocol):
     def spawn(self, coro: Coroutine[Any, Any, None], what: str, fatal: bool = True) -> None: ...
 
@@ -123,6 +127,8 @@ class EngineJoins:
         join_s, ready_s = envs.scale_join_timeout_s(), envs.engine_ready_timeout_s()
         deadline, loading = time.monotonic() + join_s, False
         while rank not in desk.ready:
+            if rank in desk.failed:
+                raise RuntimeError(failed_join(rank, desk.failed[rank]))
             if not loading and desk.joining(rank):  # greeted: it loads now
                 deadline, loading = time.monotonic() + ready_s, True
             if time.monotonic() > deadline:

@@ -8,6 +8,7 @@ that rejoins a lost rank).
         (or --REFUSED (reason)--> engine, which fails its start-up saying why)
     engine --PHASE (loading weights, profiling the KV cache, ...)--> desk (`on_phase`)
     engine loads the model, sizes its KV cache --READY--> desk
+        (or --FAILED (its start-up error)--> desk: kept in `failed`, for whoever waits)
 
 The desk answers the ranks it `expect`s: a HELLO of one of them starts a new launch of that
 rank (`launches`, shared with the launcher), and a HELLO with another secret, a second HELLO
@@ -74,6 +75,7 @@ class HandshakeDesk:
         self.on_phase = on_phase  # told each PHASE of a greeted rank
         self.expected: set[int] = set()
         self.ready: dict[int, Handshake] = {}  # rank -> its READY, since it was expected
+        self.failed: dict[int, str] = {}  # rank -> its start-up error (FAILED), since expected
         self._greeted: dict[int, tuple[bytes, bytes]] = {}  # rank -> (its secret, the reply)
         self.early: dict[int, tuple[Hello, float]] = {}  # rank not (yet) ours -> HELLO, since
         self.drops = DropLog(logger)
@@ -86,6 +88,7 @@ class HandshakeDesk:
             self.expected.add(rank)
             self._greeted.pop(rank, None)
             self.ready.pop(rank, None)
+            self.failed.pop(rank, None)
 
     def on_message(self, frames: list[Any]) -> Hello | int | None:
         """One message: answers an expected rank's HELLO; returns the rank whose READY this
@@ -112,6 +115,13 @@ class HandshakeDesk:
                 raise ValueError(f"{msg.status} from engine rank {rank} before HELLO")
             if not hmac.compare_digest(msg.secret, self._greeted[rank][0]):
                 raise ValueError(f"not the secret of engine rank {rank}'s HELLO")
+            if msg.status is HandshakeStatus.FAILED:
+                self.failed[rank] = msg.reason[:2000]
+                self._greeted.pop(rank, None)
+                logger.warning(
+                    "Engine rank %d says its start-up failed: %s", rank, self.failed[rank]
+                )
+                return None
             if msg.status is HandshakeStatus.PHASE and msg.phase is not None:
                 if self.on_phase is not None:
                     self.on_phase(rank, msg.phase)
@@ -158,6 +168,7 @@ class HandshakeDesk:
             self.expected.discard(rank)
             self._greeted.pop(rank, None)
             self.ready.pop(rank, None)
+            self.failed.pop(rank, None)
 
     def hold(self, hello: Hello) -> None:
         """Keep the HELLO of an engine of another host for a rank this server does not have

@@ -280,6 +280,11 @@ class EngineLauncher:
                         desk.refuse(hello, f"engine rank {hello.rank} has said HELLO already")
                     elif hello is not None and on_phase is not None:  # its READY
                         on_phase(hello, StartupPhase.HANDSHAKE)
+                    for rank in [r for r in desk.failed if r not in self.local_ranks]:
+                        raise RuntimeError(  # (ours say why on their ready pipes)
+                            f"engine core {rank} of another host failed to start: "
+                            f"{desk.failed[rank]}"
+                        )
                     for reply in desk.take():
                         sock.send_multipart(reply)
         except BaseException:

@@ -30,6 +30,7 @@ class HandshakeStatus(StrEnum):
     REFUSED = "REFUSED"  # front end -> engine, instead of ADDRESSES: why not
     PHASE = "PHASE"  # engine -> front end: what its start-up does now
     READY = "READY"  # engine -> front end: loaded, KV cache sized
+    FAILED = "FAILED"  # engine -> front end, instead of READY: its start-up error (reason)
 
 
 class StartupPhase(StrEnum):
@@ -66,7 +67,8 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     launch: int = 0  # ADDRESSES, and the first message on a request socket: this launch's number
     tokens: list[bytes] = []  # ADDRESSES: per front end, `engine_token(its key, rank, launch)`
     token: bytes = b""  # the first message on a request socket: that front end's token
-    reason: str = ""  # REFUSED (instead of ADDRESSES): why the front end refuses this engine
+    reason: str = ""  # REFUSED (instead of ADDRESSES): why the front end refuses this engine;
+    # FAILED (with rank and secret): the engine's start-up error (what a remote one's head says)
     # PHASE (with rank and secret, between ADDRESSES and READY): what the engine starts doing.
     # An unknown phase fails the decode: the message is dropped.
     phase: StartupPhase | None = None
