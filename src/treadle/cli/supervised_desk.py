@@ -132,7 +132,7 @@ class SupervisorDesk:
                     "TREADLE_ENGINE_READY_TIMEOUT_S if loading the model takes longer"
                 )
 
-    def join(self, rank: int, launcher_config: EngineConfig) -> Handshake:
+    def join(self, rank: int, config: EngineConfig, stop: threading.Event) -> Handshake:
         """`POST /scale` adds `rank`, another host's: its HELLO is answered (held already, or
         within TREADLE_SCALE_JOIN_TIMEOUT_S), and its READY awaited (within
         TREADLE_ENGINE_READY_TIMEOUT_S); returns the READY. Raises `TimeoutError` saying what
@@ -150,10 +150,10 @@ class SupervisorDesk:
                     raise RuntimeError(failed_join(rank, desk.failed[rank]))
                 if not loading and desk.joining(rank):  # greeted: it loads now
                     deadline, loading = time.monotonic() + envs.engine_ready_timeout_s(), True
-            if self.stop.is_set():
-                raise RuntimeError("stopped while it joined")
+            if self.stop.is_set() or stop.is_set():
+                raise RuntimeError(f"the server stopped while rank {rank} joined")
             if time.monotonic() > deadline:
-                raise TimeoutError(join_timeout(rank, loading, launcher_config))
+                raise TimeoutError(join_timeout(rank, loading, config))
 
     def forget(self, ranks: range) -> None:
         """These ranks were removed, or their scale out failed."""

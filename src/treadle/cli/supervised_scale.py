@@ -187,7 +187,7 @@ class SupervisorScale:
                 launcher.handshake(ctx, *split_addresses(self.addresses()), ranks=ours)
             for rank in theirs:
                 assert self.desk is not None
-                pids.append(self.desk.join(rank, launcher.config).pid)
+                pids.append(self.desk.join(rank, launcher.config, self.stop.event).pid)
                 logger.info("Scaling out: EngineCore_DP%d of another host is ready", rank)
         except BaseException as e:
             logger.error("Scaling out to %d engines failed: %s; stopping the new ones", n, e)

@@ -129,6 +129,8 @@ class EngineJoins:
         while rank not in desk.ready:
             if rank in desk.failed:
                 raise RuntimeError(failed_join(rank, desk.failed[rank]))
+            if self.watch.client.ended:  # (the server stops)
+                raise RuntimeError(f"the server stopped while rank {rank} joined")
             if not loading and desk.joining(rank):  # greeted: it loads now
                 deadline, loading = time.monotonic() + ready_s, True
             if time.monotonic() > deadline:
