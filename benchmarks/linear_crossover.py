@@ -25,10 +25,14 @@ With `--decode-steps`, the variants run whole decode steps of the default model 
 fused decode call of M rows (M requests of 64 tokens of context, as a speculative step of one
 request verifies k + 1 rows) and the LM head, each variant's model in turn, the fastest round
 (a round: the median of 5 steps) per variant and M; printed with the cost relative to the same
-variant's 1-row step and the ratio to the first variant at the same M.
+variant's 1-row step and the ratio to the first variant at the same M. `--activations int8x2`
+runs the default activations there (`--int8`: int8), and `--one-request --context N` makes the
+M rows one request's last M positions of N tokens (a speculative verify step).
 
     .venv/bin/python benchmarks/linear_crossover.py --decode-steps --threads 1 --repeats 3 \
         --rows 1,2,3,5,9 --variant old=main --variant new=.
+    .venv/bin/python benchmarks/linear_crossover.py --decode-steps --activations int8x2 \
+        --one-request --context 512 --rows 1,5,9 --variant old=HEAD --variant new=.
 """
 
 from __future__ import annotations
@@ -206,9 +210,13 @@ def measure_decode_steps(
     int8: bool = False,
     context: int = 64,
     one_request: bool = False,
+    activations: str | None = None,
+    clock: str = "wall",
 ) -> dict[str, dict[int, float]]:
     """In this process: {variant: {rows: ms}}, the fastest of `repeats` rounds (each round's
-    median of 5 steps), the variants' models taking turns per step size."""
+    median of 5 steps), the variants' models taking turns per step size. `clock` "cpu": the
+    process's CPU time (on a loaded machine, with one thread: what the step computes, not
+    how long it waited for a core; with more threads it counts their spinning too)."""
     import tempfile
 
     import torch
@@ -229,15 +237,21 @@ def measure_decode_steps(
             ref, _, defines = rest.partition(":")
             lib = build_variant(isa, ref, defines.split(), tmp)
             cpu_kernels._selected[:] = [Kernels(isa, Path(lib))]  # what the model loads
-            activations = "int8" if int8 else "float32"
             models[label] = load_model(
-                source, arch, torch.float32, torch.device("cpu"), 2048, activations
+                source,
+                arch,
+                torch.float32,
+                torch.device("cpu"),
+                2048,
+                activations or ("int8" if int8 else "float32"),
             )
     first = next(iter(models.values()))
     block, ctx = 16, context  # each request: `context` tokens on its own blocks
     per = -(-ctx // block)
     shape = (first.num_kv_heads, per * max(rows_list), block, first.head_dim)
     caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(first.num_layers)]
+
+    now = time.process_time if clock == "cpu" else time.perf_counter
 
     def step(model, m: int) -> float:  # type: ignore[no-untyped-def]
         if one_request:  # a speculative step: one request's last m positions, its blocks
@@ -256,15 +270,18 @@ def measure_decode_steps(
             decode_max_len=ctx,
         )
         ids, positions = torch.arange(1000, 1000 + m), last
-        start = time.perf_counter()
+        start = now()
         with torch.inference_mode():
             model.compute_logits(model(ids, positions, caches, meta))
-        return time.perf_counter() - start
+        return now() - start
 
     best: dict[str, dict[int, float]] = {v: {m: float("inf") for m in rows_list} for v in models}
-    for _ in range(repeats):
+    order = list(models.items())
+    for i in range(repeats):
         for m in rows_list:
-            for v, model in models.items():
+            # each round in a turned order: the one that runs first (or last) in a round
+            # was seen to be several percent faster on a loaded machine
+            for v, model in order[i % len(order) :] + order[: i % len(order)]:
                 step(model, m)  # warm
                 ms = statistics.median(step(model, m) for _ in range(5)) * 1e3
                 best[v][m] = min(best[v][m], ms)
@@ -314,6 +331,12 @@ def main() -> int:
     parser.add_argument(
         "--int8", action="store_true", help="variants (and decode steps): int8 activations"
     )
+    parser.add_argument(
+        "--activations",
+        choices=["float32", "int8", "int8x2"],
+        default=None,
+        help="decode steps: the linear layers' activations (default float32; --int8: int8)",
+    )
     parser.add_argument("--decode-steps", action="store_true", help="variants: model steps")
     parser.add_argument(
         "--context", type=int, default=64, help="decode steps: each row's tokens of context"
@@ -336,6 +359,8 @@ def main() -> int:
             args.int8,
             args.context,
             args.one_request,
+            args.activations,
+            args.clock,
         )
         print(json.dumps(steps))
         return 0
@@ -364,6 +389,7 @@ def main() -> int:
         if args.decode_steps:
             cmd += ["--decode-steps", "--context", str(args.context)]
             cmd += ["--one-request"] if args.one_request else []
+            cmd += ["--activations", args.activations] if args.activations else []
         out = subprocess.run(
             cmd + ["--repeats", str(args.repeats)], env=env, capture_output=True, text=True
         )

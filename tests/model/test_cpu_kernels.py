@@ -109,6 +109,44 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(
         assert torch.equal(alone[0], together[r]), (r, n)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (8, 1, 64), (4, 2, 128)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_one_requests_rows_read_its_kv_once_with_each_rows_bits(
+    kernel_backend: CpuKernelAttention, heads: int, kv_heads: int, d: int, kv_dtype: torch.dtype
+) -> None:
+    """The rows of one request that a speculative step verifies (its block table repeated,
+    lengths n, n + 1, ...) and a prefill chunk's (one table, row stride 0) share a task that
+    reads their KV once: each row still has the bits it has alone, on either side of the
+    parts of 256 tokens, beside another request's rows and cut in pieces for the threads."""
+    torch.manual_seed(3)
+    bs, num_blocks = 16, 256
+    k_cache = torch.randn(kv_heads, num_blocks, bs, d).to(kv_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(kv_dtype)
+    kernels = kernel_backend.kernels
+    perm = torch.randperm(num_blocks)
+    ours, other = perm[:40], perm[40:80]
+    lens = [250 + i for i in range(9)] + [30, 31, 32] + [505 + i for i in range(5)]
+    table = torch.stack([ours] * 9 + [other] * 3 + [ours] * 5)
+    q = torch.randn(len(lens), heads, d)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+
+    def attend(rows: slice, table: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(len(lens[rows]), heads * d)
+        n = lens_t[rows]
+        kernels.paged_decode_attention(
+            q[rows], k_cache, v_cache, table, n, int(n.max()), out, 0.125
+        )
+        return out
+
+    together = attend(slice(None), table)
+    chunk = attend(slice(0, 9), ours.unsqueeze(0).expand(9, -1))  # a prefill chunk's table
+    for r in range(len(lens)):
+        alone = attend(slice(r, r + 1), table[r : r + 1])
+        assert torch.equal(alone[0], together[r]), (r, lens[r])
+        if r < 9:
+            assert torch.equal(alone[0], chunk[r]), (r, lens[r])
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (4, 2, 32)])
 def test_prefill_chunks_on_the_kernel_match_the_pytorch_path(
     heads: int, kv_heads: int, head_dim: int, kernel_backend: CpuKernelAttention

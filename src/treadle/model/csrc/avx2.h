@@ -69,22 +69,24 @@ static inline void kv_store_row(char* dst, const float* x, int kvt, int64_t d) {
     for (; i < d; i++) ((uint16_t*)dst)[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
-/* One (request, KV head) task for head size 64 and up to 4 query heads per KV head. The K
-   pass keeps a token's key in 8 registers and reads the query heads from L1; the dot products
-   of 8 tokens are reduced together (sum8). The V pass accumulates one head at a time in 8
-   registers over a block that stays in L1. Blocks are asked for two ahead, as at AVX-512.
-   Each cache row is widened to float32 as it is loaded (kv_load8); an int8 row's scale
-   multiplies its score (K) or its probability (V). `kvt` is a constant where inlined. */
+/* One task for head size 64 and up to 4 query heads per KV head: the rows of `R` (common.h:
+   one request's rows over one span of its context) attend one KV head's blocks in `table`.
+   The K pass keeps a token's key in 8 registers, once for every row, and reads the query
+   heads from L1; the dot products of 8 tokens are reduced together (sum8). The V pass
+   accumulates one head at a time in 8 registers over a block that stays in L1, row by row.
+   Blocks are asked for two ahead, as at AVX-512. Each cache row is widened to float32 as it
+   is loaded (kv_load8); an int8 row's scale multiplies its score (K) or its probability (V).
+   `kvt` is a constant where inlined. Row i's scores are at scores + i * group * stride. */
 static inline __attribute__((always_inline)) void attend_d64_t(
-    const float* qh, int64_t group, const char* kh, const char* vh, const int64_t* table,
-    int64_t len, float scale, float* scores, int64_t max_len, float* out, const int kvt,
-    float* ml) {
+    const attend_rows* R, int64_t group, const char* kh, const char* vh, const int64_t* table,
+    float scale, float* scores, int64_t stride, const int kvt) {
+    const int64_t len = R->n[R->count - 1];
     const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
     const int64_t rb = kv_row_bytes(kvt, 64), bb = D64_BLOCK * rb;
     #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * bb : vh + table[(i) - num_used] * bb)
     prefetch_bytes(D64_AHEAD(0), bb);
     if (1 < 2 * num_used) prefetch_bytes(D64_AHEAD(1), bb);
-    __m256 part[D64_MAX_GROUP][8];
+    __m256 part[ATTN_ROWS * D64_MAX_GROUP][8];  /* row r's head j: part[r * group + j] */
     float kscale[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  /* int8: the 8 rows' scales */
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t b = 0, t = 0; t < len; b++) {
@@ -96,31 +98,37 @@ static inline __attribute__((always_inline)) void attend_d64_t(
             __m256 k[8];
             for (int i = 0; i < 8; i++) k[i] = kv_load8(kt, kvt, 8 * i);
             if (kvt == KV_I8) kscale[t & 7] = kv_row_scale(kt, KV_I8, 64);
-            for (int64_t j = 0; j < group; j++) {
-                const float* qj = qh + j * 64;
-                __m256 d = _mm256_mul_ps(k[0], _mm256_loadu_ps(qj));
-                for (int i = 1; i < 8; i++) d = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qj + 8 * i), d);
-                part[j][t & 7] = d;
-            }
-            if ((t & 7) == 7 || t == len - 1) {
+            for (int64_t r = R->count - 1; r >= 0 && t < R->n[r]; r--) {  /* the rows reaching t */
+                const float* qh = R->q + r * R->q_stride;
+                for (int64_t j = 0; j < group; j++) {
+                    const float* qj = qh + j * 64;
+                    __m256 d = _mm256_mul_ps(k[0], _mm256_loadu_ps(qj));
+                    for (int i = 1; i < 8; i++)
+                        d = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qj + 8 * i), d);
+                    part[r * group + j][t & 7] = d;
+                }
+                if ((t & 7) != 7 && t != R->n[r] - 1) continue;
                 const int64_t t0 = t & ~(int64_t)7, filled = t - t0 + 1;
                 const __m256 rows_scale = kvt == KV_I8
                     ? _mm256_mul_ps(vscale, _mm256_loadu_ps(kscale)) : vscale;
                 for (int64_t j = 0; j < group; j++) {
-                    for (int64_t i = filled; i < 8; i++) part[j][i] = _mm256_setzero_ps();
-                    const __m256 s = _mm256_mul_ps(sum8(part[j]), rows_scale);
-                    if (filled == 8) _mm256_storeu_ps(scores + j * max_len + t0, s);
+                    __m256* pj = part[r * group + j];
+                    for (int64_t i = filled; i < 8; i++) pj[i] = _mm256_setzero_ps();
+                    const __m256 s = _mm256_mul_ps(sum8(pj), rows_scale);
+                    float* dst = scores + (r * group + j) * stride + t0;
+                    if (filled == 8) _mm256_storeu_ps(dst, s);
                     else {
                         float tmp[8];
                         _mm256_storeu_ps(tmp, s);
-                        memcpy(scores + j * max_len + t0, tmp, sizeof(float) * filled);
+                        memcpy(dst, tmp, sizeof(float) * filled);
                     }
                 }
             }
         }
     }
-    softmax_rows(scores, group, len, max_len, ml);  /* a part (ml): not normalized */
-    memset(out, 0, sizeof(float) * group * 64);
+    for (int64_t r = 0; r < R->count; r++)  /* a part (ml): not normalized */
+        softmax_rows(scores + r * group * stride, group, R->n[r], stride, R->ml[r]);
+    for (int64_t r = 0; r < R->count; r++) memset(R->out[r], 0, sizeof(float) * group * 64);
     for (int64_t b = 0, t = 0; t < len; b++) {
         const char* vb = vh + table[b] * bb;
         if (num_used + b + 2 < 2 * num_used) prefetch_bytes(D64_AHEAD(num_used + b + 2), bb);
@@ -128,37 +136,35 @@ static inline __attribute__((always_inline)) void attend_d64_t(
         float vs[D64_BLOCK];  /* int8: the block's rows' scales */
         if (kvt == KV_I8)
             for (int64_t o = 0; o < n; o++) vs[o] = kv_row_scale(vb + o * rb, KV_I8, 64);
-        for (int64_t j = 0; j < group; j++) {
-            float* oj = out + j * 64;
-            const float* sj = scores + j * max_len + t;
-            __m256 a[8];
-            for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(oj + 8 * i);
-            for (int64_t o = 0; o < n; o++) {
-                const __m256 p = _mm256_set1_ps(kvt == KV_I8 ? sj[o] * vs[o] : sj[o]);
-                const char* vt = vb + o * rb;
-                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(p, kv_load8(vt, kvt, 8 * i), a[i]);
+        for (int64_t r = R->count - 1; r >= 0 && t < R->n[r]; r--) {
+            const int64_t nr = R->n[r] - t < n ? R->n[r] - t : n;
+            for (int64_t j = 0; j < group; j++) {
+                float* oj = R->out[r] + j * 64;
+                const float* sj = scores + (r * group + j) * stride + t;
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(oj + 8 * i);
+                for (int64_t o = 0; o < nr; o++) {
+                    const __m256 p = _mm256_set1_ps(kvt == KV_I8 ? sj[o] * vs[o] : sj[o]);
+                    const char* vt = vb + o * rb;
+                    for (int i = 0; i < 8; i++)
+                        a[i] = _mm256_fmadd_ps(p, kv_load8(vt, kvt, 8 * i), a[i]);
+                }
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(oj + 8 * i, a[i]);
             }
-            for (int i = 0; i < 8; i++) _mm256_storeu_ps(oj + 8 * i, a[i]);
         }
         t += n;
     }
     #undef D64_AHEAD
 }
 
-static void attend_d64(const float* qh, int64_t group, const char* kh, const char* vh,
-                       const int64_t* table, int64_t len, float scale, float* scores,
-                       int64_t max_len, float* out, int kvt, float* ml) {
+static void attend_d64(const attend_rows* R, int64_t group, const char* kh, const char* vh,
+                       const int64_t* table, float scale, float* scores, int64_t stride,
+                       int kvt) {
     switch (kvt) {
-    case KV_F16:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16, ml);
-        break;
-    case KV_BF16:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16, ml);
-        break;
-    case KV_I8:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8, ml);
-        break;
-    default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32, ml);
+    case KV_F16: attend_d64_t(R, group, kh, vh, table, scale, scores, stride, KV_F16); break;
+    case KV_BF16: attend_d64_t(R, group, kh, vh, table, scale, scores, stride, KV_BF16); break;
+    case KV_I8: attend_d64_t(R, group, kh, vh, table, scale, scores, stride, KV_I8); break;
+    default: attend_d64_t(R, group, kh, vh, table, scale, scores, stride, KV_F32);
     }
 }
 

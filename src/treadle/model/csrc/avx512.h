@@ -70,29 +70,30 @@ static inline __m512 sum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* One (request, KV head) task for head size 64 and up to 4 query heads per KV head (the common
-   shapes): the query heads and the output sums stay in registers, and the blocks are asked for
-   two ahead (the K pass runs on into the first V blocks). Each cache row is widened to float32
-   as it is loaded (kv_load16); an int8 row's scale multiplies its score (K) or its probability
-   (V). `kvt` is a constant where this is inlined (attend_d64 below). */
+/* One task for head size 64 and up to 4 query heads per KV head (the common shapes): the rows
+   of `R` (common.h: one request's rows over one span of its context) attend one KV head's
+   blocks in `table`. A row's query heads and output sums stay in registers, and the blocks are
+   asked for two ahead (the K pass runs on into the first V blocks). The K pass loads each
+   block once for every row (one request's speculative rows, or a prefill chunk's, read its K
+   once); the V pass goes row by row over blocks that the first row brought into the caches.
+   Each cache row is widened to float32 as it is loaded (kv_load16); an int8 row's scale
+   multiplies its score (K) or its probability (V). `kvt` is a constant where this is inlined
+   (attend_d64 below). Row i's scores are at scores + i * group * stride. */
 static inline __attribute__((always_inline)) void attend_d64_t(
-    const float* qh, int64_t group, const char* kh, const char* vh, const int64_t* table,
-    int64_t len, float scale, float* scores, int64_t max_len, float* out, const int kvt,
-    float* ml) {
+    const attend_rows* R, int64_t group, const char* kh, const char* vh, const int64_t* table,
+    float scale, float* scores, int64_t stride, const int kvt) {
+    const int64_t len = R->n[R->count - 1];
     const int64_t num_used = (len + D64_BLOCK - 1) / D64_BLOCK;
     const int64_t rb = kv_row_bytes(kvt, 64), bb = D64_BLOCK * rb;
-    __m512 qv[D64_MAX_GROUP][4];
-    for (int64_t j = 0; j < group; j++)
-        for (int i = 0; i < 4; i++) qv[j][i] = _mm512_loadu_ps(qh + j * 64 + i * 16);
     /* block i of the K pass, then block i - num_used of the V pass */
     #define D64_AHEAD(i) ((i) < num_used ? kh + table[(i)] * bb : vh + table[(i) - num_used] * bb)
     prefetch_bytes(D64_AHEAD(0), bb);
     if (1 < 2 * num_used) prefetch_bytes(D64_AHEAD(1), bb);
     /* The K pass a block (16 tokens) at a time: per query, each token's 16 lane products in
        a register, and one transposing add tree (sum16) makes the block's 16 scores, where a
-       reduction per score costs about 3x the adds. A block's missing tokens are zeros, and a
-       lane's sum does not depend on the others, so a score's bits are the same in a whole
-       block and in a partial one. Rows not float32 are widened once into `kf`. */
+       reduction per score costs about 3x the adds. A row's tokens past its length are zeros,
+       and a lane's sum does not depend on the others, so a score's bits are the same in a
+       whole block and in a partial one. Rows not float32 are widened once into `kf`. */
     float kf[D64_BLOCK * 64] __attribute__((aligned(64)));
     float rs[D64_BLOCK] __attribute__((aligned(64)));
     for (int64_t b = 0, t = 0; t < len; b++, t += D64_BLOCK) {
@@ -109,63 +110,69 @@ static inline __attribute__((always_inline)) void attend_d64_t(
         for (int64_t o = 0; o < D64_BLOCK; o++)
             rs[o] = o < n ? scale * kv_row_scale(kb + o * rb, kvt, 64) : 0.f;
         const __m512 row_scales = _mm512_load_ps(rs);
-        const __mmask16 valid = (__mmask16)((1u << n) - 1);
-        for (int64_t j = 0; j < group; j++) {
-            __m512 d[D64_BLOCK];
-            for (int64_t o = 0; o < D64_BLOCK; o++) {
-                if (o >= n) { d[o] = _mm512_setzero_ps(); continue; }
-                const float* kt = k + o * 64;
-                d[o] = _mm512_mul_ps(qv[j][0], _mm512_loadu_ps(kt));
-                d[o] = _mm512_fmadd_ps(qv[j][1], _mm512_loadu_ps(kt + 16), d[o]);
-                d[o] = _mm512_fmadd_ps(qv[j][2], _mm512_loadu_ps(kt + 32), d[o]);
-                d[o] = _mm512_fmadd_ps(qv[j][3], _mm512_loadu_ps(kt + 48), d[o]);
+        for (int64_t r = 0; r < R->count; r++) {
+            const int64_t nr = R->n[r] - t < D64_BLOCK ? R->n[r] - t : D64_BLOCK;
+            if (nr <= 0) continue;
+            const __mmask16 valid = (__mmask16)((1u << nr) - 1);
+            const float* qh = R->q + r * R->q_stride;
+            float* sr = scores + r * group * stride + t;
+            for (int64_t j = 0; j < group; j++) {
+                const __m512 q0 = _mm512_loadu_ps(qh + j * 64), q1 = _mm512_loadu_ps(qh + j * 64 + 16);
+                const __m512 q2 = _mm512_loadu_ps(qh + j * 64 + 32);
+                const __m512 q3 = _mm512_loadu_ps(qh + j * 64 + 48);
+                __m512 d[D64_BLOCK];
+                for (int64_t o = 0; o < D64_BLOCK; o++) {
+                    if (o >= nr) { d[o] = _mm512_setzero_ps(); continue; }
+                    const float* kt = k + o * 64;
+                    d[o] = _mm512_mul_ps(q0, _mm512_loadu_ps(kt));
+                    d[o] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kt + 16), d[o]);
+                    d[o] = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kt + 32), d[o]);
+                    d[o] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kt + 48), d[o]);
+                }
+                _mm512_mask_storeu_ps(sr + j * stride, valid, _mm512_mul_ps(sum16(d), row_scales));
             }
-            _mm512_mask_storeu_ps(scores + j * max_len + t, valid,
-                                  _mm512_mul_ps(sum16(d), row_scales));
         }
     }
-    softmax_rows(scores, group, len, max_len, ml);  /* a part (ml): not normalized */
-    __m512 acc[D64_MAX_GROUP][4];
-    for (int64_t j = 0; j < group; j++)
-        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
-    for (int64_t b = 0, t = 0; t < len; b++) {
-        const char* vb = vh + table[b] * bb;
-        if (num_used + b + 2 < 2 * num_used) prefetch_bytes(D64_AHEAD(num_used + b + 2), bb);
-        const int64_t n = len - t < D64_BLOCK ? len - t : D64_BLOCK;
-        for (int64_t o = 0; o < n; o++, t++) {
-            const char* vt = vb + o * rb;
-            const __m512 v0 = kv_load16(vt, kvt, 0), v1 = kv_load16(vt, kvt, 16);
-            const __m512 v2 = kv_load16(vt, kvt, 32), v3 = kv_load16(vt, kvt, 48);
-            const float vs = kv_row_scale(vt, kvt, 64);
-            for (int64_t j = 0; j < group; j++) {
-                const __m512 p = _mm512_set1_ps(kvt == KV_I8 ? scores[j * max_len + t] * vs
-                                                             : scores[j * max_len + t]);
-                acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
-                acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
-                acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
-                acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+    for (int64_t r = 0; r < R->count; r++)  /* a part (ml): not normalized */
+        softmax_rows(scores + r * group * stride, group, R->n[r], stride, R->ml[r]);
+    for (int64_t r = 0; r < R->count; r++) {
+        const float* sr = scores + r * group * stride;
+        __m512 acc[D64_MAX_GROUP][4];
+        for (int64_t j = 0; j < group; j++)
+            for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
+        for (int64_t b = 0, t = 0; t < R->n[r]; b++) {
+            const char* vb = vh + table[b] * bb;
+            if (num_used + b + 2 < 2 * num_used) prefetch_bytes(D64_AHEAD(num_used + b + 2), bb);
+            const int64_t n = R->n[r] - t < D64_BLOCK ? R->n[r] - t : D64_BLOCK;
+            for (int64_t o = 0; o < n; o++, t++) {
+                const char* vt = vb + o * rb;
+                const __m512 v0 = kv_load16(vt, kvt, 0), v1 = kv_load16(vt, kvt, 16);
+                const __m512 v2 = kv_load16(vt, kvt, 32), v3 = kv_load16(vt, kvt, 48);
+                const float vs = kv_row_scale(vt, kvt, 64);
+                for (int64_t j = 0; j < group; j++) {
+                    const __m512 p = _mm512_set1_ps(kvt == KV_I8 ? sr[j * stride + t] * vs
+                                                                 : sr[j * stride + t]);
+                    acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+                    acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+                    acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+                    acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+                }
             }
         }
+        for (int64_t j = 0; j < group; j++)
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(R->out[r] + j * 64 + i * 16, acc[j][i]);
     }
     #undef D64_AHEAD
-    for (int64_t j = 0; j < group; j++)
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + j * 64 + i * 16, acc[j][i]);
 }
 
-static void attend_d64(const float* qh, int64_t group, const char* kh, const char* vh,
-                       const int64_t* table, int64_t len, float scale, float* scores,
-                       int64_t max_len, float* out, int kvt, float* ml) {
+static void attend_d64(const attend_rows* R, int64_t group, const char* kh, const char* vh,
+                       const int64_t* table, float scale, float* scores, int64_t stride,
+                       int kvt) {
     switch (kvt) {
-    case KV_F16:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F16, ml);
-        break;
-    case KV_BF16:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_BF16, ml);
-        break;
-    case KV_I8:
-        attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_I8, ml);
-        break;
-    default: attend_d64_t(qh, group, kh, vh, table, len, scale, scores, max_len, out, KV_F32, ml);
+    case KV_F16: attend_d64_t(R, group, kh, vh, table, scale, scores, stride, KV_F16); break;
+    case KV_BF16: attend_d64_t(R, group, kh, vh, table, scale, scores, stride, KV_BF16); break;
+    case KV_I8: attend_d64_t(R, group, kh, vh, table, scale, scores, stride, KV_I8); break;
+    default: attend_d64_t(R, group, kh, vh, table, scale, scores, stride, KV_F32);
     }
 }
 

@@ -39,11 +39,14 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 
 /* Each of `rows` rows of `len` scores (`stride` apart) replaced by exp(s - m), m its max; with
    `ml`, each row's m and sum in ml[2 j], ml[2 j + 1] and no more (a part of a split context,
-   paged_decode_attention_f32), else divided by the sum: the softmax. */
+   paged_decode_attention_f32), else divided by the sum: the softmax. The max is taken in
+   vector lanes (a max is exact in any order; where a +0 and a -0 tie, s - m and so exp(s - m)
+   are the same either way), where one compare a score had made a chain of its latencies. */
 static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t stride, float* ml) {
     for (int64_t j = 0; j < rows; j++) {
         float* s = scores + j * stride;
         float m = s[0];
+        #pragma omp simd reduction(max:m)
         for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
         float total = 0.f;
         #pragma omp simd reduction(+:total)
@@ -60,6 +63,24 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t strid
         for (int64_t t = 0; t < len; t++) s[t] *= inv;
     }
 }
+
+/* The most rows one attention task takes at once (paged_decode_attention_f32). */
+#define ATTN_ROWS 16
+
+/* Rows of one request that one attention task attends over the same span of its context (the
+   positions a speculative step verifies, a prefill chunk's tokens): their KV blocks are read
+   once for all of them, each row's own length applied. Row i's query heads are at q + i *
+   q_stride; it attends the span's first n[i] tokens (non-decreasing in i; the span is
+   n[count - 1] long); its group x head_dim results go to out[i], normalized, or with ml[i]
+   (a part of a split context) unnormalized and each head's (m, l) in ml[i]. Each row's
+   results have the bits it gets alone: the same operations in the same order. */
+typedef struct {
+    int64_t count, q_stride;
+    const float* q;
+    int64_t n[ATTN_ROWS];
+    float* out[ATTN_ROWS];
+    float* ml[ATTN_ROWS];
+} attend_rows;
 
 /* ---- The KV cache's element types (`--kv-cache-dtype`) ------------------------------------
 

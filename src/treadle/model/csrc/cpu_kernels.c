@@ -88,28 +88,35 @@ int gguf_g16_kinds(void) { return G16_KINDS; }
    (attend_d64: head size 64, up to 4 query heads per KV head, blocks of 16) widens each row in
    registers; the generic loop widens one row at a time into an L1 buffer of head_dim floats.
 
-   Tasks are (request, KV head) pairs, and a context longer than ATTN_PART tokens is split in
-   parts of that many (flash-decoding), each attended alone (its scores' max m, the sum l of
-   exp(s - m), and the unnormalized sum of V), then combined: out = sum_c e^(m_c - M) acc_c /
-   sum_c e^(m_c - M) l_c, M = max_c m_c. One request has only num_kv (3) tasks, which left a
-   thread of two idle a third of the time (single stream, ~1,600 tokens of context: 13.4-14.2
-   -> 9.3-10.1 ms a token). The parts depend only on the request's own length, so a row's bits
-   do not depend on the rows beside it (and a context of up to ATTN_PART tokens gives the bits
-   of the whole-context loop). */
+   Tasks are (rows, KV head) pairs, where the rows are consecutive rows whose contexts lie on
+   the same blocks (one request's positions that a speculative step verifies, or the tokens of
+   a prefill chunk: up to ATTN_ROWS of them; each other row alone): their KV is read once for
+   all of them, where each row had read it again (attend_rows, common.h). A context longer
+   than ATTN_PART tokens is split in parts of that many (flash-decoding), each attended alone
+   (its scores' max m, the sum l of exp(s - m), and the unnormalized sum of V), then combined:
+   out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c. One request has only
+   num_kv (3) tasks, which left a thread of two idle a third of the time (single stream,
+   ~1,600 tokens of context: 13.4-14.2 -> 9.3-10.1 ms a token). The parts depend only on the
+   row's own length, so a row's bits do not depend on the rows beside it (and a context of up
+   to ATTN_PART tokens gives the bits of the whole-context loop), nor on which rows share its
+   task: each row's operations are the ones it makes alone, in the same order. */
 #define ATTN_PART 256  /* tokens; contexts are split only where the cache blocks divide it */
+#ifndef ATTN_TASKS_PER_THREAD
+#define ATTN_TASKS_PER_THREAD 2  /* rows of a request are split to make at least this many */
+#endif
 
 /* How many parts a context of `len` tokens is attended in. */
 static inline int64_t attn_parts(int64_t len, int64_t block_size) {
     return ATTN_PART % block_size == 0 && len > ATTN_PART ? (len + ATTN_PART - 1) / ATTN_PART : 1;
 }
 
-/* The generic loop over `len` tokens of the blocks in `table`: into out[group x head_dim],
-   normalized, or with `ml` (a part) unnormalized and each query head's (m, l) in ml. */
-static void attend_generic(const float* qh, int64_t group, const char* kh, const char* vh,
-                           const int64_t* table, int64_t len, float scale, float* scores,
-                           int64_t max_len, float* acc, float* row, float* out,
-                           int64_t head_dim, int64_t block_size, int64_t rb, int kv_type,
-                           float* ml) {
+/* The generic loop: the rows of R over the blocks in `table` (see attend_rows); `acc` holds
+   R->count x group x head_dim floats. */
+static void attend_generic(const attend_rows* R, int64_t group, const char* kh, const char* vh,
+                           const int64_t* table, float scale, float* scores, int64_t stride,
+                           float* acc, float* row, int64_t head_dim, int64_t block_size,
+                           int64_t rb, int kv_type) {
+    const int64_t len = R->n[R->count - 1];
     const int64_t block_bytes_kv = block_size * rb;
     const int64_t num_used = (len + block_size - 1) / block_size;
     prefetch_bytes(kh + table[0] * block_bytes_kv, block_bytes_kv);
@@ -124,12 +131,15 @@ static void attend_generic(const float* qh, int64_t group, const char* kh, const
             const float* ktf = kv_type == KV_F32 ? (const float*)kt : row;
             if (kv_type != KV_F32) kv_row_to_f32(kt, kv_type, head_dim, row);
             const float s = scale * kv_row_scale(kt, kv_type, head_dim);
-            for (int64_t j = 0; j < group; j++)
-                scores[j * max_len + t] = dot(qh + j * head_dim, ktf, head_dim) * s;
+            for (int64_t r = R->count - 1; r >= 0 && t < R->n[r]; r--)
+                for (int64_t j = 0; j < group; j++)
+                    scores[(r * group + j) * stride + t] =
+                        dot(R->q + r * R->q_stride + j * head_dim, ktf, head_dim) * s;
         }
     }
-    softmax_rows(scores, group, len, max_len, ml);
-    memset(acc, 0, sizeof(float) * group * head_dim);
+    for (int64_t r = 0; r < R->count; r++)
+        softmax_rows(scores + r * group * stride, group, R->n[r], stride, R->ml[r]);
+    memset(acc, 0, sizeof(float) * R->count * group * head_dim);
     for (int64_t b = 0, t = 0; t < len; b++) {
         const char* vb = vh + table[b] * block_bytes_kv;
         if (b + 1 < num_used) prefetch_bytes(vh + table[b + 1] * block_bytes_kv, block_bytes_kv);
@@ -139,46 +149,37 @@ static void attend_generic(const float* qh, int64_t group, const char* kh, const
             const float* vtf = kv_type == KV_F32 ? (const float*)vt : row;
             if (kv_type != KV_F32) kv_row_to_f32(vt, kv_type, head_dim, row);
             const float vs = kv_row_scale(vt, kv_type, head_dim);
-            for (int64_t j = 0; j < group; j++) {
-                const float p = scores[j * max_len + t] * vs;
-                float* a = acc + j * head_dim;
-                for (int64_t i = 0; i < head_dim; i++) a[i] += p * vtf[i];
-            }
+            for (int64_t r = R->count - 1; r >= 0 && t < R->n[r]; r--)
+                for (int64_t j = 0; j < group; j++) {
+                    const float p = scores[(r * group + j) * stride + t] * vs;
+                    float* a = acc + (r * group + j) * head_dim;
+                    for (int64_t i = 0; i < head_dim; i++) a[i] += p * vtf[i];
+                }
         }
     }
-    memcpy(out, acc, sizeof(float) * group * head_dim);
+    for (int64_t r = 0; r < R->count; r++)
+        memcpy(R->out[r], acc + r * group * head_dim, sizeof(float) * group * head_dim);
 }
 
-/* What one task of paged_decode_attention_f32 reads and where it works. */
+/* What a call of paged_decode_attention_f32 reads and where each thread works. */
 typedef struct {
-    int64_t group, head_dim, block_size, rb, max_len;
+    int64_t group, head_dim, block_size, rb, stride;  /* stride: between a row's scores */
     float scale;
     int kv_type, d64;
     float *scores, *acc, *row;  /* the thread's buffers */
 } attend_ctx;
 
-/* One (request, KV head) pair's attention over `len` tokens of the blocks in `table` (see
-   attend_generic for `ml`). */
-static void attend_span(const attend_ctx* c, const float* qh, const char* kh, const char* vh,
-                        const int64_t* table, int64_t len, float* out, float* ml) {
+/* The rows of R over one KV head's blocks in `table`. */
+static void attend_span(const attend_ctx* c, const attend_rows* R, const char* kh,
+                        const char* vh, const int64_t* table) {
 #if HAVE_ATTEND_D64
     if (c->d64) {
-        attend_d64(qh, c->group, kh, vh, table, len, c->scale, c->scores, c->max_len, out,
-                   c->kv_type, ml);
+        attend_d64(R, c->group, kh, vh, table, c->scale, c->scores, c->stride, c->kv_type);
         return;
     }
 #endif
-    attend_generic(qh, c->group, kh, vh, table, len, c->scale, c->scores, c->max_len, c->acc,
-                   c->row, out, c->head_dim, c->block_size, c->rb, c->kv_type, ml);
-}
-
-/* Part p of a split context into `part`: its unnormalized sums (group x head_dim), then each
-   query head's (m, l). */
-static void attend_part(const attend_ctx* c, const float* qh, const char* kh, const char* vh,
-                        const int64_t* table, int64_t len, int64_t p, float* part) {
-    const int64_t t0 = p * ATTN_PART, n = len - t0 < ATTN_PART ? len - t0 : ATTN_PART;
-    attend_span(c, qh, kh, vh, table + t0 / c->block_size, n, part,
-                part + c->group * c->head_dim);
+    attend_generic(R, c->group, kh, vh, table, c->scale, c->scores, c->stride, c->acc, c->row,
+                   c->head_dim, c->block_size, c->rb, c->kv_type);
 }
 
 /* The parts' results (`parts` slots of `slot` floats, in order) combined into
@@ -205,6 +206,53 @@ static void combine_parts(const float* base, int64_t parts, int64_t slot, int64_
     }
 }
 
+/* Whether row r's context lies on the blocks of row r - 1's (rows `stride` table entries
+   apart), as far as row r - 1 reaches, and reaches at least as far: then the two can share
+   a task. Transitively, a run of such rows reads its last row's table. */
+static inline int extends_row(const int64_t* table, int64_t stride, const int32_t* lens,
+                              int64_t r, int64_t block_size) {
+    if (lens[r] < lens[r - 1]) return 0;
+    if (stride == 0) return 1;
+    const int64_t* a = table + (r - 1) * stride;
+    const int64_t* b = table + r * stride;
+    for (int64_t i = 0; i < (lens[r - 1] + block_size - 1) / block_size; i++)
+        if (a[i] != b[i]) return 0;
+    return 1;
+}
+
+/* The rows' runs (run g: rows at[g] .. at[g + 1] - 1) into `at` (room for num_reqs + 1):
+   consecutive rows on the same blocks, at most ATTN_ROWS a run; where they make fewer than
+   ATTN_TASKS_PER_THREAD tasks a thread, each run is cut in as many nearly equal runs as make
+   that many (a single stream's speculative rows on 2 threads: 3 KV heads are 3 tasks). The
+   number of runs. */
+static int64_t row_runs(const int64_t* table, int64_t stride, const int32_t* lens,
+                        int64_t num_reqs, int64_t num_kv, int64_t block_size, int num_threads,
+                        int64_t* at) {
+    int64_t runs = 0, tasks = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        if (r == 0 || r - at[runs - 1] == ATTN_ROWS ||
+            !extends_row(table, stride, lens, r, block_size)) {
+            if (runs) tasks += num_kv * attn_parts(lens[r - 1], block_size);
+            at[runs++] = r;
+        }
+    }
+    tasks += num_kv * attn_parts(lens[num_reqs - 1], block_size);
+    at[runs] = num_reqs;
+    const int64_t want = (int64_t)ATTN_TASKS_PER_THREAD * num_threads;
+    if (tasks >= want || runs == num_reqs) return runs;
+    const int64_t cuts = (want + tasks - 1) / tasks;  /* pieces a run is cut in */
+    int64_t* old = (int64_t*)malloc(sizeof(int64_t) * (runs + 1));
+    memcpy(old, at, sizeof(int64_t) * (runs + 1));
+    int64_t out = 0;
+    for (int64_t g = 0; g < runs; g++) {
+        const int64_t rows = old[g + 1] - old[g], pieces = cuts < rows ? cuts : rows;
+        for (int64_t p = 0; p < pieces; p++) at[out++] = old[g] + p * rows / pieces;
+    }
+    at[out] = num_reqs;
+    free(old);
+    return out;
+}
+
 void paged_decode_attention_f32(
     const float* q, int64_t q_row_stride,          /* q[r, head, :] at q + r*stride + head*d */
     const void* k_cache, const void* v_cache,      /* [num_kv, num_blocks, block_size] rows */
@@ -215,6 +263,7 @@ void paged_decode_attention_f32(
     int64_t num_blocks, int64_t block_size, float scale, int64_t max_len, int num_threads,
     int kv_type)
 {
+    if (num_reqs <= 0) return;
     const int64_t group = num_heads / num_kv;
     const int64_t rb = kv_row_bytes(kv_type, head_dim);
     const int64_t head_stride = num_blocks * block_size * rb;
@@ -224,59 +273,101 @@ void paged_decode_attention_f32(
     const int d64 = 0;
 #endif
     const int64_t max_parts = attn_parts(max_len, block_size);
+    /* a span's scores: at most a part where contexts are split */
+    const int64_t stride = ATTN_PART % block_size == 0 && max_len > ATTN_PART ? ATTN_PART
+                                                                              : max_len;
     const int64_t slot = group * (head_dim + 2);  /* a part's unnormalized sums, then its (m, l) */
-    /* Where (request, KV head) pairs are few (decode of a few requests), each part is a task
-       of its own and the parts are combined after them (`first[r]`: request r's first task;
-       they go head by head, part by part); else each pair is a task that runs its parts in
-       turn (prefill rows: no buffer of every part). The same parts and the same combination
-       either way: the same bits. */
-    const int by_part = max_parts > 1 && num_reqs * num_kv < 4 * num_threads;
-    int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (num_reqs + 1));
+    int64_t* at = (int64_t*)malloc(sizeof(int64_t) * (num_reqs + 1));
+    const int64_t runs = row_runs(block_table, table_stride, lens, num_reqs, num_kv, block_size,
+                                  num_threads, at);
+    int64_t run_rows = 0;  /* the most rows a run has */
+    for (int64_t g = 0; g < runs; g++)
+        run_rows = at[g + 1] - at[g] > run_rows ? at[g + 1] - at[g] : run_rows;
+    /* Where (run, KV head) pairs are few (decode of a few requests), each part is a task of
+       its own and the parts are combined after them (`first[g]`: run g's first task; they go
+       head by head, part by part; `slots[r]`: row r's first part slot, head by head); else
+       each pair is a task that runs its parts in turn (prefill rows: no buffer of every
+       part). The same parts and the same combination either way: the same bits. */
+    const int by_part = max_parts > 1 && runs * num_kv < 4 * num_threads;
+    int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (runs + 1));
     first[0] = 0;
-    for (int64_t r = 0; r < num_reqs; r++)
-        first[r + 1] = first[r] + num_kv * (by_part ? attn_parts(lens[r], block_size) : 1);
-    const int64_t num_tasks = first[num_reqs];
-    float* parts_buf = by_part ? (float*)malloc(sizeof(float) * num_tasks * slot) : NULL;
+    for (int64_t g = 0; g < runs; g++)
+        first[g + 1] = first[g] + num_kv * (by_part ? attn_parts(lens[at[g + 1] - 1], block_size)
+                                                    : 1);
+    const int64_t num_tasks = first[runs];
+    int64_t* slots = NULL;
+    float* parts_buf = NULL;
+    if (by_part) {
+        slots = (int64_t*)malloc(sizeof(int64_t) * (num_reqs + 1));
+        slots[0] = 0;
+        for (int64_t r = 0; r < num_reqs; r++)
+            slots[r + 1] = slots[r] + num_kv * attn_parts(lens[r], block_size);
+        parts_buf = (float*)malloc(sizeof(float) * slots[num_reqs] * slot);
+    }
     #pragma omp parallel num_threads(num_threads)
     {
-        attend_ctx c = {group, head_dim, block_size, rb, max_len, scale, kv_type, d64,
-                        (float*)malloc(sizeof(float) * group * max_len),
-                        (float*)malloc(sizeof(float) * group * head_dim),
+        attend_ctx c = {group, head_dim, block_size, rb, stride, scale, kv_type, d64,
+                        (float*)malloc(sizeof(float) * run_rows * group * stride),
+                        (float*)malloc(sizeof(float) * run_rows * group * head_dim),
                         (float*)malloc(sizeof(float) * head_dim)};
-        float* mine = !by_part && max_parts > 1 ? (float*)malloc(sizeof(float) * max_parts * slot)
-                                                : NULL;
+        float* mine = !by_part && max_parts > 1
+                          ? (float*)malloc(sizeof(float) * run_rows * max_parts * slot)
+                          : NULL;
         #pragma omp for schedule(dynamic, 4)
         for (int64_t task = 0; task < num_tasks; task++) {
-            int64_t lo = 0, hi = num_reqs;  /* the request: first[r] <= task < first[r + 1] */
+            int64_t lo = 0, hi = runs;  /* the run: first[g] <= task < first[g + 1] */
             while (hi - lo > 1) {
                 const int64_t mid = (lo + hi) / 2;
                 if (first[mid] <= task) lo = mid; else hi = mid;
             }
-            const int64_t r = lo, tasks_r = (first[r + 1] - first[r]) / num_kv;
-            const int64_t h = (task - first[r]) / tasks_r, p = (task - first[r]) % tasks_r;
-            const int64_t len = lens[r], parts = attn_parts(len, block_size);
-            const int64_t* table = block_table + r * table_stride;
-            const float* qh = q + r * q_row_stride + h * group * head_dim;
+            const int64_t g = lo, r0 = at[g], r1 = at[g + 1];
+            const int64_t tasks_g = (first[g + 1] - first[g]) / num_kv;
+            const int64_t h = (task - first[g]) / tasks_g;
+            const int64_t run_parts = attn_parts(lens[r1 - 1], block_size);
+            const int64_t* table = block_table + (r1 - 1) * table_stride;
             const char* kh = (const char*)k_cache + h * head_stride;
             const char* vh = (const char*)v_cache + h * head_stride;
-            float* dst = out + r * out_row_stride + h * group * head_dim;
-            if (parts == 1) {
-                attend_span(&c, qh, kh, vh, table, len, dst, NULL);
-            } else if (by_part) {
-                attend_part(&c, qh, kh, vh, table, len, p, parts_buf + task * slot);
-            } else {
-                for (int64_t i = 0; i < parts; i++)
-                    attend_part(&c, qh, kh, vh, table, len, i, mine + i * slot);
-                combine_parts(mine, parts, slot, group, head_dim, c.acc, dst);
+            /* part p of the run: its rows that reach it (a suffix: lengths do not decrease) */
+            const int64_t p_lo = by_part ? (task - first[g]) % tasks_g : 0;
+            const int64_t p_hi = by_part ? p_lo + 1 : run_parts;
+            for (int64_t p = p_lo; p < p_hi; p++) {
+                attend_rows R;
+                int64_t r = r0;
+                while (attn_parts(lens[r], block_size) <= p) r++;
+                R.count = r1 - r;
+                R.q = q + r * q_row_stride + h * group * head_dim;
+                R.q_stride = q_row_stride;
+                for (int64_t i = 0; i < R.count; i++, r++) {
+                    const int64_t parts = attn_parts(lens[r], block_size);
+                    const int64_t rest = lens[r] - p * ATTN_PART;
+                    R.n[i] = parts == 1 ? lens[r] : rest < ATTN_PART ? rest : ATTN_PART;
+                    if (parts == 1) {
+                        R.out[i] = out + r * out_row_stride + h * group * head_dim;
+                        R.ml[i] = NULL;
+                        continue;
+                    }
+                    R.out[i] = by_part ? parts_buf + (slots[r] + h * parts + p) * slot
+                                       : mine + ((r - r0) * max_parts + p) * slot;
+                    R.ml[i] = R.out[i] + group * head_dim;
+                }
+                attend_span(&c, &R, kh, vh, table + p * ATTN_PART / block_size);
             }
+            if (!by_part)
+                for (int64_t r = r0; r < r1; r++) {
+                    const int64_t parts = attn_parts(lens[r], block_size);
+                    if (parts > 1)
+                        combine_parts(mine + (r - r0) * max_parts * slot, parts, slot, group,
+                                      head_dim, c.acc,
+                                      out + r * out_row_stride + h * group * head_dim);
+                }
         }
         if (by_part) {
             #pragma omp for schedule(static)
             for (int64_t rh = 0; rh < num_reqs * num_kv; rh++) {
                 const int64_t r = rh / num_kv, h = rh % num_kv;
-                const int64_t parts = (first[r + 1] - first[r]) / num_kv;
+                const int64_t parts = (slots[r + 1] - slots[r]) / num_kv;
                 if (parts > 1)
-                    combine_parts(parts_buf + (first[r] + h * parts) * slot, parts, slot, group,
+                    combine_parts(parts_buf + (slots[r] + h * parts) * slot, parts, slot, group,
                                   head_dim, c.acc,
                                   out + r * out_row_stride + h * group * head_dim);
             }
@@ -287,7 +378,9 @@ void paged_decode_attention_f32(
         free(mine);
     }
     free(parts_buf);
+    free(slots);
     free(first);
+    free(at);
 }
 
 /* ---- Linear layers over GGUF blocks (layout: common.h) ------------------------------------ */
@@ -541,12 +634,23 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
                 quantize_rows_q8(x + r * x_row_stride, x_row_stride, 1, K, xq + r * K,
                                  xds + 2 * r * nb);
         }
+        const int64_t passes = (R + G16_ROWS - 1) / G16_ROWS;
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < ngroups; g++) {
             const char* grp = (const char*)w + g * group_bytes;
             const int64_t valid = N - g * G16 < G16 ? N - g * G16 : G16;
             for (int64_t r0 = 0; r0 < R; r0 += G16_ROWS) {
                 const int64_t rows = R - r0 < G16_ROWS ? R - r0 : G16_ROWS;
+                /* Passes after the first read the group from L1 and ask nothing of memory (no
+                   miss trains the hardware's prefetcher), so they ask for a share of the next
+                   group each, which then streams in beside their arithmetic. */
+                const int64_t pass = r0 / G16_ROWS;
+                if (pass > 0 && g + 1 < ngroups) {
+                    const int64_t from = (pass - 1) * group_bytes / (passes - 1);
+                    const int64_t to = pass * group_bytes / (passes - 1);
+                    for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
+                        __builtin_prefetch(grp + group_bytes + off, 0, 2);
+                }
                 float out[G16_ROWS][G16];
                 g16_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows, out);
                 if (parts == 1) {
