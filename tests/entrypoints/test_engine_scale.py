@@ -79,7 +79,9 @@ class Streams:
         ]
 
     def wait_started(self, timeout: float = 120) -> None:
-        """Until every stream has had a chunk (outputs merge: a chunk may hold many tokens)."""
+        """Until every stream has had a chunk (outputs merge: a chunk may hold many tokens),
+        most of them still running (on a loaded machine one may run far ahead of another:
+        CI saw one end before another had its first chunk)."""
         deadline = time.monotonic() + timeout
         while min(self.tokens) < 1:
             assert time.monotonic() < deadline, f"streams stuck at {self.tokens}"
@@ -87,7 +89,8 @@ class Streams:
                 if f.done():
                     f.result()
             time.sleep(0.05)
-        assert not any(f.done() for f in self.futures), "a stream ended before the scale"
+        running = sum(not f.done() for f in self.futures)
+        assert running >= len(self.futures) // 2, f"{running} streams left for the scale"
 
     def results(self) -> list[str]:
         out = [f.result(300) for f in self.futures]
