@@ -384,7 +384,7 @@ class AsyncMPClient(MPClient):
         """(The process monitor's thread.) A dead engine core or DP coordinator of ours is
         restarted; one that exited 0 was stopped on purpose."""
         if self.scaler.retired(child):  # stopped by `POST /scale`
-            self.watch.note_exit(child)
+            self.watch.note_exit(child, on_purpose=True)
         elif not self.watch.on_child_death(child):
             super()._on_child_death(child)
 

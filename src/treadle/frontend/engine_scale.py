@@ -268,7 +268,7 @@ class EngineScaler:
             logger.info("Scaling in: EngineCore_DP%s (other hosts) released and stopped", ranks)
         for rank in ranks:  # (their connections drop next)
             client.watch.note_gone(
-                f"EngineCore_DP{rank} of another host was released (POST /scale)"
+                f"EngineCore_DP{rank} of another host was released (POST /scale)", True
             )
 
     # -- both -----------------------------------------------------------------------------

@@ -135,8 +135,9 @@ class EngineWatch:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: GuardedTasks | None = None
         self._awaiting_hello: dict[int, asyncio.Future[None]] = {}  # rank -> its restart's
-        # (when, what) of this host's engine processes that exited: explains a disconnect
-        self._exits: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
+        # (when, what, on purpose) of this host's engine processes that exited, and of
+        # engines that left on purpose: explains a disconnect (a warning unless on purpose)
+        self._exits: collections.deque[tuple[float, str, bool]] = collections.deque(maxlen=16)
         self.expected_stops = 0  # engines stopped on purpose by `POST /scale`: not our stop
         # An API server of a supervisor tells it what it saw (`engine_events.py`).
         self.publish: Callable[[EngineEvent], None] | None = None
@@ -176,14 +177,16 @@ class EngineWatch:
         assert self.tasks is not None
         self.tasks.spawn(self._died(rank, cause, exitcode), "engine death report")
 
-    def note_exit(self, child: ChildProcess) -> None:
-        """A process of this host exited: it explains a peer that leaves a socket."""
-        self.note_gone(f"{child.describe()} exited: {describe_exit(child.exitcode)}")
+    def note_exit(self, child: ChildProcess, on_purpose: bool = False) -> None:
+        """A process of this host exited: it explains a peer that leaves a socket;
+        `on_purpose`: it was stopped on purpose (`POST /scale` retired it)."""
+        what = f"{child.describe()} exited: {describe_exit(child.exitcode)}"
+        self.note_gone(what, on_purpose)
 
-    def note_gone(self, what: str) -> None:
+    def note_gone(self, what: str, on_purpose: bool = False) -> None:
         """`what` explains a peer that leaves a socket now (e.g. an engine of another host
-        that `POST /scale` released)."""
-        self._exits.append((time.monotonic(), what))
+        that `POST /scale` released: `on_purpose`, logged as information, not a warning)."""
+        self._exits.append((time.monotonic(), what, on_purpose))
 
     async def _died(self, rank: int, cause: str, exitcode: int | None) -> None:
         """Report the death with the engine's own report: an engine core that raised sent it
@@ -330,10 +333,12 @@ class EngineWatch:
                         self.publish(EngineLost(rank, cause, time=time.time()))
                 elif silent:  # the others serve on
                     await self.restarts.lost(silent)
-            exits = await self._engine_exits()
+            exits, on_purpose = await self._engine_exits()
             if silent:
                 exits.append(f"engine core(s) {silent} do not answer (lost)")
-            if exits:
+            if exits and on_purpose and not silent:
+                logger.info("A peer of the %s socket left: %s", name, "; ".join(exits))
+            elif exits:
                 logger.warning("A peer of the %s socket disconnected: %s", name, "; ".join(exits))
             else:  # nothing else explains it
                 logger.warning(
@@ -343,14 +348,18 @@ class EngineWatch:
                     envs.zmq_max_msg_bytes(),
                 )
 
-    async def _engine_exits(self) -> list[str]:
+    async def _engine_exits(self) -> tuple[list[str], bool]:
         """What explains a peer leaving: engine processes of this host that exited lately
-        (ours with their exit codes; a supervisor's by pid), looked for during a moment."""
+        (ours with their exit codes; a supervisor's by pid) and engines noted gone, looked
+        for during a moment; and whether every one of them left on purpose."""
         launcher = self.client.launcher
         deadline = time.monotonic() + _EXIT_LOOK_S
         while True:
             now = time.monotonic()
-            found = {what for when, what in self._exits if now - when < _EXIT_EXPLAINS_S}
+            recent = [
+                (what, meant) for when, what, meant in self._exits if now - when < _EXIT_EXPLAINS_S
+            ]
+            found = {what for what, _ in recent}
             if launcher is not None:
                 for child in launcher.engines:
                     code = child.exitcode  # once: a restart may swap the process meanwhile
@@ -362,7 +371,8 @@ class EngineWatch:
                     if pid and not running(process_of(pid)):
                         found.add(f"EngineCore_DP{rank} (pid {pid}) exited")
             if found or now > deadline:
-                return sorted(found)
+                meant = {what for what, on_purpose in recent if on_purpose}
+                return sorted(found), bool(found) and found <= meant
             await asyncio.sleep(0.1)
 
     async def answers(self, engine: int) -> bool:

@@ -178,6 +178,11 @@ class SupervisedScale:
             why = f"scale in: the drain timeout of {drain_timeout:.0f} s passed"
             logger.warning("Scaling in: %s; moving what EngineCore_DP%s run", why, left)
             await restarts.lost(left, Death(f"{why}; its requests resume on the others"))
+        # The supervisor stops them (and replaces the DP coordinator) once every API server
+        # acknowledged: their sockets' peers leave on purpose (information, not a warning).
+        for rank in leaving:
+            client.watch.note_gone(f"EngineCore_DP{rank} stopped (POST /scale)", True)
+        client.watch.note_gone("the DP coordinator was replaced (POST /scale)", True)
         self._ack("drain", n)
 
     async def _release(self, n: int) -> None:
