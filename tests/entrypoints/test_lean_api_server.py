@@ -60,6 +60,28 @@ def test_dp_coordinator_imports_no_numpy() -> None:
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
+SUPERVISOR = """
+import argparse, sys
+from treadle.cli.serve import add_serve_parser, prepare
+import treadle.cli.supervise
+parser = argparse.ArgumentParser()
+add_serve_parser(parser.add_subparsers())
+prepare(parser.parse_args(["serve", "-dp", "2"]))
+heavy = ("fastapi", "pydantic", "uvicorn", "starlette", "torch", "transformers")
+print(sorted(m for m in heavy if m in sys.modules))
+"""
+
+
+def test_supervisor_imports_no_http_server() -> None:
+    """`-dp 2`'s supervisor (and a headless CLI) checks the flags and starts processes: the
+    HTTP server's modules load in its API servers only (~25 MiB less in the supervisor)."""
+    done = subprocess.run(
+        [sys.executable, "-c", SUPERVISOR], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 TEXTS = [
     "Hello, world!",
     "  leading spaces and trailing  ",

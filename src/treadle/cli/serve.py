@@ -48,11 +48,11 @@ def add_serve_parser(sub: Any) -> None:
 def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
     """vLLM's rule: auto tool choice needs a parser, and a parser is named from the list.
     Raises ValueError."""
-    from treadle.entrypoints.openai.tool_calls import get_tool_parser
-
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
-    if tool_call_parser is not None:
+    if tool_call_parser is not None:  # (the parsers' modules only then: they import pydantic)
+        from treadle.entrypoints.openai.tool_calls import get_tool_parser
+
         get_tool_parser(tool_call_parser)
         if not enable_auto_tool_choice:
             print(
@@ -105,10 +105,6 @@ def serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TREADLE_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("TREADLE_LOGGING_LEVEL", args.log_level.upper())
     from treadle.cli.supervise import bind_http_socket
-    from treadle.entrypoints.openai.api_server import run_server
-    from treadle.entrypoints.openai.starting import EngineStart
-    from treadle.frontend.async_llm import AsyncLLM
-    from treadle.frontend.startup import StartupProgress
     from treadle.ipc.process import set_process_title
 
     api_servers = (
@@ -139,6 +135,13 @@ def serve(args: argparse.Namespace) -> int:
 
             model_path = config.model.model or ""
             return run_api_servers(config, name, model_path, api_servers, server, sock)
+        # The HTTP server's modules only here: a supervisor or a headless CLI has no use for
+        # them (FastAPI, pydantic, uvicorn: ~40 MiB of each one's memory).
+        from treadle.entrypoints.openai.api_server import run_server
+        from treadle.entrypoints.openai.starting import EngineStart
+        from treadle.frontend.async_llm import AsyncLLM
+        from treadle.frontend.startup import StartupProgress
+
         progress = StartupProgress(config.parallel.data_parallel_size)
         # Built while HTTP already serves (`/health/startup` follows its progress).
         start = EngineStart(

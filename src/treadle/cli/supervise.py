@@ -46,7 +46,6 @@ from treadle.cli.supervised_desk import Notes, SupervisorDesk
 from treadle.cli.supervised_scale import SupervisorScale, split_addresses
 from treadle.cli.supervisor_stop import Stop
 from treadle.config import EngineConfig
-from treadle.entrypoints.openai.api_server import run_api_server_worker
 from treadle.entrypoints.openai.cli_args import FrontendArgs
 from treadle.frontend.engine_events import (
     REPORT_WAIT_S,
@@ -75,6 +74,14 @@ from treadle.logger import init_logger
 from treadle.wire.control import DeathReport
 
 logger = init_logger(__name__)
+
+
+def _api_server_worker(*args: Any) -> None:
+    """An API server process's target: the HTTP server's modules (FastAPI, pydantic,
+    uvicorn: ~40 MiB) are imported in that process, never in the supervisor's."""
+    from treadle.entrypoints.openai.api_server import run_api_server_worker
+
+    run_api_server_worker(*args)
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -307,7 +314,7 @@ def run_api_servers(
             )
             # An orphaned API server gets 5 s (not 2) to drain and remove its socket files.
             return start_process(
-                run_api_server_worker, f"APIServer_{index}", worker_args, ctx=spawn, grace_s=5.0
+                _api_server_worker, f"APIServer_{index}", worker_args, ctx=spawn, grace_s=5.0
             )
 
         restarts = _Restarts(config, launcher, stop, start_api_server)
