@@ -113,7 +113,9 @@ def test_an_idle_frozen_engine_is_not_ready_from_the_stall_timeout(server: Remot
         samples = probe_until(server, since, KILL_S + SLACK_S + 0.5)
     check_probes(samples)
     assert wait_ready(server) < 1.0
-    resp = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    resp = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
+    )
     assert resp.status_code == 200, resp.text
 
 

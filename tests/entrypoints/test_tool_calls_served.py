@@ -234,7 +234,9 @@ def test_auto_without_a_parser_is_vllm_s_400(server_factory) -> None:  # type: i
     # without tool_choice, tools only reach the template ("none"), as with no parser in vLLM's
     # older releases; the answer is plain text
     del body["tool_choice"]
-    out = httpx.post(plain.url + "/v1/chat/completions", json={**body, "max_tokens": 4}).json()
+    out = httpx.post(
+        plain.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60
+    ).json()
     assert "tool_calls" not in out["choices"][0]["message"]
 
 
