@@ -605,6 +605,8 @@ static int8_t* quantized_rows(const float* x, int64_t x_row_stride, int64_t M, i
    does not run 16 wide (Python never lays one out so) gives NaN. `parts`: 1, or 2 for each row
    as two int8 rows (quantize_row_q8_x2: rows 2r and 2r + 1, the row's blocks, then the blocks
    of what their rounding left, at most d / 2 an element), whose products are added. */
+#define G16_BLOCK_BYTES (256 * 1024)  /* quantized rows a block: well inside Zen 4's 1 MB L2 */
+
 static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
                             const void* w, int kind, int64_t N, float* y, int64_t y_row_stride,
                             int num_threads, int parts)
@@ -634,17 +636,25 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
                 quantize_rows_q8(x + r * x_row_stride, x_row_stride, 1, K, xq + r * K,
                                  xds + 2 * r * nb);
         }
-        const int64_t passes = (R + G16_ROWS - 1) / G16_ROWS;
+        /* A prefill's quantized rows (2,048 rows of int8x2 at K = 576: 2.4 MB) outgrow L2,
+           and every 16-output group reads them all again: past G16_BLOCK_BYTES they go in
+           blocks of whole passes (the same passes, so the same bits), each block over every
+           group while it stays in L2; the groups (a few KB each) are read once a block. */
+        int64_t block = (G16_BLOCK_BYTES / K) / (2 * G16_ROWS) * (2 * G16_ROWS);
+        if (block < 2 * G16_ROWS) block = 2 * G16_ROWS;
+        for (int64_t b0 = 0; b0 < R; b0 += block) {
+        const int64_t b1 = R - b0 < block ? R : b0 + block;
+        const int64_t passes = (b1 - b0 + G16_ROWS - 1) / G16_ROWS;
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < ngroups; g++) {
             const char* grp = (const char*)w + g * group_bytes;
             const int64_t valid = N - g * G16 < G16 ? N - g * G16 : G16;
-            for (int64_t r0 = 0; r0 < R; r0 += G16_ROWS) {
-                const int64_t rows = R - r0 < G16_ROWS ? R - r0 : G16_ROWS;
+            for (int64_t r0 = b0; r0 < b1; r0 += G16_ROWS) {
+                const int64_t rows = b1 - r0 < G16_ROWS ? b1 - r0 : G16_ROWS;
                 /* Passes after the first read the group from L1 and ask nothing of memory (no
                    miss trains the hardware's prefetcher), so they ask for a share of the next
                    group each, which then streams in beside their arithmetic. */
-                const int64_t pass = r0 / G16_ROWS;
+                const int64_t pass = (r0 - b0) / G16_ROWS;
                 if (pass > 0 && g + 1 < ngroups) {
                     const int64_t from = (pass - 1) * group_bytes / (passes - 1);
                     const int64_t to = pass * group_bytes / (passes - 1);
@@ -663,6 +673,7 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
                     }
                 }
             }
+        }
         }
     }
     if (own_q) free(xq);
