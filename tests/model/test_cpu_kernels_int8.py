@@ -212,6 +212,13 @@ def test_int8x2_expands_its_blocks_for_many_rows(kernels: Kernels) -> None:
     assert tiled is not None
     expand = linear_method.expand_min_rows(x2, g16_weight("Q4_1", 16, 64, seed=0)[1])
     assert expand % linear_method.ROW_BUCKET == 0
+    if expand == linear_method.NEVER:  # (AMD's AVX-512 CPUs: the blocks at every row count)
+        assert linear_method._amd_avx512() and kernels.isa != "portable"
+        x = torch.randn(2 * 1024 + 44, 576)
+        method = linear_method.choose(torch.nn.Parameter(torch.empty(96, 576)), tiled, x2)
+        blocks_alone = x2.gguf_linear(x, method.quant.tiles, method.quant.kind, 96)
+        assert torch.equal(method.apply(x, None), blocks_alone)
+        return
     x = torch.randn(expand + 44, 576)
     exact = cpu_kernels.kernels_for(kernels.isa).gguf_linear(x, tiled.tiles, tiled.kind, 96)
     method = linear_method.choose(torch.nn.Parameter(torch.empty(96, 576)), tiled, x2)
