@@ -102,6 +102,20 @@ def scale(srv: RemoteServer, body: dict[str, Any], path: str = "/scale") -> http
     return httpx.post(srv.url + path, json=body, headers=AUTH, timeout=300)
 
 
+def scale_under_streams(
+    srv: RemoteServer, texts: list[str], reference: list[str], old: int, new: int
+) -> None:
+    """`POST /scale` from `old` to `new` engines while a greedy stream of each of `texts` runs:
+    a 200 that says both sizes, and every stream's text `reference`'s (undisturbed)."""
+    streams = Streams(srv.url, texts)
+    streams.wait_started()
+    answer = scale(srv, {"data_parallel_size": new})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["old_data_parallel_size"] == old
+    assert answer.json()["new_data_parallel_size"] == new
+    assert streams.results() == reference
+
+
 def engines(srv: RemoteServer) -> list[dict[str, Any]]:
     topo = httpx.get(srv.url + "/topology", headers=AUTH, timeout=60).json()
     return list(topo["engines"])
@@ -118,13 +132,7 @@ def test_scale_out_and_in_under_16_streams_changes_no_text(server: RemoteServer)
     ipc_files = sorted(p.name for p in srv.rpc_dir.iterdir())
 
     # 2 -> 3 while 16 streams run.
-    streams = Streams(srv.url, texts)
-    streams.wait_started()
-    answer = scale(srv, {"data_parallel_size": 3})
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["old_data_parallel_size"] == 2
-    assert answer.json()["new_data_parallel_size"] == 3
-    assert streams.results() == reference
+    scale_under_streams(srv, texts, reference, 2, 3)
     assert [e["state"] for e in engines(srv)] == ["ready"] * 3
     new_pid = engine_pid(srv, 2)
     pinned = stream(srv.url, texts[5], [0], 0, rank=2)
@@ -134,11 +142,7 @@ def test_scale_out_and_in_under_16_streams_changes_no_text(server: RemoteServer)
     assert "The DP coordinator now counts 3 engines" in output
 
     # 3 -> 2 while 16 streams run, some of them on rank 2: they finish there.
-    streams = Streams(srv.url, texts)
-    streams.wait_started()
-    answer = scale(srv, {"data_parallel_size": 2})
-    assert answer.status_code == 200, answer.text
-    assert streams.results() == reference
+    scale_under_streams(srv, texts, reference, 3, 2)
     assert not psutil.pid_exists(new_pid) or psutil.Process(new_pid).status() == "zombie"
     assert sorted(p.name for p in srv.rpc_dir.iterdir()) == ipc_files  # nothing left
     assert [e["dp_rank"] for e in engines(srv)] == [0, 1]

@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 from test_data_parallel import _free_port
-from test_engine_scale import AUTH, KEY, Streams, prompts, scale
+from test_engine_scale import AUTH, KEY, Streams, prompts, scale, scale_under_streams
 
 from serve_helpers import TREADLE, RemoteServer, both_views, engines_of
 
@@ -119,13 +119,7 @@ def test_scale_out_and_in_with_a_headless_engine_changes_no_text(cluster: Cluste
     wait_for_line(head.log_path, "says HELLO for engine rank 2", third, 60)
 
     # 2 -> 3 while 16 streams run: the held HELLO is answered, rank 2 joins.
-    streams = Streams(head.url, texts)
-    streams.wait_started()
-    answer = scale(head, {"data_parallel_size": 3})
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["old_data_parallel_size"] == 2
-    assert answer.json()["new_data_parallel_size"] == 3
-    assert streams.results() == reference
+    scale_under_streams(head, texts, reference, 2, 3)
     views = both_views(head, settled(3, 1), headers=AUTH)
     assert [engines_of(v) for v in views.values()] == [engines_of(views[0])] * 2
     engine = next(
@@ -144,12 +138,7 @@ def test_scale_out_and_in_with_a_headless_engine_changes_no_text(cluster: Cluste
 
     # 3 -> 2 while 16 streams run, some on rank 2: they finish there; then it is released
     # and its headless CLI (which ran only it) exits 0.
-    streams = Streams(head.url, texts)
-    streams.wait_started()
-    answer = scale(head, {"data_parallel_size": 2})
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["old_data_parallel_size"] == 3
-    assert streams.results() == reference
+    scale_under_streams(head, texts, reference, 3, 2)
     assert third.wait(30) == 0, cluster.log(2).read_text()[-3000:]
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
     assert "Released by a front end (POST /scale)" in cluster.log(2).read_text()

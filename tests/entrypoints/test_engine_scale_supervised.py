@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from test_engine_scale import AUTH, KEY, Streams, prompts, scale
+from test_engine_scale import AUTH, KEY, Streams, prompts, scale, scale_under_streams
 
 from serve_helpers import RemoteServer, both_views, engines_of
 
@@ -42,13 +42,7 @@ def test_scale_out_and_in_with_two_api_servers_changes_no_text(srv: RemoteServer
     assert [v["events"] for v in views.values()] == [{}, {}]
 
     # 2 -> 3 while 16 streams run.
-    streams = Streams(srv.url, texts)
-    streams.wait_started()
-    answer = scale(srv, {"data_parallel_size": 3})
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["old_data_parallel_size"] == 2
-    assert answer.json()["new_data_parallel_size"] == 3
-    assert streams.results() == reference
+    scale_under_streams(srv, texts, reference, 2, 3)
     views = both_views(srv, settled(3, 1), headers=AUTH)
     assert [engines_of(v) for v in views.values()] == [engines_of(views[0])] * 2
     new_pid = srv.pid_of("treadle::EngineCore_DP2")
@@ -65,12 +59,7 @@ def test_scale_out_and_in_with_two_api_servers_changes_no_text(srv: RemoteServer
     assert "The DP coordinator now counts 3 engines" in output
 
     # 3 -> 2 while 16 streams run, some of them on rank 2: they finish there.
-    streams = Streams(srv.url, texts)
-    streams.wait_started()
-    answer = scale(srv, {"data_parallel_size": 2})
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["old_data_parallel_size"] == 3
-    assert streams.results() == reference
+    scale_under_streams(srv, texts, reference, 3, 2)
     views = both_views(srv, settled(2, 2), headers=AUTH)
     assert [engines_of(v) for v in views.values()] == [engines_of(views[0])] * 2
     assert not psutil.pid_exists(new_pid) or psutil.Process(new_pid).status() == "zombie"
