@@ -35,6 +35,7 @@ def random_adapter(path: Path, arch: ModelArch, rank: int, seed: int) -> Path:
     return path
 
 
+@pytest.mark.usefixtures("gguf_block_kernels")  # the fused decode path applies
 def test_the_fused_decode_path_adds_each_rows_adapter(
     default_model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

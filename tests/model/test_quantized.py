@@ -197,6 +197,7 @@ def _gguf_values(path: str, name: str) -> torch.Tensor:
     return torch.from_numpy(tensor.dequantize())
 
 
+@pytest.mark.usefixtures("gguf_block_kernels")  # the loader puts layers on their blocks
 def test_default_model_decodes_on_the_gguf_blocks(default_model_path: str) -> None:
     """Every linear layer and the LM head of the default Q4_1/Q8_0 model runs on its blocks
     alone: no float32 weight, no packed copy; the (tied) embedding looks rows up in them."""
