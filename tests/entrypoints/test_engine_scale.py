@@ -116,6 +116,19 @@ def scale_under_streams(
     assert streams.results() == reference
 
 
+def complete_on(srv: RemoteServer, prompt: str, rank: int, count: int = 4) -> None:
+    """`count` short greedy completions pinned to engine `rank` (the X-data-parallel-rank
+    header), each answered 200."""
+    for _ in range(count):
+        pinned = httpx.post(
+            srv.url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 8, "temperature": 0},
+            headers={**AUTH, "X-data-parallel-rank": str(rank)},
+            timeout=60,
+        )
+        assert pinned.status_code == 200, pinned.text
+
+
 def engines(srv: RemoteServer) -> list[dict[str, Any]]:
     topo = httpx.get(srv.url + "/topology", headers=AUTH, timeout=60).json()
     return list(topo["engines"])

@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 from test_data_parallel import _free_port
-from test_engine_scale import AUTH, KEY, Streams, prompts, scale, scale_under_streams
+from test_engine_scale import AUTH, KEY, Streams, complete_on, prompts, scale, scale_under_streams
 
 from serve_helpers import TREADLE, RemoteServer, both_views, engines_of
 
@@ -126,14 +126,7 @@ def test_scale_out_and_in_with_a_headless_engine_changes_no_text(cluster: Cluste
         c for c in psutil.Process(third.pid).children() if "EngineCore_DP2" in c.cmdline()[0]
     )
     assert views[0]["engines"][2]["pid"] == engine.pid  # the headless one, not ours
-    for _ in range(4):  # both API servers route to it
-        pinned = httpx.post(
-            head.url + "/v1/completions",
-            json={"prompt": texts[5], "max_tokens": 8, "temperature": 0},
-            headers={**AUTH, "X-data-parallel-rank": "2"},
-            timeout=60,
-        )
-        assert pinned.status_code == 200, pinned.text
+    complete_on(head, texts[5], rank=2)  # both API servers route to it
     assert "The DP coordinator now counts 3 engines" in head.output()
 
     # 3 -> 2 while 16 streams run, some on rank 2: they finish there; then it is released

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from test_engine_scale import AUTH, KEY, Streams, prompts, scale, scale_under_streams
+from test_engine_scale import AUTH, KEY, Streams, complete_on, prompts, scale, scale_under_streams
 
 from serve_helpers import RemoteServer, both_views, engines_of
 
@@ -47,14 +47,7 @@ def test_scale_out_and_in_with_two_api_servers_changes_no_text(srv: RemoteServer
     assert [engines_of(v) for v in views.values()] == [engines_of(views[0])] * 2
     new_pid = srv.pid_of("treadle::EngineCore_DP2")
     # Both API servers route to the new rank: a request pinned there, to each.
-    for _ in range(4):
-        pinned = httpx.post(
-            srv.url + "/v1/completions",
-            json={"prompt": texts[5], "max_tokens": 8, "temperature": 0},
-            headers={**AUTH, "X-data-parallel-rank": "2"},
-            timeout=60,
-        )
-        assert pinned.status_code == 200, pinned.text
+    complete_on(srv, texts[5], rank=2)
     output = srv.output()
     assert "The DP coordinator now counts 3 engines" in output
 
