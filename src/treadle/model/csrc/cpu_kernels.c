@@ -606,6 +606,16 @@ static int8_t* quantized_rows(const float* x, int64_t x_row_stride, int64_t M, i
    as two int8 rows (quantize_row_q8_x2: rows 2r and 2r + 1, the row's blocks, then the blocks
    of what their rounding left, at most d / 2 an element), whose products are added. */
 #define G16_BLOCK_BYTES (256 * 1024)  /* quantized rows a block: well inside Zen 4's 1 MB L2 */
+#define G16_QUANTIZE_EACH 2  /* rows that every thread quantizes for itself (below) */
+
+/* Row r of x into xq, xds: two int8 rows (parts == 2) or one. */
+static inline void quantize_g16_row(const float* x, int64_t x_row_stride, int64_t K, int64_t nb,
+                                    int parts, int64_t r, int8_t* xq, float* xds) {
+    if (parts == 2)
+        quantize_row_q8_x2(x + r * x_row_stride, K, xq + 2 * r * K, xds + 2 * 2 * r * nb);
+    else
+        quantize_rows_q8(x + r * x_row_stride, x_row_stride, 1, K, xq + r * K, xds + 2 * r * nb);
+}
 
 static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
                             const void* w, int kind, int64_t N, float* y, int64_t y_row_stride,
@@ -621,20 +631,30 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
     const int64_t group_bytes = nb * g16_block_bytes(kind);
     const int64_t R = parts * M;  /* G16_ROWS is even: a row's two parts share a pass */
     /* The rows are quantized by the same threads, a row each (the same bits as one thread's
-       loop), into this thread's scratch (a decode step's sizes: kept, not a malloc, munmap
-       and page faults a call). */
-    int own_q, own_d;
-    int8_t* xq = (int8_t*)scratch(SCRATCH_XQ, (size_t)(R * K), &own_q);
-    float* xds = (float*)scratch(SCRATCH_XDS, sizeof(float) * 2 * R * nb, &own_d);
+       loop), into the calling thread's scratch (a decode step's sizes: kept, not a malloc,
+       munmap and page faults a call). At G16_QUANTIZE_EACH rows or fewer (a decode step of
+       one or two requests) every thread quantizes them all into its own scratch instead:
+       the same bits, and no barrier between the quantization and the products (each barrier
+       a few microseconds, and a single-stream step has 120 such calls). */
+    const int each = M <= G16_QUANTIZE_EACH;
+    int own_q = 0, own_d = 0;
+    int8_t* const xq_shared = each ? NULL : (int8_t*)scratch(SCRATCH_XQ, (size_t)(R * K), &own_q);
+    float* const xds_shared =
+        each ? NULL : (float*)scratch(SCRATCH_XDS, sizeof(float) * 2 * R * nb, &own_d);
     #pragma omp parallel num_threads(num_threads)
     {
-        #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) {
-            if (parts == 2)
-                quantize_row_q8_x2(x + r * x_row_stride, K, xq + 2 * r * K, xds + 2 * 2 * r * nb);
-            else
-                quantize_rows_q8(x + r * x_row_stride, x_row_stride, 1, K, xq + r * K,
-                                 xds + 2 * r * nb);
+        int8_t* xq = xq_shared;
+        float* xds = xds_shared;
+        int own_tq = 0, own_td = 0;
+        if (each) {  /* (the same for every thread: all of them take the omp for or none) */
+            xq = (int8_t*)scratch(SCRATCH_XQ, (size_t)(R * K), &own_tq);
+            xds = (float*)scratch(SCRATCH_XDS, sizeof(float) * 2 * R * nb, &own_td);
+            for (int64_t r = 0; r < M; r++)
+                quantize_g16_row(x, x_row_stride, K, nb, parts, r, xq, xds);
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++)
+                quantize_g16_row(x, x_row_stride, K, nb, parts, r, xq, xds);
         }
         /* A prefill's quantized rows (2,048 rows of int8x2 at K = 576: 2.4 MB) outgrow L2,
            and every 16-output group reads them all again: past G16_BLOCK_BYTES they go in
@@ -675,9 +695,11 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
             }
         }
         }
+        if (own_tq) free(xq);
+        if (own_td) free(xds);
     }
-    if (own_q) free(xq);
-    if (own_d) free(xds);
+    if (own_q) free(xq_shared);
+    if (own_d) free(xds_shared);
 #endif
 }
 
