@@ -1,0 +1,422 @@
+"""A torch-free engine core's model step, prototyped (issue 41, memory): the default model
+(SmolLM2-135M-Instruct, Q4_1 GGUF) prefilled and greedily decoded on treadle's C kernels with
+numpy and ctypes only, to measure what such a process holds and to check its tokens against
+treadle's own.
+
+What it does, as the engine core does on the default path (`model/fused_decode.py`,
+`model/quantized.py`, `model/linear_method.py`, `model/layers.py`):
+
+- reads the GGUF with `treadle.model.gguf_file` (numpy), un-permutes the q/k rows as
+  `loader._unpermute_rope_rows` does, stacks q, k, v and gate, up as the fused layers hold
+  them, and lays every linear weight and the (tied) embedding out 16 outputs wide
+  (`QuantizedWeight.build` then `to_g16`, ported to numpy);
+- builds (or finds in the cache) the kernels' library with `treadle.model.kernel_build`;
+- prefills the prompt through `decode_layers_f32` in chunks of at most 64 rows (the GGUF
+  kernels' row limit, `GGUF_MAX_ROWS`), each row with its own context length, then decodes
+  one token a step through the same call, int8x2 activations (`int8_activations=2`), a
+  float32 paged KV cache of blocks of 16;
+- the embedding rows with `gguf_dequantize_rows_f32`, the LM head with `gguf_linear_i8x2`
+  on the embedding's 16-wide blocks, argmax with numpy.
+
+Run: `python benchmarks/torchless_decode.py` (compares with treadle, run offline in a
+subprocess with TREADLE_ENABLE_MULTIPROCESSING=0); `--no-reference` skips that.
+The prototype's process never imports torch: it checks `'torch' not in sys.modules` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Fixed prompt: treadle's tokenizer (`treadle.tokenizer.load_tokenizer`) on the default model,
+# for the text below, taken once (79 tokens: prefill chunks of 64 and 15).
+PROMPT_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg, a goldsmith from Mainz, combined movable metal type, oil-based ink and a screw "
+    "press adapted from wine making. Within fifty years, presses were running in more than two "
+    "hundred European cities, and millions of books had been printed. Historians still argue "
+    "about how quickly this changed ordinary life, but most agree that"
+)
+PROMPT_IDS = [
+    504, 1463, 282, 260, 7510, 1757, 5634, 281, 260, 35561, 2070, 28, 645, 28322, 45382, 28,
+    253, 4231, 45956, 429, 6586, 106, 28, 5276, 39245, 4718, 1502, 28, 2664, 29, 2542, 12923,
+    284, 253, 21665, 1757, 9309, 429, 8289, 1625, 30, 10043, 13869, 929, 28, 32422, 592, 4108,
+    281, 540, 670, 827, 3822, 3284, 4199, 28, 284, 5711, 282, 2905, 761, 719, 8057, 30, 41396,
+    1361, 7440, 563, 638, 3112, 451, 4247, 8207, 1029, 28, 564, 768, 3387, 338,
+]  # fmt: skip
+MAX_ROWS = 64  # rows per decode_layers_f32 call (GGUF_MAX_ROWS: the fused path's limit)
+BLOCK_SIZE = 16  # KV cache block (CacheConfig.block_size)
+TILE_N, G16, BLOCK = 4, 16, 32
+KIND_Q4, KIND_Q8, KIND_Q4_G16, KIND_Q8_G16 = 0, 1, 2, 3
+_RAW = {"Q4_0": (18, KIND_Q4), "Q4_1": (20, KIND_Q4), "Q8_0": (34, KIND_Q8)}
+
+_p, _f, _i32, _i64, _int = (
+    ctypes.c_void_p,
+    ctypes.c_float,
+    ctypes.c_int32,
+    ctypes.c_int64,
+    ctypes.c_int,
+)
+
+
+class Layer(ctypes.Structure):  # csrc/cpu_kernels.c decode_layer (as fused_decode._Layer)
+    _fields_ = [
+        ("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("o", _p), ("gate_up", _p),
+        ("down", _p), ("qkv_bias", _p), ("k_cache", _p), ("v_cache", _p), ("qkv_kind", _i32),
+        ("o_kind", _i32), ("gate_up_kind", _i32), ("down_kind", _i32),
+    ] + [
+        (f"{n}_lora_{s}", _p)
+        for s in ("a", "b") for n in ("qkv", "o", "gate_up", "down")
+    ] + [
+        (f"{n}_lora_{s}", _p)
+        for s in ("ends", "as", "bs") for n in ("qkv", "o", "gate_up", "down")
+    ] + [
+        (f"{n}_lora_{s}", _i64)
+        for s in ("rank", "shards") for n in ("qkv", "o", "gate_up", "down")
+    ]  # fmt: skip
+
+
+class Model(ctypes.Structure):  # decode_model (as fused_decode._Model)
+    _fields_ = [
+        ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+        ("intermediate", _i64), ("num_layers", _i64), ("num_blocks", _i64),
+        ("block_size", _i64), ("eps", _f), ("scale", _f), ("final_norm", _p),
+        ("int8_activations", _i32), ("kv_type", _i32), ("lora_slot", _p), ("lora_wtype", _i32),
+    ]  # fmt: skip
+
+
+def memory(label: str) -> dict[str, float]:
+    """This process's RSS, PSS (and their parts) in MiB, from /proc/self/smaps_rollup."""
+    fields = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[-1] == "kB":
+            fields[name] = int(parts[0]) / 1024
+    keep = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Anonymous")
+    row = {k: round(fields[k], 1) for k in keep if k in fields}
+    print(f"memory {label}: " + ", ".join(f"{k} {v} MiB" for k, v in row.items()), flush=True)
+    return row
+
+
+# -- the kernels' library, without cpu_kernels.py (which imports torch) ----------------------
+
+_LEVEL_CPU_FLAGS = {  # cpu_kernels._LEVEL_CPU_FLAGS
+    "avx512vnni": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}
+    | {"avx512_vnni"},
+    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"},
+    "avx2vnni": {"avx2", "fma", "f16c", "avx_vnni"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
+
+
+def select_isa() -> str:
+    """cpu_kernels.select_isa on x86-64 Linux: TREADLE_CPU_ISA, else the best level."""
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    levels = [lvl for lvl, need in _LEVEL_CPU_FLAGS.items() if need <= flags] + ["portable"]
+    forced = os.environ.get("TREADLE_CPU_ISA")
+    return forced if forced in levels else levels[0]
+
+
+def load_kernels(isa: str) -> ctypes.CDLL:
+    from treadle.model.kernel_build import build  # torch-free (treadle.envs, logger)
+
+    lib = ctypes.CDLL(str(build(isa)))
+    lib.treadle_kernel_isa.restype = ctypes.c_char_p
+    assert lib.treadle_kernel_isa().decode() == isa
+    lib.gguf_g16_kinds.restype = ctypes.c_int
+    lib.decode_layers_f32.argtypes = [_p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _i64, _p, _int]
+    lib.gguf_linear_i8x2.argtypes = [_p, _i64, _i64, _i64, _p, _int, _i64, _p, _i64, _int]
+    lib.gguf_dequantize_rows_f32.argtypes = [_p, _int, _i64, _i64, _p, _i64, _p]
+    for fn in (lib.decode_layers_f32, lib.gguf_linear_i8x2, lib.gguf_dequantize_rows_f32):
+        fn.restype = None
+    return lib
+
+
+# -- weights: GGUF blocks laid out 16 outputs wide (QuantizedWeight.build + to_g16) ----------
+
+
+def unpermute_rope_rows(raw: np.ndarray, heads: int) -> np.ndarray:
+    """loader._unpermute_rope_rows: llama.cpp's interleaved q/k rows to the half split."""
+    half = raw.shape[0] // heads // 2
+    return raw.reshape(heads, half, 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape)
+
+
+def g16(parts: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray, int, int, int]:
+    """(layout, kernel kind, out_features, in_features) of the parts' rows stacked: the bytes
+    `QuantizedWeight.build(...).to_g16()` makes. Output o of group g is row 16 g + o; per
+    block, the group's 16 scales (d), for Q4 its 16 minimums (m), then the quants with one
+    output's 4 consecutive bytes in each 32-bit lane (Q8's as q + 128)."""
+    kinds = {k for k, _ in parts}
+    assert len(kinds) == 1, kinds
+    kind = kinds.pop()
+    nbytes, kernel_kind = _RAW[kind]
+    raw = np.concatenate([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
+    n, nb = raw.shape[0], raw.shape[1] // nbytes
+    blocks = raw.reshape(n, nb, nbytes)
+    if kind == "Q4_0":  # d (q - 8) = d q + m, m = -8 d: the Q4_1 layout
+        d = blocks[..., 0:2].copy().view(np.float16)
+        m = (d * np.float16(-8)).view(np.uint8)
+        blocks = np.concatenate([blocks[..., 0:2], m, blocks[..., 2:]], axis=-1)
+    width = blocks.shape[-1]
+    groups = -(-n // G16)
+    if groups * G16 != n:
+        blocks = np.concatenate([blocks, np.zeros((groups * G16 - n, nb, width), np.uint8)])
+    a = blocks.reshape(groups, G16, nb, width).transpose(0, 2, 1, 3)  # [groups, nb, 16, width]
+    if kernel_kind == KIND_Q4:
+        out = np.empty((groups, nb, 320), np.uint8)
+        out[..., 0:32] = a[..., 0:2].reshape(groups, nb, 32)
+        out[..., 32:64] = a[..., 2:4].reshape(groups, nb, 32)
+        qs = a[..., 4:20].reshape(groups, nb, G16, 4, 4).transpose(0, 1, 3, 2, 4)
+        out[..., 64:] = qs.reshape(groups, nb, 256)
+    else:
+        out = np.empty((groups, nb, 544), np.uint8)
+        out[..., 0:32] = a[..., 0:2].reshape(groups, nb, 32)
+        q = a[..., 2:34].reshape(groups, nb, G16, 8, 4).transpose(0, 1, 3, 2, 4)
+        out[..., 32:] = q.reshape(groups, nb, 512) ^ 0x80
+    return out, kernel_kind + KIND_Q4_G16, n, nb * BLOCK
+
+
+class TorchlessModel:
+    """The default model's weights, KV cache and decode call, numpy and ctypes only."""
+
+    def __init__(self, path: str, lib: ctypes.CDLL, num_threads: int, max_len: int) -> None:
+        from treadle.model.arch import ModelArch  # torch-free
+        from treadle.model.gguf_file import GGUFFile  # torch-free (numpy)
+
+        self.lib, self.num_threads = lib, num_threads
+        gguf = GGUFFile(path)
+        t = {x.name: x for x in gguf.tensors}
+        arch = ModelArch.from_gguf_fields(gguf.fields, set(t))
+        assert arch.family in ("llama", "mistral") and not arch.qk_norm and not arch.qkv_bias
+        assert arch.tie_word_embeddings and arch.rope_scaling is None
+        self.arch = arch
+        h, d, nl = arch.hidden_size, arch.head_dim, arch.num_layers
+        g16_kinds = lib.gguf_g16_kinds()
+
+        def f32(name: str) -> np.ndarray:
+            return np.ascontiguousarray(t[name].dequantize(), dtype=np.float32)
+
+        def weight(*names: str, heads: tuple[int, ...] = ()) -> tuple[np.ndarray, int]:
+            parts = []
+            for i, name in enumerate(names):
+                raw = t[name].data
+                if heads and heads[i]:
+                    raw = unpermute_rope_rows(raw, heads[i])
+                parts.append((t[name].kind, raw))
+            out, kind, _, _ = g16(parts)
+            assert g16_kinds >> (kind - KIND_Q4_G16) & 1, f"no 16-wide kernel for kind {kind}"
+            return out, kind
+
+        self.keep: list[np.ndarray] = []  # every array a pointer in the structs points into
+        self.layers = (Layer * nl)()
+        num_blocks = -(-max_len // BLOCK_SIZE)
+        kv_shape = (arch.num_kv_heads, num_blocks, BLOCK_SIZE, d)
+        for i, spec in enumerate(self.layers):
+            b = f"blk.{i}."
+            arrays = {
+                "input_norm": f32(b + "attn_norm.weight"),
+                "post_norm": f32(b + "ffn_norm.weight"),
+                "k_cache": np.zeros(kv_shape, np.float32),
+                "v_cache": np.zeros(kv_shape, np.float32),
+            }
+            for field, (names, heads) in {
+                "qkv": (
+                    ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+                    (arch.num_heads, arch.num_kv_heads, 0),
+                ),
+                "o": (("attn_output.weight",), ()),
+                "gate_up": (("ffn_gate.weight", "ffn_up.weight"), ()),
+                "down": (("ffn_down.weight",), ()),
+            }.items():
+                arrays[field], kind = weight(*(b + n for n in names), heads=heads)
+                setattr(spec, f"{field}_kind", kind)
+            for field, array in arrays.items():
+                setattr(spec, field, array.ctypes.data)
+                self.keep.append(array)
+        self.final_norm = f32("output_norm.weight")
+        # The tied embedding: the LM head on its blocks, lookups from the same blocks.
+        self.embed, self.embed_kind = weight("token_embd.weight")
+        self.vocab = t["token_embd.weight"].shape[0]
+        gguf.release_pages()  # (as the loader: the file's pages leave this process's RSS)
+        self.spec = Model(
+            hidden=h,
+            heads=arch.num_heads,
+            kv_heads=arch.num_kv_heads,
+            head_dim=d,
+            intermediate=arch.intermediate_size,
+            num_layers=nl,
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            eps=arch.rms_norm_eps,
+            scale=d**-0.5,
+            final_norm=self.final_norm.ctypes.data,
+            int8_activations=2,  # int8x2, the default --cpu-activation-dtype
+            kv_type=0,  # float32: --kv-cache-dtype auto on a float32 model
+            lora_slot=None,
+            lora_wtype=0,
+        )
+        # RoPE tables (layers.RotaryEmbedding, neox): its formula in float32. Not its bits:
+        # numpy's float32 pow differs from PyTorch's in 5 of the 32 inverse frequencies (an
+        # ulp, 2.4e-4 at position 8191) and cos/sin in some entries (an ulp): a torch-free
+        # runner needs one table function that both runners share.
+        inv_freq = np.float32(1.0) / (
+            np.float32(arch.rope_theta)
+            ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d))
+        )
+        freqs = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :]
+        emb = np.concatenate([freqs, freqs], axis=-1)
+        self.cos, self.sin = np.cos(emb), np.sin(emb)
+        self.table = np.arange(num_blocks, dtype=np.int64)  # one request: block i is block i
+        self.hidden_out = np.empty((MAX_ROWS, h), np.float32)
+
+    def embeddings(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty((len(ids), self.arch.hidden_size), np.float32)
+        self.lib.gguf_dequantize_rows_f32(
+            self.embed.ctypes.data, self.embed_kind, self.vocab, self.arch.hidden_size,
+            ids.ctypes.data, len(ids), out.ctypes.data,
+        )  # fmt: skip
+        return out
+
+    def step(self, ids: np.ndarray, start: int) -> np.ndarray:
+        """Tokens `ids` at positions start.. (one request): their final-norm outputs."""
+        m = len(ids)
+        assert 0 < m <= MAX_ROWS
+        emb = self.embeddings(ids)
+        pos = np.arange(start, start + m, dtype=np.int64)
+        cos, sin = np.ascontiguousarray(self.cos[pos]), np.ascontiguousarray(self.sin[pos])
+        lens = (pos + 1).astype(np.int32)
+        out = self.hidden_out[:m]
+        self.lib.decode_layers_f32(
+            ctypes.addressof(self.spec), ctypes.addressof(self.layers), emb.ctypes.data, m,
+            cos.ctypes.data, sin.ctypes.data, pos.ctypes.data, self.table.ctypes.data, 0,
+            lens.ctypes.data, int(lens[-1]), out.ctypes.data, self.num_threads,
+        )  # fmt: skip
+        return out
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        hidden = np.ascontiguousarray(hidden)
+        m, k = hidden.shape
+        out = np.empty((m, self.vocab), np.float32)
+        self.lib.gguf_linear_i8x2(
+            hidden.ctypes.data, k, m, k, self.embed.ctypes.data, self.embed_kind, self.vocab,
+            out.ctypes.data, self.vocab, self.num_threads,
+        )  # fmt: skip
+        return out
+
+
+def prototype(args: argparse.Namespace) -> dict[str, object]:
+    from treadle.config import default_model_path  # torch-free
+
+    threads = args.threads or len(os.sched_getaffinity(0))
+    before = memory("at start (python, numpy, treadle.config)")
+    isa = select_isa()
+    lib = load_kernels(isa)
+    t0 = time.perf_counter()
+    model = TorchlessModel(default_model_path(), lib, threads, len(PROMPT_IDS) + args.tokens)
+    load_s = time.perf_counter() - t0
+    weight_mib = (model.embed.nbytes + sum(a.nbytes for a in model.keep)) / 2**20
+    print(f"loaded in {load_s:.2f} s on {isa}, {threads} threads; arrays {weight_mib:.1f} MiB")
+    loaded = memory("after loading")
+    ids = np.array(PROMPT_IDS, dtype=np.int64)
+    t0 = time.perf_counter()
+    for lo in range(0, len(ids), MAX_ROWS):
+        hidden = model.step(ids[lo : lo + MAX_ROWS], lo)
+    token = int(np.argmax(model.logits(hidden[-1:])[0]))
+    prefill_s = time.perf_counter() - t0
+    out = [token]
+    t0 = time.perf_counter()
+    for i in range(args.tokens - 1):
+        hidden = model.step(np.array([token], dtype=np.int64), len(PROMPT_IDS) + i)
+        token = int(np.argmax(model.logits(hidden)[0]))
+        out.append(token)
+    decode_s = time.perf_counter() - t0
+    tok_s = (args.tokens - 1) / decode_s
+    print(
+        f"prefill {len(ids)} tokens {prefill_s * 1000:.0f} ms; decode {args.tokens - 1} steps "
+        f"{decode_s:.2f} s = {tok_s:.1f} tok/s (single stream, {threads} threads)"
+    )
+    names = sorted(p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm"))
+    print(f"OS threads: {len(names)} ({', '.join(names)}); the kernels ran on {threads}")
+    decoded = memory("after decoding")
+    assert "torch" not in sys.modules, "the prototype imported torch"
+    print("'torch' in sys.modules: False")
+    return {
+        "tokens": out,
+        "isa": isa,
+        "threads": threads,
+        "tok_s": tok_s,
+        "prefill_ms": prefill_s * 1000,
+        "memory": {"start": before, "loaded": loaded, "decoded": decoded},
+    }
+
+
+def reference(tokens: int) -> None:
+    """treadle itself (this process imports torch): the same prompt ids, greedy."""
+    from treadle import LLM, SamplingParams
+
+    llm = LLM()
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = llm.generate({"prompt_token_ids": PROMPT_IDS}, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    print(f"REFERENCE_TIME {seconds:.2f} s for the prompt and {tokens} tokens", flush=True)
+    print("REFERENCE_MEMORY " + json.dumps(memory("treadle offline (one process, torch)")))
+    print("REFERENCE " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
+    print("TEXT " + json.dumps(out[0].outputs[0].text), flush=True)
+    os._exit(0)  # (skip the engine's teardown: only the tokens matter here)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=64, help="tokens to decode greedily")
+    parser.add_argument("--threads", type=int, default=0, help="default: the CPUs we may use")
+    parser.add_argument("--no-reference", action="store_true", help="skip treadle's run")
+    parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if args.reference:
+        reference(args.tokens)
+    result = prototype(args)
+    if not args.no_reference:
+        env = dict(os.environ, TREADLE_ENABLE_MULTIPROCESSING="0")
+        cmd = [sys.executable, __file__, "--reference", "--tokens", str(args.tokens)]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("REFERENCE ")]
+        if run.returncode != 0 or not lines:
+            print(run.stderr[-3000:], file=sys.stderr)
+            raise SystemExit("treadle's reference run failed")
+        ref = json.loads(lines[-1].removeprefix("REFERENCE "))
+        for ln in run.stdout.splitlines():
+            if ln.startswith(("REFERENCE_TIME", "REFERENCE_MEMORY", "memory")):
+                print("treadle: " + ln)
+        ours = result["tokens"]
+        assert isinstance(ours, list)
+        diff = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
+        result["reference"] = ref
+        result["first_difference"] = diff
+        print(
+            f"tokens: identical to treadle's ({len(ref)} of {len(ref)}, greedy)"
+            if diff is None
+            else f"tokens: first difference at output position {diff}: {ours[diff]} vs {ref[diff]}"
+        )
+    print("tokens " + json.dumps(result["tokens"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
