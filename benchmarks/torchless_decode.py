@@ -36,6 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+from treadle.model import kernel_lib
+from treadle.model.kernel_lib import DecodeLayer, DecodeModel
+
 # Fixed prompt: treadle's tokenizer (`treadle.tokenizer.load_tokenizer`) on the default model,
 # for the text below, taken once (79 tokens: prefill chunks of 64 and 15).
 PROMPT_TEXT = (
@@ -58,40 +61,6 @@ TILE_N, G16, BLOCK = 4, 16, 32
 KIND_Q4, KIND_Q8, KIND_Q4_G16, KIND_Q8_G16 = 0, 1, 2, 3
 _RAW = {"Q4_0": (18, KIND_Q4), "Q4_1": (20, KIND_Q4), "Q8_0": (34, KIND_Q8)}
 
-_p, _f, _i32, _i64, _int = (
-    ctypes.c_void_p,
-    ctypes.c_float,
-    ctypes.c_int32,
-    ctypes.c_int64,
-    ctypes.c_int,
-)
-
-
-class Layer(ctypes.Structure):  # csrc/cpu_kernels.c decode_layer (as fused_decode._Layer)
-    _fields_ = [
-        ("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("o", _p), ("gate_up", _p),
-        ("down", _p), ("qkv_bias", _p), ("k_cache", _p), ("v_cache", _p), ("qkv_kind", _i32),
-        ("o_kind", _i32), ("gate_up_kind", _i32), ("down_kind", _i32),
-    ] + [
-        (f"{n}_lora_{s}", _p)
-        for s in ("a", "b") for n in ("qkv", "o", "gate_up", "down")
-    ] + [
-        (f"{n}_lora_{s}", _p)
-        for s in ("ends", "as", "bs") for n in ("qkv", "o", "gate_up", "down")
-    ] + [
-        (f"{n}_lora_{s}", _i64)
-        for s in ("rank", "shards") for n in ("qkv", "o", "gate_up", "down")
-    ]  # fmt: skip
-
-
-class Model(ctypes.Structure):  # decode_model (as fused_decode._Model)
-    _fields_ = [
-        ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-        ("intermediate", _i64), ("num_layers", _i64), ("num_blocks", _i64),
-        ("block_size", _i64), ("eps", _f), ("scale", _f), ("final_norm", _p),
-        ("int8_activations", _i32), ("kv_type", _i32), ("lora_slot", _p), ("lora_wtype", _i32),
-    ]  # fmt: skip
-
 
 def memory(label: str) -> dict[str, float]:
     """This process's RSS, PSS (and their parts) in MiB, from /proc/self/smaps_rollup."""
@@ -107,42 +76,15 @@ def memory(label: str) -> dict[str, float]:
     return row
 
 
-# -- the kernels' library, without cpu_kernels.py (which imports torch) ----------------------
-
-_LEVEL_CPU_FLAGS = {  # cpu_kernels._LEVEL_CPU_FLAGS
-    "avx512vnni": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}
-    | {"avx512_vnni"},
-    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"},
-    "avx2vnni": {"avx2", "fma", "f16c", "avx_vnni"},
-    "avx2": {"avx2", "fma", "f16c"},
-}
-
-
-def select_isa() -> str:
-    """cpu_kernels.select_isa on x86-64 Linux: TREADLE_CPU_ISA, else the best level."""
-    flags: set[str] = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            break
-    levels = [lvl for lvl, need in _LEVEL_CPU_FLAGS.items() if need <= flags] + ["portable"]
-    forced = os.environ.get("TREADLE_CPU_ISA")
-    return forced if forced in levels else levels[0]
+# -- the kernels' library: `treadle.model.kernel_lib` (cpu_kernels.py's torch-free part) -----
 
 
 def load_kernels(isa: str) -> ctypes.CDLL:
+    """The level's library (built into the cache on first use), each kernel typed."""
     from treadle.model.kernel_build import build  # torch-free (treadle.envs, logger)
+    from treadle.model.kernel_lib import open_library
 
-    lib = ctypes.CDLL(str(build(isa)))
-    lib.treadle_kernel_isa.restype = ctypes.c_char_p
-    assert lib.treadle_kernel_isa().decode() == isa
-    lib.gguf_g16_kinds.restype = ctypes.c_int
-    lib.decode_layers_f32.argtypes = [_p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _i64, _p, _int]
-    lib.gguf_linear_i8x2.argtypes = [_p, _i64, _i64, _i64, _p, _int, _i64, _p, _i64, _int]
-    lib.gguf_dequantize_rows_f32.argtypes = [_p, _int, _i64, _i64, _p, _i64, _p]
-    for fn in (lib.decode_layers_f32, lib.gguf_linear_i8x2, lib.gguf_dequantize_rows_f32):
-        fn.restype = None
-    return lib
+    return open_library(isa, build(isa))
 
 
 # -- weights: GGUF blocks laid out 16 outputs wide (QuantizedWeight.build + to_g16) ----------
@@ -221,7 +163,7 @@ class TorchlessModel:
             return out, kind
 
         self.keep: list[np.ndarray] = []  # every array a pointer in the structs points into
-        self.layers = (Layer * nl)()
+        self.layers = (DecodeLayer * nl)()
         num_blocks = -(-max_len // BLOCK_SIZE)
         kv_shape = (arch.num_kv_heads, num_blocks, BLOCK_SIZE, d)
         for i, spec in enumerate(self.layers):
@@ -251,7 +193,7 @@ class TorchlessModel:
         self.embed, self.embed_kind = weight("token_embd.weight")
         self.vocab = t["token_embd.weight"].shape[0]
         gguf.release_pages()  # (as the loader: the file's pages leave this process's RSS)
-        self.spec = Model(
+        self.spec = DecodeModel(
             hidden=h,
             heads=arch.num_heads,
             kv_heads=arch.num_kv_heads,
@@ -323,7 +265,7 @@ def prototype(args: argparse.Namespace) -> dict[str, object]:
 
     threads = args.threads or len(os.sched_getaffinity(0))
     before = memory("at start (python, numpy, treadle.config)")
-    isa = select_isa()
+    isa = kernel_lib.select_isa()
     lib = load_kernels(isa)
     t0 = time.perf_counter()
     model = TorchlessModel(default_model_path(), lib, threads, len(PROMPT_IDS) + args.tokens)

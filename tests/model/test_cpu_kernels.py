@@ -6,12 +6,14 @@ side of the 8-token groups of the AVX2 path, scattered block tables, strided que
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from treadle.model import cpu_kernels
+from treadle.model import cpu_kernels, kernel_lib
 from treadle.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -210,7 +212,7 @@ def test_levels_follow_the_flags_not_an_order(monkeypatch: pytest.MonkeyPatch) -
         (v3, ["avx2", "portable"]),
         ({"sse4_2"}, ["portable"]),
     ):
-        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(kernel_lib, "cpu_flags", lambda flags=flags: flags)
         assert cpu_kernels.available_isas() == list(want)
         assert cpu_kernels.detect_isa() == want[0]
 
@@ -247,3 +249,21 @@ def test_an_unwritable_cache_still_builds(monkeypatch: pytest.MonkeyPatch, tmp_p
     path = cpu_kernels._build("portable")
     assert path.exists() and not str(path).startswith(str(blocked))
     assert cpu_kernels.Kernels("portable", path).isa == "portable"
+
+
+def test_the_library_opens_and_the_level_is_chosen_without_torch() -> None:
+    """`kernel_lib` (the level, the signatures, the fused decode's structs) is what a process
+    without PyTorch shares with `cpu_kernels` (docs/design/torch-free-engine-core.md)."""
+    code = (
+        "import sys\n"
+        "from treadle.model import kernel_build, kernel_lib\n"
+        "isa = kernel_lib.select_isa()\n"
+        "lib = kernel_lib.open_library(isa, kernel_build.build(isa))\n"
+        "assert lib.gguf_linear_i8_max_rows() > 0\n"
+        "assert kernel_lib.DecodeLayer.k_cache.offset > 0 and kernel_lib.DecodeModel().eps == 0\n"
+        "print(isa, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.split() == [cpu_kernels.select_isa(), "False"], out.stderr

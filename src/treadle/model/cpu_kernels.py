@@ -8,16 +8,11 @@ ones with integer dot products: `with_activations`) and the small per-layer ops
 (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the KV write), and the structured-output
 bitmask applied to the logits, float32 throughout but for the int8 activations.
 
-ISA levels, best first: `avx512vnni` (x86-64-v4 and AVX512-VNNI, for the int8 dot products),
-`avx512` (x86-64-v4), `avx2vnni` (x86-64-v3 and AVX-VNNI, the 256-bit integer dot product of
-Intel's cores from Alder Lake and Sierra Forest on and AMD's from Zen 5), `avx2` (x86-64-v3:
-AVX2, FMA, F16C), `portable` (no flags: any CPU the compiler targets). A CPU runs the levels
-whose flags it has (an AVX-512 CPU may lack AVX-VNNI). The level is chosen once per process
-from the CPU's flags (`detect_isa`), or forced with `TREADLE_CPU_ISA` (a level this CPU can
-run: a lower one lets the AVX2 path be tested and measured on an AVX-512 machine;
-`treadle/__init__.py` then also caps PyTorch's and oneDNN's own kernels at that level, so the
-whole process behaves as on such a CPU). Each level is compiled with its own flags, never
-`-march=native`, into `$TREADLE_CACHE_DIR/kernels` (default `~/.cache/treadle`), named by a
+The ISA levels and how one is chosen (`TREADLE_CPU_ISA`, else the best this CPU runs),
+the C signatures and the fused decode's structs are `kernel_lib.py`'s (no torch there);
+`TREADLE_CPU_ISA` below the CPU's best also makes `treadle/__init__.py` cap PyTorch's and
+oneDNN's own kernels at that level, so the whole process behaves as on such a CPU. Each
+level is compiled with its own flags, never `-march=native`, into `$TREADLE_CACHE_DIR/kernels` (default `~/.cache/treadle`), named by a
 hash of the sources, the level, the flags and the compiler: a cache shared between machines
 never hands one CPU a library built for another. The library says which level it was built for
 (`treadle_kernel_isa`), and that is checked on load.
@@ -31,8 +26,6 @@ OpenMP resolves to the `libgomp.so.1` PyTorch already loaded, so both share one 
 from __future__ import annotations
 
 import copy
-import ctypes
-import platform
 import subprocess
 import threading
 from pathlib import Path
@@ -42,57 +35,22 @@ import torch
 from treadle import envs
 from treadle.config import CPU_ACTIVATION_DTYPES
 from treadle.logger import init_logger
+from treadle.model import kernel_lib
 from treadle.model.kernel_build import build as _build
+from treadle.model.kernel_lib import ISA_LEVELS as ISA_LEVELS
+from treadle.model.kernel_lib import available_isas as available_isas
+from treadle.model.kernel_lib import detect_isa as detect_isa
+from treadle.model.kernel_lib import select_isa as select_isa
 
 logger = init_logger(__name__)
 
-ISA_LEVELS = ("avx512vnni", "avx512", "avx2vnni", "avx2", "portable")  # best first
-_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}
-# The CPU flags (as /proc/cpuinfo names them) each x86 level's code needs.
-_LEVEL_CPU_FLAGS = {
-    "avx512vnni": _AVX512 | {"avx512_vnni"},
-    "avx512": _AVX512,
-    "avx2vnni": {"avx2", "fma", "f16c", "avx_vnni"},
-    "avx2": {"avx2", "fma", "f16c"},
+# The KV cache's element types as the kernels number them (`kernel_lib.KV_F32` ...).
+KV_TYPES = {
+    torch.float32: kernel_lib.KV_F32,
+    torch.float16: kernel_lib.KV_F16,
+    torch.bfloat16: kernel_lib.KV_BF16,
+    torch.int8: kernel_lib.KV_I8,
 }
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-def detect_isa() -> str:
-    """The best level this CPU runs."""
-    return available_isas()[0]
-
-
-def select_isa() -> str:
-    """`TREADLE_CPU_ISA` when set, else the best level this CPU runs."""
-    best = detect_isa()
-    forced = envs.cpu_isa()
-    if forced is None:
-        return best
-    if forced not in ISA_LEVELS:
-        raise ValueError(f"TREADLE_CPU_ISA={forced!r}: choose one of {', '.join(ISA_LEVELS)}")
-    if forced not in available_isas():
-        raise ValueError(
-            f"TREADLE_CPU_ISA={forced}, but this CPU runs only {', '.join(available_isas())}"
-        )
-    return forced
-
-
-i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-# The KV cache's element types as csrc/common.h numbers them (KV_F32 ... KV_I8); an int8
-# cache's rows are head_dim int8 values and the row's float32 scale (`attention.py`).
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 
 
 def kv_type(cache: torch.Tensor) -> int:
@@ -101,26 +59,6 @@ def kv_type(cache: torch.Tensor) -> int:
         return KV_TYPES[cache.dtype]
     except KeyError:
         raise ValueError(f"no CPU kernel reads a KV cache of {cache.dtype}") from None
-
-
-_SIGNATURES = {
-    "paged_decode_attention_f32": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64]
-    + [i64] * 6
-    + [f32, i64, c_int, c_int],
-    "gguf_linear_f32": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
-    "gguf_dequantize_f32": [ptr, c_int, i64, i64, ptr, c_int],
-    "gguf_dequantize_rows_f32": [ptr, c_int, i64, i64, ptr, i64, ptr],
-    "gguf_linear_i8": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
-    "gguf_linear_i8x2": [ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int],
-    "rms_norm_f32": [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int],
-    "add_rms_norm_f32": [ptr, ptr, i64, i64, ptr, f32, ptr, c_int],
-    "rope_f32": [ptr, i64, i64, i64, i64, ptr, ptr, c_int],
-    "silu_and_mul_f32": [ptr, i64, i64, ptr, c_int],
-    "lora_apply_f32": [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i64, c_int],
-    "write_kv_f32": [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, c_int],
-    "decode_layers_f32": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int],
-    "apply_token_bitmask_f32": [ptr, i64, ptr, i64, ptr, i64, i64, c_int],
-}
 
 
 # The GGUF-block product of each integer activation dtype: int8 blocks of 32 (`csrc/int8.h`), or
@@ -138,24 +76,10 @@ class Kernels:
         self.isa = isa
         self.path = path
         self.activations = "float32"
-        lib = ctypes.CDLL(str(path))
-        lib.treadle_kernel_isa.restype = ctypes.c_char_p
-        built_for = lib.treadle_kernel_isa().decode()
-        if built_for != isa:  # the compiler ignored the level's flags
-            raise OSError(f"{path.name} was built for {built_for!r}, not {isa!r}")
-        lib.gguf_linear_i8_max_rows.restype = ctypes.c_int
+        lib = kernel_lib.open_library(isa, path)
         # rows up to which int8 activations take the integer dot products (beyond: float32)
         self.int8_max_rows = int(lib.gguf_linear_i8_max_rows())
-        # the block kinds (bit 1 << kind) this level runs laid out 16 outputs wide, with int8
-        # activations at every row count (`QuantizedWeight.to_g16`, `csrc/int8.h`); none in a
-        # library built from older sources (benchmarks/linear_crossover.py --variant)
-        self.g16_kinds = 0
-        if hasattr(lib, "gguf_g16_kinds"):
-            lib.gguf_g16_kinds.restype = ctypes.c_int
-            self.g16_kinds = int(lib.gguf_g16_kinds())
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+        self.g16_kinds = kernel_lib.g16_kinds(lib)
         self._lib = lib
         # Raw: its arguments are the structs fused_decode.py lays out.
         self.decode_layers = lib.decode_layers_f32
@@ -322,21 +246,6 @@ class Kernels:
             logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.shape[0],
             bitmask.data_ptr(), bitmask.shape[1], logits.shape[1], torch.get_num_threads(),
         )  # fmt: skip
-
-
-def available_isas() -> list[str]:
-    """The levels this CPU runs, best first (`portable` always)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return ["portable"]
-    flags = cpu_flags()
-    if not flags:  # no /proc/cpuinfo (e.g. macOS): PyTorch's own cpuid reading
-        capability = torch.backends.cpu.get_cpu_capability().lower()
-        best = {"avx512": "avx512", "avx2": "avx2"}.get(capability, "portable")
-        levels = ISA_LEVELS[ISA_LEVELS.index(best) :]
-        return [level for level in levels if level != "avx2vnni"]
-    return [
-        level for level in ISA_LEVELS if level == "portable" or _LEVEL_CPU_FLAGS[level] <= flags
-    ]
 
 
 _lock = threading.Lock()

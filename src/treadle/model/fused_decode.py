@@ -23,42 +23,12 @@ import torch
 
 from treadle.model.attention import AttentionMetadata
 from treadle.model.cpu_kernels import Kernels, kv_type
+from treadle.model.kernel_lib import INT8_ACTIVATIONS, DecodeLayer, DecodeModel
 from treadle.model.linear_method import GGUFLinear
 from treadle.model.parallel import tp_size
 
 if TYPE_CHECKING:
     from treadle.model.llama import LlamaForCausalLM
-
-_p, _f = ctypes.c_void_p, ctypes.c_float
-
-
-_i32, _i64 = ctypes.c_int32, ctypes.c_int64
-
-
-class _Layer(ctypes.Structure):  # decode_layer
-    _fields_ = [
-        ("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("o", _p), ("gate_up", _p),
-        ("down", _p), ("qkv_bias", _p), ("k_cache", _p), ("v_cache", _p), ("qkv_kind", _i32),
-        ("o_kind", _i32), ("gate_up_kind", _i32), ("down_kind", _i32),
-        ("qkv_lora_a", _p), ("qkv_lora_b", _p), ("o_lora_a", _p), ("o_lora_b", _p),
-        ("gate_up_lora_a", _p), ("gate_up_lora_b", _p), ("down_lora_a", _p),
-        ("down_lora_b", _p), ("qkv_lora_ends", _p), ("o_lora_ends", _p),
-        ("gate_up_lora_ends", _p), ("down_lora_ends", _p), ("qkv_lora_as", _p),
-        ("o_lora_as", _p), ("gate_up_lora_as", _p), ("down_lora_as", _p), ("qkv_lora_bs", _p),
-        ("o_lora_bs", _p), ("gate_up_lora_bs", _p), ("down_lora_bs", _p), ("qkv_lora_rank", _i64),
-        ("o_lora_rank", _i64), ("gate_up_lora_rank", _i64), ("down_lora_rank", _i64),
-        ("qkv_lora_shards", _i64), ("o_lora_shards", _i64), ("gate_up_lora_shards", _i64),
-        ("down_lora_shards", _i64),
-    ]  # fmt: skip
-
-
-class _Model(ctypes.Structure):  # decode_model
-    _fields_ = [
-        ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-        ("intermediate", _i64), ("num_layers", _i64), ("num_blocks", _i64),
-        ("block_size", _i64), ("eps", _f), ("scale", _f), ("final_norm", _p),
-        ("int8_activations", _i32), ("kv_type", _i32), ("lora_slot", _p), ("lora_wtype", _i32),
-    ]  # fmt: skip
 
 
 class FusedDecoder:
@@ -66,9 +36,9 @@ class FusedDecoder:
         self.kernels = kernels
         self.max_rows = max_rows
         self._model = model
-        self._layers: ctypes.Array[_Layer] | None = None
+        self._layers: ctypes.Array[DecodeLayer] | None = None
         self._bound_to: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._spec = _Model()
+        self._spec = DecodeModel()
         self._lora_bound = False  # the layers' LoRA slots are in the bound pointers
 
     @classmethod
@@ -93,12 +63,14 @@ class FusedDecoder:
                 return None
         return cls(kernels, model, min(m.max_rows for m in methods))  # type: ignore[attr-defined]
 
-    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[_Layer]:
+    def _bind(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> ctypes.Array[DecodeLayer]:
         """The per-layer pointers, made once for a set of KV caches (they live as long)."""
         if self._layers is not None and self._bound_to is kv_caches:
             return self._layers
         m = self._model
-        layers = (_Layer * m.num_layers)()
+        layers = (DecodeLayer * m.num_layers)()
         lora_wtype = 0
         for spec, layer, (k_cache, v_cache) in zip(
             layers, m.decoder_layers(), kv_caches, strict=True
@@ -132,7 +104,7 @@ class FusedDecoder:
             spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         arch, first = m.arch, m.decoder_layers()[0]
         k_cache = kv_caches[0][0]
-        self._spec = _Model(
+        self._spec = DecodeModel(
             hidden=arch.hidden_size,
             heads=first.self_attn.num_heads,
             kv_heads=first.self_attn.num_kv_heads,
@@ -144,7 +116,7 @@ class FusedDecoder:
             eps=first.input_layernorm.eps,
             scale=first.self_attn.scale,
             final_norm=m.model.norm.weight.data_ptr(),
-            int8_activations={"int8": 1, "int8x2": 2}.get(self.kernels.activations, 0),
+            int8_activations=INT8_ACTIVATIONS[self.kernels.activations],
             kv_type=kv_type(k_cache),
             lora_wtype=lora_wtype,
         )
