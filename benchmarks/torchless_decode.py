@@ -9,7 +9,7 @@ What it does, as the engine core does on the default path (`model/fused_decode.p
 - reads the GGUF with `treadle.model.gguf_file` (numpy), un-permutes the q/k rows as
   `loader._unpermute_rope_rows` does, stacks q, k, v and gate, up as the fused layers hold
   them, and lays every linear weight and the (tied) embedding out 16 outputs wide
-  (`QuantizedWeight.build` then `to_g16`, ported to numpy);
+  (`gguf_layout.tile_layout` then `g16_layout`, the numpy layouts `QuantizedWeight` wraps);
 - builds (or finds in the cache) the kernels' library with `treadle.model.kernel_build`;
 - prefills the prompt through `decode_layers_f32` in chunks of at most 64 rows (the GGUF
   kernels' row limit, `GGUF_MAX_ROWS`), each row with its own context length, then decodes
@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from treadle.model import kernel_lib
+from treadle.model.gguf_layout import KIND_Q4_G16, GGUFBlocks, g16_layout, tile_layout
 from treadle.model.kernel_lib import DecodeLayer, DecodeModel
 
 # Fixed prompt: treadle's tokenizer (`treadle.tokenizer.load_tokenizer`) on the default model,
@@ -57,9 +58,6 @@ PROMPT_IDS = [
 ]  # fmt: skip
 MAX_ROWS = 64  # rows per decode_layers_f32 call (GGUF_MAX_ROWS: the fused path's limit)
 BLOCK_SIZE = 16  # KV cache block (CacheConfig.block_size)
-TILE_N, G16, BLOCK = 4, 16, 32
-KIND_Q4, KIND_Q8, KIND_Q4_G16, KIND_Q8_G16 = 0, 1, 2, 3
-_RAW = {"Q4_0": (18, KIND_Q4), "Q4_1": (20, KIND_Q4), "Q8_0": (34, KIND_Q8)}
 
 
 def memory(label: str) -> dict[str, float]:
@@ -97,38 +95,14 @@ def unpermute_rope_rows(raw: np.ndarray, heads: int) -> np.ndarray:
 
 
 def g16(parts: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray, int, int, int]:
-    """(layout, kernel kind, out_features, in_features) of the parts' rows stacked: the bytes
-    `QuantizedWeight.build(...).to_g16()` makes. Output o of group g is row 16 g + o; per
-    block, the group's 16 scales (d), for Q4 its 16 minimums (m), then the quants with one
-    output's 4 consecutive bytes in each 32-bit lane (Q8's as q + 128)."""
-    kinds = {k for k, _ in parts}
-    assert len(kinds) == 1, kinds
-    kind = kinds.pop()
-    nbytes, kernel_kind = _RAW[kind]
-    raw = np.concatenate([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
-    n, nb = raw.shape[0], raw.shape[1] // nbytes
-    blocks = raw.reshape(n, nb, nbytes)
-    if kind == "Q4_0":  # d (q - 8) = d q + m, m = -8 d: the Q4_1 layout
-        d = blocks[..., 0:2].copy().view(np.float16)
-        m = (d * np.float16(-8)).view(np.uint8)
-        blocks = np.concatenate([blocks[..., 0:2], m, blocks[..., 2:]], axis=-1)
-    width = blocks.shape[-1]
-    groups = -(-n // G16)
-    if groups * G16 != n:
-        blocks = np.concatenate([blocks, np.zeros((groups * G16 - n, nb, width), np.uint8)])
-    a = blocks.reshape(groups, G16, nb, width).transpose(0, 2, 1, 3)  # [groups, nb, 16, width]
-    if kernel_kind == KIND_Q4:
-        out = np.empty((groups, nb, 320), np.uint8)
-        out[..., 0:32] = a[..., 0:2].reshape(groups, nb, 32)
-        out[..., 32:64] = a[..., 2:4].reshape(groups, nb, 32)
-        qs = a[..., 4:20].reshape(groups, nb, G16, 4, 4).transpose(0, 1, 3, 2, 4)
-        out[..., 64:] = qs.reshape(groups, nb, 256)
-    else:
-        out = np.empty((groups, nb, 544), np.uint8)
-        out[..., 0:32] = a[..., 0:2].reshape(groups, nb, 32)
-        q = a[..., 2:34].reshape(groups, nb, G16, 8, 4).transpose(0, 1, 3, 2, 4)
-        out[..., 32:] = q.reshape(groups, nb, 512) ^ 0x80
-    return out, kernel_kind + KIND_Q4_G16, n, nb * BLOCK
+    """(layout, kernel kind, out_features, in_features) of the parts' rows stacked and laid
+    out 16 outputs wide: `gguf_layout`'s tiles, then its 16-wide layout in their memory (the
+    bytes `QuantizedWeight.build(...).to_g16()` makes for the engine core)."""
+    rows = sum(raw.shape[0] for _, raw in parts)
+    laid = tile_layout([GGUFBlocks(kind, raw) for kind, raw in parts], rows)
+    assert laid is not None, [kind for kind, _ in parts]
+    tiles, kind, in_features = laid
+    return g16_layout(tiles, kind, in_place=True), kind + KIND_Q4_G16, rows, in_features
 
 
 class TorchlessModel:

@@ -252,8 +252,9 @@ def test_an_unwritable_cache_still_builds(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 def test_the_library_opens_and_the_level_is_chosen_without_torch() -> None:
-    """`kernel_lib` (the level, the signatures, the fused decode's structs) is what a process
-    without PyTorch shares with `cpu_kernels` (docs/design/torch-free-engine-core.md)."""
+    """`kernel_lib` (the level, the signatures, the fused decode's structs) and `gguf_layout`
+    (the weights' layouts) are what a process without PyTorch shares with `cpu_kernels` and
+    `quantized` (docs/design/torch-free-engine-core.md)."""
     code = (
         "import sys\n"
         "from treadle.model import kernel_build, kernel_lib\n"
@@ -261,6 +262,12 @@ def test_the_library_opens_and_the_level_is_chosen_without_torch() -> None:
         "lib = kernel_lib.open_library(isa, kernel_build.build(isa))\n"
         "assert lib.gguf_linear_i8_max_rows() > 0\n"
         "assert kernel_lib.DecodeLayer.k_cache.offset > 0 and kernel_lib.DecodeModel().eps == 0\n"
+        "import numpy as np\n"
+        "from treadle.model import gguf_layout as g\n"
+        "raw = np.random.default_rng(0).integers(0, 256, (32, 2 * 20), dtype=np.uint8)\n"
+        "tiles, kind, k = g.tile_layout([g.GGUFBlocks('Q4_1', raw)], 32)\n"
+        "assert tiles.shape == (8, 2, 4, 20) and kind == g.KIND_Q4 and k == 64\n"
+        "assert g.g16_layout(tiles, kind, in_place=True).shape == (2, 2, 320)\n"
         "print(isa, 'torch' in sys.modules)\n"
     )
     out = subprocess.run(
