@@ -43,6 +43,34 @@ def test_api_server_modules_tokenizer_and_checks_import_no_torch() -> None:
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
+CONTROL_PLANE = """
+import sys
+import treadle.core.scheduler, treadle.core.request, treadle.core.prompt_inputs
+import treadle.executor.base
+from treadle.ipc.shm_message import PickleCodec
+from treadle.wire.worker import NewRequestData, SchedulerOutput
+from treadle.sampling_params import SamplingParams
+step = SchedulerOutput(
+    new_requests=[NewRequestData("r", [1, 2], 2, SamplingParams(max_tokens=4), [0], 0)],
+    num_scheduled_tokens={"r": 2},
+)
+codec = PickleCodec()
+assert codec.loads(codec.dumps(step)) == step
+print(sorted(m for m in ("torch",) if m in sys.modules))
+"""
+
+
+def test_engine_core_control_plane_imports_no_torch() -> None:
+    """The scheduler, its requests and checks, the executor's base and the step's wire format
+    (pickled to the workers) need no torch: stage 3 of docs/design/torch-free-engine-core.md,
+    toward an engine core without torch's ~211 MiB on the GGUF CPU path."""
+    done = subprocess.run(
+        [sys.executable, "-c", CONTROL_PLANE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 COORDINATOR = """
 import sys
 import treadle.cli.main, treadle.core.dp_coordinator

@@ -7,14 +7,14 @@ step."""
 from __future__ import annotations
 
 import msgspec
-import torch
 
 from treadle import prompt_embeds as embeds_format
+from treadle.ipc.serial import Tensor  # torch.Tensor, without importing torch
 from treadle.model.arch import VisionArch
 from treadle.validation import InvalidRequest
 from treadle.wire.engine import EngineCoreRequest, MultiModalInput
 
-PIXEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PIXEL_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32")  # (str(tensor.dtype))
 
 
 def expand_images(
@@ -67,14 +67,14 @@ def check_mm_inputs(request: EngineCoreRequest, vision: VisionArch | None, limit
     end = 0
     for i, mm in enumerate(images):
         pixels = mm.pixel_values
-        if not isinstance(pixels, torch.Tensor) or pixels.dtype not in PIXEL_DTYPES:
+        if not isinstance(pixels, Tensor) or str(pixels.dtype) not in PIXEL_DTYPES:
             raise InvalidRequest("mm_inputs", f"image {i}: pixels must be a float tensor")
         if tuple(pixels.shape) != (3, side, side):
             raise InvalidRequest(
                 "mm_inputs",
                 f"image {i}: pixels of shape {tuple(pixels.shape)}, not (3, {side}, {side})",
             )
-        if not bool(torch.isfinite(pixels).all()):
+        if not bool(pixels.isfinite().all()):
             raise InvalidRequest("mm_inputs", f"image {i}: pixels must be finite")
         if mm.length != vision.num_image_tokens or mm.offset < end:
             raise InvalidRequest("mm_inputs", f"image {i}: placeholders out of order or size")

@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from treadle.ipc.serial import Tensor  # torch.Tensor, without importing torch
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import EngineCoreRequest, FinishReason, LoRARequest, MultiModalInput
 
@@ -42,7 +41,7 @@ class Request:
     scheduled_ts: float | None = None  # first scheduled
     # The prompt as input embeddings ([num_prompt_tokens, hidden]); `prompt_token_ids` are
     # then placeholders (`treadle.prompt_embeds.placeholder_ids`).
-    prompt_embeds: torch.Tensor | None = None
+    prompt_embeds: Tensor | None = None
     # The prompt's images (a vision-language model's), in prompt order.
     mm_inputs: list[MultiModalInput] | None = None
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
@@ -106,6 +105,8 @@ class Request:
                     out += f"image:{mm.hash}@{mm.offset};".encode()
         if self.prompt_embeds is None or start >= self.num_prompt_tokens:
             return out
+        import torch  # (a prompt of embeddings: the engine runs on PyTorch)
+
         rows = self.prompt_embeds[start:end].contiguous()
         return out + str(rows.dtype).encode() + rows.view(torch.uint8).numpy().tobytes()
 

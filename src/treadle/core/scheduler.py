@@ -16,8 +16,6 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.prompt_inputs import encoder_cut
@@ -32,6 +30,8 @@ from treadle.wire.worker import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from treadle.core.spec_draft import DraftProposer
 
 

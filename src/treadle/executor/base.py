@@ -16,16 +16,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from treadle import envs
 from treadle.config import EngineConfig
 from treadle.ipc.process import ChildProcess, ProcessMonitor, describe_exit
 from treadle.ipc.shm_broadcast import Handle, MessageQueue, MessageQueueShutdown
 from treadle.model.arch import ModelArch
-from treadle.wire.topology import ProcessInfo
+from treadle.wire.topology import ProcessInfo, worker_title
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.worker_proc import worker_title
+
+
+def collective_backend() -> str:
+    """What the workers' collectives run on (`run_worker` picks the same): NCCL where CUDA
+    is, else gloo."""
+    import torch  # (the workers run on it; this process may not have it yet)
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 class ExecutorStoppedError(RuntimeError):
@@ -61,7 +66,8 @@ class Executor:
         self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first rank
         self._pending: collections.deque[PendingStep] = collections.deque()
         # What the workers' collectives run on (`run_worker` picks the same), for /topology.
-        self.collective_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # (one process has no collectives: /topology shows the transport between workers only)
+        self.collective_backend = collective_backend() if self.world_size > 1 else ""
         self.max_model_len = max_model_len
         self.arch = arch
         self.failure: str | None = None

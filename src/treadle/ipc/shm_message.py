@@ -26,17 +26,19 @@ import io
 import pickle
 import struct
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from treadle.ipc.serial import (
     Buffer,
     MsgpackDecoder,
     MsgpackEncoder,
+    Tensor,
     tensor_from_buffer,
     tensor_to_buffer,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OOB_THRESHOLD",
@@ -67,7 +69,7 @@ class _Pickler(pickle.Pickler):
     """Protocol-5 pickler that reduces CPU tensors to raw byte buffers (so they go out of band)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, Tensor):  # (never one where torch is not imported)
             dtype, shape, raw = tensor_to_buffer(obj)
             return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype, shape)
         return NotImplemented

@@ -62,3 +62,11 @@ class EngineReport(msgspec.Struct, kw_only=True):
     steps_per_s: float = 0.0  # over the last few seconds
     scheduled_tokens_per_s: float = 0.0
     generated_tokens_per_s: float = 0.0
+
+
+def worker_title(rank: int, tp: int, pp: int) -> str:
+    """A worker's name in titles, logs and `/topology`: `Worker_TP<rank>`, or with several
+    pipeline stages `Worker_PP<p>_TP<t>`."""
+    if pp == 1:
+        return f"Worker_TP{rank}"
+    return f"Worker_PP{rank // tp}_TP{rank % tp}"

@@ -19,9 +19,13 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, TypeAlias
 
 import msgspec
-import torch
 
-from treadle.ipc.serial import Buffer, MsgpackDecoder, MsgpackEncoder
+from treadle.ipc.serial import (
+    Buffer,
+    MsgpackDecoder,
+    MsgpackEncoder,
+    Tensor,  # torch.Tensor to msgspec, without importing torch
+)
 from treadle.ipc.shm_message import OOB_THRESHOLD, Codec, PickleCodec, own_first
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs, LoRARequest, MultiModalInput
@@ -38,7 +42,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     # A prompt given as embeddings ([num_prompt_tokens, hidden]): the model reads these rows
     # at the prompt's positions (its `token_ids` there are placeholders). Sent again in full
     # whenever the request is (after a preemption too).
-    prompt_embeds: torch.Tensor | None = None
+    prompt_embeds: Tensor | None = None
     # The prompt's images (their pixels go again with every resend; the workers' encoder
     # cache, keyed by their hash, spares running the vision tower again).
     mm_inputs: list[MultiModalInput] | None = None
@@ -63,7 +67,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Structured outputs: the constrained requests that sample in this step, and row i of
     # the int32 bitmask is the tokens request i may sample (`treadle.structured_outputs`).
     grammar_request_ids: list[str] = msgspec.field(default_factory=list)
-    grammar_bitmask: torch.Tensor | None = None
+    grammar_bitmask: Tensor | None = None
     # Speculative decoding: per request, the proposed tokens that follow its last token in
     # this step (its scheduled tokens are 1 + their number; `core/spec_decode.py`).
     spec_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
@@ -79,7 +83,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Per speculating request: the proposed tokens it accepted, which come before `sampled`.
     accepted: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Per pooling request whose prompt ended this step: its pooled hidden state (float32).
-    pooled: dict[str, torch.Tensor] = msgspec.field(default_factory=dict)
+    pooled: dict[str, Tensor] = msgspec.field(default_factory=dict)
     # The vision encoder this step: images it encoded, images its cache answered, seconds.
     images_encoded: int = 0
     encoder_cache_hits: int = 0

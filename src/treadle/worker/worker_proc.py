@@ -33,6 +33,7 @@ from treadle.ipc.shm_broadcast import (
 )
 from treadle.logger import init_logger
 from treadle.model.parallel import init_parallel
+from treadle.wire.topology import worker_title as worker_title
 from treadle.wire.worker import reader_codec
 from treadle.worker.pp_transfer import open_stage_link
 from treadle.worker.worker import Worker
@@ -44,13 +45,6 @@ logger = init_logger(__name__)
 # other message is (method, args, kwargs, output_rank): a call of `Worker.method` whose reply
 # comes from `output_rank` (None: every rank).
 STOP_WORKER: tuple[None, tuple[()], None, None] = (None, (), None, None)
-
-
-def worker_title(rank: int, tp: int, pp: int) -> str:
-    """`Worker_TP<rank>`, or with several pipeline stages `Worker_PP<p>_TP<t>`."""
-    if pp == 1:
-        return f"Worker_TP{rank}"
-    return f"Worker_PP{rank // tp}_TP{rank % tp}"
 
 
 def run_worker(
