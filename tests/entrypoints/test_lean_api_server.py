@@ -46,6 +46,7 @@ def test_api_server_modules_tokenizer_and_checks_import_no_torch() -> None:
 CONTROL_PLANE = """
 import sys
 import treadle.core.scheduler, treadle.core.request, treadle.core.prompt_inputs
+import treadle.core.grammar_matchers
 import treadle.executor.base
 from treadle.ipc.shm_message import PickleCodec
 from treadle.wire.worker import NewRequestData, SchedulerOutput

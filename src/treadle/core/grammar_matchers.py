@@ -10,14 +10,15 @@ constrained request, so an engine that never sees one never pays for it.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from treadle.config import resolve_model
 from treadle.logger import init_logger
 from treadle.sampling_params import StructuredOutputsParams
 from treadle.structured_outputs import GrammarCompiler, fill_bitmask
+
+if TYPE_CHECKING:
+    import torch  # (`fill_bitmask` imports it on the first constrained request)
 
 logger = init_logger(__name__)
 
