@@ -80,16 +80,27 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM by pid, wait, then kill the process group (its engine children) if needed."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # any child left behind
+        stop_process(self.proc, whole_group=False)
         self.log.close()
+
+
+def stop_process(proc: subprocess.Popen[bytes], whole_group: bool) -> None:
+    """SIGTERM to a server started in its own session (to its whole process group where
+    `whole_group`), wait up to 30 s, SIGKILL it if it is still there, then SIGKILL whatever of
+    its group is left. By pid, never by name."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if whole_group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # any child left behind
 
 
 def bench_served(url: str, prompts_b: list[list[int]]) -> dict[str, dict[str, Any]]:

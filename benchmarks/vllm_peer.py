@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from serve_bench import stop_process
 
 MODEL_DIR = "smollm2-135m-instruct-hf"
 KVCACHE_GB = 4
@@ -112,14 +113,5 @@ class VllmServer:
 
     def stop(self) -> None:
         """SIGTERM to its process group, wait, then SIGKILL whatever of the group is left."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # any child left behind
+        stop_process(self.proc, whole_group=True)
         self.log.close()
