@@ -7,7 +7,7 @@ What it does, as the engine core does on the default path (`model/fused_decode.p
 `model/quantized.py`, `model/linear_method.py`, `model/layers.py`):
 
 - reads the GGUF with `treadle.model.gguf_file` (numpy), un-permutes the q/k rows as
-  `loader._unpermute_rope_rows` does, stacks q, k, v and gate, up as the fused layers hold
+  `gguf_layout.unpermute_rope_rows` (the loader's) does, stacks q, k, v and gate, up as the fused layers hold
   them, and lays every linear weight and the (tied) embedding out 16 outputs wide
   (`gguf_layout.tile_layout` then `g16_layout`, the numpy layouts `QuantizedWeight` wraps);
 - builds (or finds in the cache) the kernels' library with `treadle.model.kernel_build`;
@@ -37,7 +37,13 @@ from pathlib import Path
 import numpy as np
 
 from treadle.model import kernel_lib
-from treadle.model.gguf_layout import KIND_Q4_G16, GGUFBlocks, g16_layout, tile_layout
+from treadle.model.gguf_layout import (
+    KIND_Q4_G16,
+    GGUFBlocks,
+    g16_layout,
+    tile_layout,
+    unpermute_rope_rows,
+)
 from treadle.model.kernel_lib import DecodeLayer, DecodeModel
 
 # Fixed prompt: treadle's tokenizer (`treadle.tokenizer.load_tokenizer`) on the default model,
@@ -86,12 +92,6 @@ def load_kernels(isa: str) -> ctypes.CDLL:
 
 
 # -- weights: GGUF blocks laid out 16 outputs wide (QuantizedWeight.build + to_g16) ----------
-
-
-def unpermute_rope_rows(raw: np.ndarray, heads: int) -> np.ndarray:
-    """loader._unpermute_rope_rows: llama.cpp's interleaved q/k rows to the half split."""
-    half = raw.shape[0] // heads // 2
-    return raw.reshape(heads, half, 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape)
 
 
 def g16(parts: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray, int, int, int]:

@@ -59,6 +59,12 @@ class GGUFBlocks:
         )
 
 
+def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its RoPE; restore Hugging Face's half split."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def kernel_type(kind: str) -> bool:
     """Whether the kernel reads this GGUF type."""
     return kind in RAW

@@ -8,7 +8,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 
 from treadle.config import ModelSource
@@ -16,6 +15,7 @@ from treadle.logger import init_logger
 from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch, UnsupportedModelError
 from treadle.model.gguf_file import GGUFFile, GGUFFormatError
+from treadle.model.gguf_layout import unpermute_rope_rows
 from treadle.model.hf_overrides import apply_hf_overrides
 from treadle.model.llama import LlamaForCausalLM, Stage
 from treadle.model.llava import model_class
@@ -227,7 +227,7 @@ def _gguf_weights(
             heads = arch.num_heads if "q_proj" in name else arch.num_kv_heads
         if kernel_type(kind) and len(tensor.shape) == 2:
             # Only the blocks (quantized.py): float32 only where a layer asks for it.
-            raw = _unpermute_rope_rows(tensor.data, heads) if heads else tensor.data
+            raw = unpermute_rope_rows(tensor.data, heads) if heads else tensor.data
             yield name, blocks_only(tensor.shape, GGUFBlocks(kind, raw, gguf.release_pages))
             continue
         try:
@@ -236,7 +236,7 @@ def _gguf_weights(
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name} is unreadable (truncated?): {e}"
             ) from e
-        yield name, torch.from_numpy(_unpermute_rope_rows(array, heads) if heads else array)
+        yield name, torch.from_numpy(unpermute_rope_rows(array, heads) if heads else array)
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -249,9 +249,3 @@ def _hf_name(gguf_name: str) -> str:
     if parts[0] not in _GGUF_TOP_NAMES:
         raise UnsupportedModelError(f"unknown GGUF tensor {gguf_name}")
     return f"{_GGUF_TOP_NAMES[parts[0]]}.{'.'.join(parts[1:])}"
-
-
-def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp stores q/k rows interleaved for its RoPE; restore Hugging Face's half split."""
-    half = w.shape[0] // heads // 2
-    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
