@@ -163,7 +163,7 @@ def test_stage_links_between_nodes_are_tcp_and_need_the_secret_off_loopback(
     without the secret are refused unless --insecure-cluster; a stage split across nodes is
     logged."""
     from treadle.executor.ray_executor import RayExecutor, RayRank
-    from treadle.worker.worker_proc import worker_title
+    from treadle.wire.topology import worker_title
 
     def layout(*where: tuple[str, str]) -> RayExecutor:
         ex = RayExecutor.__new__(RayExecutor)

@@ -65,8 +65,7 @@ class Executor:
         self.pp_size = config.parallel.pipeline_parallel_size
         self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first rank
         self._pending: collections.deque[PendingStep] = collections.deque()
-        # What the workers' collectives run on (`run_worker` picks the same), for /topology.
-        # (one process has no collectives: /topology shows the transport between workers only)
+        # For /topology, which shows it between workers only (one process has no collectives).
         self.collective_backend = collective_backend() if self.world_size > 1 else ""
         self.max_model_len = max_model_len
         self.arch = arch

@@ -76,9 +76,9 @@ from treadle.ipc.secure_store import SecureStore, StoreServer
 from treadle.ipc.shm_broadcast import MessageQueue
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path
 from treadle.logger import init_logger
-from treadle.wire.topology import ProcessInfo
+from treadle.wire.topology import ProcessInfo, worker_title
 from treadle.wire.worker import call_codec, reader_codec
-from treadle.worker.worker_proc import run_worker, worker_title
+from treadle.worker.worker_proc import run_worker
 
 __all__ = ["MultinodeExecutor", "run_node"]
 

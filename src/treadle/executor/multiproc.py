@@ -36,11 +36,11 @@ from treadle.ipc.process import (
 from treadle.ipc.shm_broadcast import MessageQueue, remove_orphaned_queue
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.wire.topology import ProcessInfo
+from treadle.wire.topology import ProcessInfo, worker_title
 from treadle.wire.worker import (
     reader_codec,
 )
-from treadle.worker.worker_proc import STOP_WORKER, run_worker, worker_title
+from treadle.worker.worker_proc import STOP_WORKER, run_worker
 
 logger = init_logger(__name__)
 

@@ -64,9 +64,9 @@ from treadle.ipc.secure_store import StoreServer
 from treadle.ipc.shm_broadcast import MessageQueue, remove_orphaned_queue
 from treadle.ipc.zmq_utils import get_ip, get_open_zmq_ipc_path, get_tcp_uri, remove_ipc_files
 from treadle.logger import init_logger
-from treadle.wire.topology import ProcessInfo
+from treadle.wire.topology import ProcessInfo, worker_title
 from treadle.wire.worker import call_codec, reader_codec
-from treadle.worker.worker_proc import STOP_WORKER, worker_title
+from treadle.worker.worker_proc import STOP_WORKER
 
 logger = init_logger(__name__)
 

@@ -16,9 +16,10 @@ from treadle.ipc import cluster_auth
 from treadle.ipc.process import set_process_title
 from treadle.ipc.shm_broadcast import Handle, MessageQueue
 from treadle.ipc.zmq_utils import get_ip
+from treadle.wire.topology import worker_title
 from treadle.wire.worker import reader_codec, reply_codec
 from treadle.worker.worker import Worker
-from treadle.worker.worker_proc import busy_loop, start_worker, worker_title
+from treadle.worker.worker_proc import busy_loop, start_worker
 
 
 class RayWorker:

@@ -42,8 +42,9 @@ from treadle.ipc.process import (
 from treadle.ipc.shm_broadcast import MessageQueue
 from treadle.ipc.zmq_utils import get_open_zmq_ipc_path, get_tcp_uri, remove_ipc_files
 from treadle.logger import init_logger
+from treadle.wire.topology import worker_title
 from treadle.wire.worker import reader_codec, reply_codec
-from treadle.worker.worker_proc import busy_loop, start_worker, worker_title
+from treadle.worker.worker_proc import busy_loop, start_worker
 
 logger = init_logger(__name__)
 

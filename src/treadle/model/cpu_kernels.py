@@ -12,9 +12,10 @@ The ISA levels and how one is chosen (`TREADLE_CPU_ISA`, else the best this CPU 
 the C signatures and the fused decode's structs are `kernel_lib.py`'s (no torch there);
 `TREADLE_CPU_ISA` below the CPU's best also makes `treadle/__init__.py` cap PyTorch's and
 oneDNN's own kernels at that level, so the whole process behaves as on such a CPU. Each
-level is compiled with its own flags, never `-march=native`, into `$TREADLE_CACHE_DIR/kernels` (default `~/.cache/treadle`), named by a
-hash of the sources, the level, the flags and the compiler: a cache shared between machines
-never hands one CPU a library built for another. The library says which level it was built for
+level is compiled with its own flags, never `-march=native`, into
+`$TREADLE_CACHE_DIR/kernels` (default `~/.cache/treadle`), named by a hash of the sources,
+the level, the flags and the compiler: a cache shared between machines never hands one CPU a
+library built for another. The library says which level it was built for
 (`treadle_kernel_isa`), and that is checked on load.
 
 The model asks once, at load time, whether it runs on these kernels (`for_model`: float32 on

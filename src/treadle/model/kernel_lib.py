@@ -32,16 +32,26 @@ _LEVEL_CPU_FLAGS = {
 }
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` line of /proc/cpuinfo ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+        if line.startswith(field):
+            return line.partition(":")[2].strip()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (`GenuineIntel`, `AuthenticAMD`; "" where there is none)."""
+    return _cpuinfo("vendor_id")
 
 
 def available_isas() -> list[str]:

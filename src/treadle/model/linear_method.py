@@ -26,13 +26,13 @@ last whole bucket to its blocks instead.
 from __future__ import annotations
 
 import functools
-import re
 
 import torch
 import torch.nn.functional as F
 
 from treadle import envs
 from treadle.logger import init_logger
+from treadle.model import kernel_lib
 from treadle.model.cpu_kernels import INT8_LINEAR, Kernels
 from treadle.model.quantized import KIND_Q4_G16, QuantizedWeight
 
@@ -169,15 +169,8 @@ def expand_min_rows(kernels: Kernels, quant: QuantizedWeight) -> int:
 
 @functools.cache
 def _amd_avx512() -> bool:
-    """Whether this CPU is one of AMD's with AVX-512 (Zen 4 and later), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            head = f.read(16384)
-    except OSError:
-        return False
-    return (
-        "AuthenticAMD" in head and re.search(r"^flags\s*:.* avx512f( |$)", head, re.M) is not None
-    )
+    """Whether this CPU is one of AMD's with AVX-512 (Zen 4 and later)."""
+    return kernel_lib.cpu_vendor() == "AuthenticAMD" and "avx512f" in kernel_lib.cpu_flags()
 
 
 _SCRATCH = [torch.empty(0)]

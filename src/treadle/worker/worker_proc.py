@@ -33,7 +33,7 @@ from treadle.ipc.shm_broadcast import (
 )
 from treadle.logger import init_logger
 from treadle.model.parallel import init_parallel
-from treadle.wire.topology import worker_title as worker_title
+from treadle.wire.topology import worker_title
 from treadle.wire.worker import reader_codec
 from treadle.worker.pp_transfer import open_stage_link
 from treadle.worker.worker import Worker
