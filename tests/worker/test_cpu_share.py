@@ -18,10 +18,9 @@ from treadle.worker.cpu_share import Reading, ThreadGovernor, read_proc
 
 
 @pytest.fixture
-def governor(monkeypatch: pytest.MonkeyPatch) -> ThreadGovernor:
+def governor() -> ThreadGovernor:
     set_to: list[int] = []
-    monkeypatch.setattr(cpu_share.torch, "set_num_threads", set_to.append)
-    g = ThreadGovernor(2, pinned=False)
+    g = ThreadGovernor(2, pinned=False, apply=set_to.append)
     g.set_to = set_to  # type: ignore[attr-defined]
     return g
 
@@ -73,9 +72,38 @@ def test_a_neighbour_that_comes_back_makes_it_wait_longer(governor: ThreadGovern
 
 def test_a_pinned_count_never_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_share, "read_proc", lambda cpus: pytest.fail("read /proc"))
-    for g in (ThreadGovernor(2, pinned=True), ThreadGovernor(1, pinned=False)):
+
+    def never(threads: int) -> None:
+        pytest.fail(f"set {threads} threads")
+
+    for g in (
+        ThreadGovernor(2, pinned=True, apply=never),
+        ThreadGovernor(1, pinned=False, apply=never),
+    ):
         g.after_step()
         assert not g.active and g.threads == g.most
+
+
+def test_the_governor_keeps_the_count_for_a_runner_that_reads_it() -> None:
+    g = ThreadGovernor(2, pinned=False)  # (no setter: the lean runner passes `threads` itself)
+    feed(g, [(1.0, 0.0)])
+    assert g.threads == 1
+
+
+def test_a_one_rank_runner_sets_the_engines_count_in_its_process_or_a_chosen_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine core process's model runs on `model_threads()`; a user's process keeps its
+    threads unless the user chose a count; TP workers set their own (worker_proc)."""
+    from treadle.parallel_config import ParallelConfig
+
+    monkeypatch.setattr(cpu_share, "_engine_process", False)
+    monkeypatch.delenv("TREADLE_CPU_THREADS", raising=False)
+    assert not cpu_share.sets_model_threads(ParallelConfig())
+    assert cpu_share.sets_model_threads(ParallelConfig(cpu_threads=1))
+    cpu_share.mark_engine_process()
+    assert cpu_share.sets_model_threads(ParallelConfig())
+    assert not cpu_share.sets_model_threads(ParallelConfig(tensor_parallel_size=2))
 
 
 def test_read_proc_sums_this_processes_threads_and_its_cpus(tmp_path: Path) -> None:

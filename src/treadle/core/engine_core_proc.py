@@ -42,7 +42,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 
 from treadle.config import EngineConfig
@@ -86,6 +85,7 @@ from treadle.wire.engine import (
     UtilityOutput,
 )
 from treadle.wire.topology import EngineChannels
+from treadle.worker.cpu_share import mark_engine_process
 
 __all__ = ["EngineCoreProc", "run_engine_core"]
 
@@ -116,8 +116,7 @@ def run_engine_core(
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, on_signal)
-    if config.parallel.world_size == 1:  # the model runs here (TP workers set their own)
-        torch.set_num_threads(config.parallel.model_threads())
+    mark_engine_process()  # with one rank, the runner built here sets the model's threads
     tail = LogTail.attach(MAX_LOG_LINES)  # what a death report quotes (the loading's lines too)
     proc = EngineCoreProc(
         config, handshake_address, dp_rank, shutdown, shutdown_timeout, secret, tail

@@ -20,6 +20,9 @@ While they wait for each other, the threads spin briefly and then sleep: libgomp
 (`GOMP_SPINCOUNT` 300,000 spins, 100 once there are more threads than CPUs; then a futex),
 which `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment change as usual.
 
+The governor keeps the count (this module imports no torch); the runner applies it: the torch
+worker passes `torch.set_num_threads`, a runner of treadle's kernels alone reads `threads`.
+
 A change of thread count changes outputs no more than a change of batch does: oneDNN blocks a
 GEMM differently per thread count (logprobs move in the last bits, tests/worker/
 test_cpu_share.py checks 1 against 2 threads); the GGUF kernels split by output column only.
@@ -30,12 +33,12 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from treadle.logger import init_logger
+from treadle.parallel_config import ParallelConfig
 
 logger = init_logger(__name__)
 
@@ -46,6 +49,24 @@ GROW_AFTER = 2  # windows in a row with a free core before a thread is added
 MIN_HOLD_S = 1.0  # after a thread is taken away, wait at least this long before adding one
 MAX_HOLD_S = 8.0  # ... and at most this long, for a neighbour that keeps coming back
 FLAP_S = 10.0  # a shrink this soon after a grow doubles the hold
+
+
+_engine_process = False
+
+
+def mark_engine_process() -> None:
+    """Said by the engine core process when its model runs there (one rank): that model's
+    thread count is the engine's (`model_threads()`). In a user's process (an in-process `LLM`)
+    only a count the user chose is applied; otherwise the runtime's default stays."""
+    global _engine_process
+    _engine_process = True
+
+
+def sets_model_threads(parallel: ParallelConfig) -> bool:
+    """Whether a one-rank runner in this process sets its thread count to
+    `parallel.model_threads()` when it is built (`mark_engine_process`). A TP/PP worker
+    process sets its own (`worker_proc.start_worker`)."""
+    return parallel.world_size == 1 and (_engine_process or parallel.threads_pinned())
 
 
 @dataclass
@@ -81,11 +102,14 @@ def read_proc(cpus: set[int], proc: Path = Path("/proc")) -> Reading | None:
 
 
 class ThreadGovernor:
-    """The thread count of one process's model, between 1 and `most`."""
+    """The thread count of one process's model, between 1 and `most`: `threads`, the current
+    one, which a runner passing it to each kernel call reads; `apply(n)`, where given, is
+    called with each new count (the torch worker's `torch.set_num_threads`)."""
 
-    def __init__(self, most: int, pinned: bool) -> None:
+    def __init__(self, most: int, pinned: bool, apply: Callable[[int], None] | None = None) -> None:
         self.most = most
         self.threads = most
+        self._apply = apply
         self.active = not pinned and most > 1 and hasattr(os, "sched_getaffinity")
         self._cpus = set(os.sched_getaffinity(0)) if self.active else set()
         self._last: Reading | None = None
@@ -141,4 +165,5 @@ class ThreadGovernor:
     def _set(self, threads: int, why: str) -> None:
         logger.info("Model threads %d -> %d of %d: %s", self.threads, threads, self.most, why)
         self.threads = threads
-        torch.set_num_threads(threads)
+        if self._apply is not None:
+            self._apply(threads)

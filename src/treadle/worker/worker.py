@@ -20,7 +20,7 @@ from treadle.parallel_config import pp_layer_range
 from treadle.wire.engine import LoRARequest
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker import kv_file
-from treadle.worker.cpu_share import ThreadGovernor
+from treadle.worker.cpu_share import ThreadGovernor, sets_model_threads
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.pp_transfer import StageLink, StageLinkError
 from treadle.worker.sampler import TokenPieces
@@ -105,9 +105,12 @@ class Worker:
         self._rss_before_load = self._weights_bytes = 0  # for the memory line
         self._fingerprint: str | None = None  # of the weights, for prompt-cache files
         parallel = config.parallel
+        if sets_model_threads(parallel):  # the engine core's model (or a count the user chose)
+            torch.set_num_threads(parallel.model_threads())
         self.threads = ThreadGovernor(
             parallel.model_threads(),
             pinned=self.device.type != "cpu" or parallel.threads_pinned(),
+            apply=torch.set_num_threads,
         )
 
     def load_model(self) -> None:
