@@ -23,12 +23,10 @@ from treadle.core.prompt_cache import PromptCacheFiles
 from treadle.core.prompt_inputs import check_embeds, check_mm_inputs, expand_images
 from treadle.core.request import Request
 from treadle.core.scheduler import Scheduler
-from treadle.core.spec_draft import DraftProposer
 from treadle.executor.base import Executor
-from treadle.executor.multiproc import MultiprocExecutor
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.logger import init_logger
-from treadle.model.loader import read_arch
+from treadle.model.arch_files import read_arch
 from treadle.validation import (
     InvalidRequest,
     ModelLimits,
@@ -83,7 +81,11 @@ class EngineCore:
         time.sleep(envs.test_slow_start_s())
         self.executor = make_executor(config, on_executor_failure)
         spec = config.speculative  # a draft model loads before the KV cache takes the rest
-        draft = DraftProposer(config, self.executor.arch) if spec and spec.model else None
+        draft = None
+        if spec and spec.model:
+            from treadle.core.spec_draft import DraftProposer  # (torch: a draft model's runner)
+
+            draft = DraftProposer(config, self.executor.arch)
         say(StartupPhase.PROFILING_KV_CACHE)
         self.num_blocks = self.executor.determine_num_blocks()
         say(StartupPhase.ALLOCATING_KV_CACHE)
@@ -416,6 +418,8 @@ def make_executor(
         from treadle.executor.multinode import MultinodeExecutor
 
         return MultinodeExecutor(config, arch, max_model_len, on_failure)
+    from treadle.executor.multiproc import MultiprocExecutor  # (torch.distributed's ranks)
+
     return MultiprocExecutor(config, arch, max_model_len, on_failure)
 
 

@@ -1,7 +1,7 @@
 """A model's shape read from its files without torch: config.json, or the GGUF header.
 
-The API server reads it (issue 41 item 2: no torch there); `loader.read_arch` is the same read
-for the engine core. torch is imported only for `--hf-overrides` (their RoPE check) and to
+The API server and the engine core read it (issue 41: no torch there); `loader.read_arch` is
+this function. torch is imported only for `--hf-overrides` (their RoPE check) and to
 raise `ModelLoadError` for an unreadable file."""
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ def read_arch(source: ModelSource) -> ModelArch:
         arch = ModelArch.from_gguf_fields(gguf.fields, {t.name for t in gguf.tensors})
     else:
         arch = ModelArch.from_hf_dir(source.path)
-    overrides = getattr(source, "hf_overrides", "")  # (a field being added: --hf-overrides)
-    if not overrides:
+    if not source.hf_overrides:
         return arch
     from treadle.model.hf_overrides import apply_hf_overrides
 
-    return apply_hf_overrides(arch, overrides)
+    return apply_hf_overrides(arch, source.hf_overrides)

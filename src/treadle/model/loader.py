@@ -14,9 +14,9 @@ from treadle.config import ModelSource
 from treadle.logger import init_logger
 from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch, UnsupportedModelError
+from treadle.model.arch_files import read_arch as read_arch  # (its callers import it here too)
 from treadle.model.gguf_file import GGUFFile, GGUFFormatError
 from treadle.model.gguf_layout import unpermute_rope_rows
-from treadle.model.hf_overrides import apply_hf_overrides
 from treadle.model.llama import LlamaForCausalLM, Stage
 from treadle.model.llava import model_class
 from treadle.model.quantized import GGUFBlocks, blocks_only, kernel_type
@@ -48,16 +48,6 @@ _GGUF_TOP_NAMES = {
 
 class ModelLoadError(RuntimeError):
     """The weights could not be read; the message names the file and the cause."""
-
-
-def read_arch(source: ModelSource) -> ModelArch:
-    """The model's shape from config.json or the GGUF header, with `source.hf_overrides`."""
-    if source.is_gguf:
-        gguf = open_gguf(source.path)
-        arch = ModelArch.from_gguf_fields(gguf.fields, {t.name for t in gguf.tensors})
-    else:
-        arch = ModelArch.from_hf_dir(source.path)
-    return apply_hf_overrides(arch, source.hf_overrides)
 
 
 TRIM_EVERY = 16  # tensors read, or modules prepared, between two `_release_freed_memory`

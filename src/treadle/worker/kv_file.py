@@ -27,21 +27,26 @@ import itertools
 import json
 import os
 import struct
-from collections.abc import Sequence
-from typing import Any, BinaryIO
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"TRDLKV01"
 MAX_HEADER_BYTES = 64 << 20  # a header of a million-token prompt is ~8 MB
 DIGEST_BYTES = 32
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int8": torch.int8,
-}
 _INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim values, then its float32 scale
+FINGERPRINT_TENSORS = 16  # the first tensors by name that the fingerprint reads ...
+FINGERPRINT_VALUES = 256  # ... and the first values of each
+
+Cache: TypeAlias = "torch.Tensor | np.ndarray"
+"""One layer's K or V, `[num_kv_heads, blocks, block_size, head_dim]` (int8: head_dim + 4
+bytes a row): the torch runner's tensors or the lean runner's numpy arrays; the file's bytes
+are the same either way. torch is used only for torch tensors (so only where it is loaded)."""
 
 
 class KVFileError(ValueError):
@@ -55,11 +60,39 @@ def rank_path(path: str, tp_rank: int) -> str:
 def model_fingerprint(model: torch.nn.Module) -> str:
     """A hash of the model's weights (names, shapes and the first values of the first
     tensors): cheap, and different for different weights of the same shapes."""
+    return _fingerprint(
+        (name, tuple(t.shape), str(t.dtype), t.detach().reshape(-1)[:FINGERPRINT_VALUES])
+        for name, t in itertools.islice(sorted(model.state_dict().items()), FINGERPRINT_TENSORS)
+    )
+
+
+def fingerprint_arrays(named_arrays: Iterable[tuple[str, np.ndarray]]) -> str:
+    """`model_fingerprint` without torch: the same hash of `(name, array)` pairs as the torch
+    model's `state_dict()` items (dtypes named as torch names them: `torch.float32`). The
+    same names, shapes, dtypes and values give the same fingerprint as the torch runner's."""
+    first = itertools.islice(sorted(named_arrays, key=lambda p: p[0]), FINGERPRINT_TENSORS)
+    return _fingerprint(
+        (name, tuple(a.shape), f"torch.{a.dtype}", a.reshape(-1)[:FINGERPRINT_VALUES])
+        for name, a in first
+    )
+
+
+def _fingerprint(entries: Iterable[tuple[str, tuple[int, ...], str, Any]]) -> str:
+    """sha256 over each `name:shape:dtype` and its first values as float32 bytes."""
     h = hashlib.sha256()
-    for name, t in itertools.islice(sorted(model.state_dict().items()), 16):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.detach().reshape(-1)[:256].float().cpu().numpy().tobytes())
+    for name, shape, dtype, values in entries:
+        h.update(f"{name}:{shape}:{dtype}".encode())
+        if isinstance(values, np.ndarray):
+            h.update(values.astype(np.float32).tobytes())
+        else:
+            h.update(values.float().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def _torch_caches(kv_caches: Sequence[tuple[Cache, Cache]]) -> bool:
+    """Whether the caches are torch tensors (torch is then loaded already: no import)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(kv_caches[0][0], torch.Tensor)
 
 
 def read_header(path: str) -> dict[str, Any]:
@@ -88,22 +121,23 @@ def _header(f: BinaryIO, file_size: int) -> tuple[dict[str, Any], bytes]:
     return header, raw
 
 
-def layout(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+def layout(kv_caches: Sequence[tuple[Cache, Cache]]) -> dict[str, Any]:
     """What a file must say to fit this cache."""
     k = kv_caches[0][0]
-    scale_bytes = _INT8_SCALE_BYTES if k.dtype == torch.int8 else 0
+    dtype = str(k.dtype).removeprefix("torch.")
+    scale_bytes = _INT8_SCALE_BYTES if dtype == "int8" else 0
     return {
         "num_layers": len(kv_caches),
         "num_kv_heads": k.shape[0],
         "block_size": k.shape[2],
         "head_dim": k.shape[3] - scale_bytes,
-        "dtype": str(k.dtype).removeprefix("torch."),
+        "dtype": dtype,
     }
 
 
 def save_blocks(
     path: str,
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: Sequence[tuple[Cache, Cache]],
     block_ids: list[int],
     header: dict[str, Any],
 ) -> int:
@@ -112,17 +146,14 @@ def save_blocks(
     header = {**header, **layout(kv_caches), "num_blocks": len(block_ids)}
     raw = json.dumps(header).encode()
     h = hashlib.sha256(raw)
-    ids = torch.tensor(block_ids, dtype=torch.long)
+    chunks = _torch_chunks if _torch_caches(kv_caches) else _numpy_chunks
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<I", len(raw)) + raw)
-            for k, v in kv_caches:
-                for cache in (k, v):
-                    data = cache.index_select(1, ids.to(cache.device)).cpu().contiguous()
-                    chunk = data.view(torch.uint8).numpy().tobytes()
-                    h.update(chunk)
-                    f.write(chunk)
+            for chunk in chunks(kv_caches, block_ids):
+                h.update(chunk)
+                f.write(chunk)
             f.write(h.digest())
             written = f.tell()
         os.replace(tmp, path)
@@ -132,9 +163,31 @@ def save_blocks(
     return written
 
 
+def _torch_chunks(
+    kv_caches: Sequence[tuple[Cache, Cache]], block_ids: list[int]
+) -> Iterable[bytes]:
+    import torch
+
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    for k, v in kv_caches:
+        for cache in (k, v):
+            assert isinstance(cache, torch.Tensor)
+            data = cache.index_select(1, ids.to(cache.device)).cpu().contiguous()
+            yield data.view(torch.uint8).numpy().tobytes()
+
+
+def _numpy_chunks(
+    kv_caches: Sequence[tuple[Cache, Cache]], block_ids: list[int]
+) -> Iterable[bytes]:
+    ids = np.asarray(block_ids, dtype=np.int64)
+    for k, v in kv_caches:
+        for cache in (k, v):
+            yield np.ascontiguousarray(np.asarray(cache)[:, ids]).tobytes()
+
+
 def load_blocks(
     path: str,
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: Sequence[tuple[Cache, Cache]],
     targets: dict[int, int],
     expected: dict[str, Any],
 ) -> int:
@@ -164,24 +217,38 @@ def load_blocks(
         if any(not 0 <= i < n for i in targets):
             raise KVFileError("has fewer blocks than asked for")
         k0 = kv_caches[0][0]
-        per_block = k0.shape[0] * k0.shape[2] * k0.shape[3] * k0.element_size()  # int8: + scales
+        per_block = k0.shape[0] * k0.shape[2] * k0.shape[3] * k0.itemsize  # int8: + scales
         payload = 2 * len(kv_caches) * n * per_block
         if file_size != len(MAGIC) + 4 + len(raw) + payload + DIGEST_BYTES:
             raise KVFileError(f"is {file_size} bytes, not what its header says (truncated?)")
         h = hashlib.sha256(raw)
-        src = torch.tensor(list(targets), dtype=torch.long)
-        dst = torch.tensor(list(targets.values()), dtype=torch.long)
-        dtype = _DTYPES[want["dtype"]]
+        copy = _torch_copy if _torch_caches(kv_caches) else _numpy_copy
         for k, v in kv_caches:
             for cache in (k, v):
                 chunk = f.read(n * per_block)
                 h.update(chunk)
-                data = torch.frombuffer(bytearray(chunk), dtype=dtype).view(
-                    cache.shape[0], n, cache.shape[2], cache.shape[3]
-                )
-                cache.index_copy_(
-                    1, dst.to(cache.device), data.index_select(1, src).to(cache.device)
-                )
+                copy(chunk, n, cache, targets)
         if f.read(DIGEST_BYTES) != h.digest():
             raise KVFileError("is corrupt (its checksum does not match)")
     return file_size
+
+
+def _torch_copy(chunk: bytes, n: int, cache: Cache, targets: dict[int, int]) -> None:
+    """Copy the `targets` blocks of `chunk` (`n` blocks of the cache's layout) into `cache`."""
+    import torch
+
+    assert isinstance(cache, torch.Tensor)
+    src = torch.tensor(list(targets), dtype=torch.long)
+    dst = torch.tensor(list(targets.values()), dtype=torch.long, device=cache.device)
+    data = torch.frombuffer(bytearray(chunk), dtype=cache.dtype).view(
+        cache.shape[0], n, cache.shape[2], cache.shape[3]
+    )
+    cache.index_copy_(1, dst, data.index_select(1, src).to(cache.device))
+
+
+def _numpy_copy(chunk: bytes, n: int, cache: Cache, targets: dict[int, int]) -> None:
+    assert isinstance(cache, np.ndarray)
+    data = np.frombuffer(chunk, dtype=cache.dtype).reshape(
+        cache.shape[0], n, cache.shape[2], cache.shape[3]
+    )
+    cache[:, list(targets.values())] = data[:, list(targets)]
