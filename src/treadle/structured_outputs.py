@@ -12,10 +12,10 @@ Where each piece runs:
 - the front end checks that a request's constraint compiles (`GrammarCompiler.check`), so a
   bad one is a 400 naming the problem;
 - the engine core compiles each request's matcher in a thread (`GrammarCompiler.matcher`),
-  fills one bitmask per step for the requests that sample under a constraint, and advances
-  the matchers with the sampled tokens;
-- the worker's sampler masks the logits with it (`token_penalty`), after every other
-  restriction of the request and before sampling.
+  fills one bitmask per step for the requests that sample under a constraint (an int32 numpy
+  array: no torch in the engine core), and advances the matchers with the sampled tokens;
+- the worker's sampler masks the logits with it (the C kernel, or `token_penalty` on a
+  torch tensor of it), after every other restriction of the request and before sampling.
 
 Compiled grammars are cached by constraint (LRU): a request repeating a schema gets a copy
 of a compiled matcher.
@@ -35,7 +35,8 @@ from treadle.sampling_params import StructuredOutputsParams
 from treadle.validation import InvalidRequest
 
 if TYPE_CHECKING:
-    import torch  # the engine core's side (bitmasks); the front end's compiles without it
+    import numpy as np
+    import torch  # the torch sampler's `token_penalty`; the front end compiles without it
 
 GRAMMAR_CACHE_SIZE = 256
 """Distinct compiled constraints kept per `GrammarCompiler`."""
@@ -152,8 +153,8 @@ class GrammarCompiler:
 
 def fill_bitmask(
     matchers: list[Any], vocab_size: int, ahead: list[list[int]] | None = None
-) -> torch.Tensor:
-    """int32 [rows, words]: bit t of a row is set when its matcher allows token t; a row per
+) -> np.ndarray:
+    """int32 ndarray [rows, words]: bit t of a row is set when its matcher allows token t; a row per
     matcher, or with `ahead` 1 + len(ahead[i]) rows for matcher i: its next token, then its
     next after each of `ahead[i]` in turn (consumed, then rolled back: the matcher is left as
     it was). `ahead[i]` must be tokens it accepts (`validate_tokens`).
@@ -162,14 +163,14 @@ def fill_bitmask(
     parallel fill (`fill_next_token_bitmask_par`) was 2x faster alone, but its pool threads
     spin after each fill and take the cores from the model's OpenMP threads, which cost a
     served c16 JSON-schema run ~15% of its throughput on two cores."""
-    import llguidance.torch
+    import llguidance.numpy
 
     if ahead is None:
         ahead = [[] for _ in matchers]
-    bitmask = llguidance.torch.allocate_token_bitmask(sum(1 + len(a) for a in ahead), vocab_size)
+    bitmask = llguidance.numpy.allocate_token_bitmask(sum(1 + len(a) for a in ahead), vocab_size)
     row = 0
     for matcher, tokens in zip(matchers, ahead, strict=True):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
         end = row + 1 + len(tokens)
         consumed = 0
         for token in tokens:
@@ -179,7 +180,7 @@ def fill_bitmask(
                 # are never read.
                 break
             consumed += 1
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row + consumed)
+            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row + consumed)
         if consumed:
             matcher.rollback(consumed)
         row = end
@@ -201,7 +202,8 @@ def _byte_penalty() -> torch.Tensor:
 
 
 def token_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """float32 [rows, vocab_size] from an int32 [rows, words] bitmask: 0 where a token is
+    """float32 [rows, vocab_size] from an int32 [rows, words] bitmask (a tensor of
+    `fill_bitmask`'s array, `torch.from_numpy`): 0 where a token is
     allowed, -inf where not (tokens past the mask's width are not allowed)."""
     import torch
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -47,12 +48,16 @@ def _step() -> SchedulerOutput:
         total_num_scheduled_tokens=4,
         finished_request_ids={"c", "d"},
         grammar_request_ids=["b"],
-        grammar_bitmask=torch.randint(-(2**31), 2**31 - 1, (1, 400_000), dtype=torch.int32),
+        grammar_bitmask=np.random.default_rng(0).integers(
+            -(2**31), 2**31 - 1, (1, 400_000), dtype=np.int32
+        ),
         spec_tokens={"b": [7, 8]},
     )
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, msgspec.Struct):

@@ -18,7 +18,7 @@ from treadle.sampling_params import StructuredOutputsParams
 from treadle.structured_outputs import GrammarCompiler, fill_bitmask
 
 if TYPE_CHECKING:
-    import torch  # (`fill_bitmask` imports it on the first constrained request)
+    import numpy as np
 
 logger = init_logger(__name__)
 
@@ -50,8 +50,8 @@ class GrammarMatchers:
             )
         return self._compiler.matcher(so)
 
-    def bitmask(self, matchers: list[Any], ahead: list[list[int]] | None = None) -> torch.Tensor:
-        """int32 [rows, words]: the tokens each matcher allows next; with `ahead` (speculative
+    def bitmask(self, matchers: list[Any], ahead: list[list[int]] | None = None) -> np.ndarray:
+        """int32 ndarray [rows, words]: the tokens each matcher allows next; with `ahead` (speculative
         decoding: tokens proposed after each matcher's state, all of which it accepts), a row
         per position: next, then after each proposed token in turn."""
         return fill_bitmask(matchers, self.vocab_size, ahead)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, TypeAlias
 
 import msgspec
+import numpy as np
 
 from treadle.ipc.serial import (
     Buffer,
@@ -65,9 +66,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     total_num_scheduled_tokens: int = 0
     finished_request_ids: set[str] = msgspec.field(default_factory=set)  # finished or preempted
     # Structured outputs: the constrained requests that sample in this step, and row i of
-    # the int32 bitmask is the tokens request i may sample (`treadle.structured_outputs`).
+    # the int32 bitmask is the tokens request i may sample (`structured_outputs.fill_bitmask`:
+    # a numpy array, so the engine core needs no torch; the torch runner wraps its rows).
     grammar_request_ids: list[str] = msgspec.field(default_factory=list)
-    grammar_bitmask: Tensor | None = None
+    grammar_bitmask: np.ndarray | None = None
     # Speculative decoding: per request, the proposed tokens that follow its last token in
     # this step (its scheduled tokens are 1 + their number; `core/spec_decode.py`).
     spec_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)

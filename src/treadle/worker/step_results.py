@@ -104,8 +104,9 @@ class StepResults:
     def _grammar(
         self, sched: SchedulerOutput, sampled_ids: list[str]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows of the sampled logits, their bitmask rows) of the structured-output requests
-        (the engine core fills the bitmask once, for all ranks)."""
+        """(rows of the sampled logits, their bitmask rows as an int32 tensor) of the
+        structured-output requests (the engine core fills the bitmask once, for all ranks, as
+        a numpy array)."""
         if sched.grammar_bitmask is None or not sched.grammar_request_ids:
             return None
         where = {rid: i for i, rid in enumerate(sampled_ids)}
@@ -116,7 +117,7 @@ class StepResults:
                 mask_rows.append(j)
         if not rows:
             return None
-        bitmask = sched.grammar_bitmask[mask_rows]
+        bitmask = torch.from_numpy(sched.grammar_bitmask[mask_rows])  # (rows copied)
         return torch.tensor(rows, device=self.device), bitmask
 
     def _verify_grammar(
@@ -146,7 +147,8 @@ class StepResults:
             first += n
         if not rows:
             return None
-        return torch.tensor(rows, device=self.device), sched.grammar_bitmask[masks]
+        bitmask = torch.from_numpy(sched.grammar_bitmask[masks])  # (rows copied)
+        return torch.tensor(rows, device=self.device), bitmask
 
     def _prompt_logprobs(
         self, state: RequestState, hidden: torch.Tensor
