@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from treadle.sampling_params import StructuredOutputsParams
-from treadle.structured_outputs import GrammarCompiler, token_penalty
+from treadle.structured_outputs import GrammarCompiler, fill_bitmask, token_penalty
 from treadle.validation import InvalidRequest
 
 
@@ -63,6 +63,34 @@ def test_json_schema_matcher_allows_only_compact_json_of_the_schema(
         so = StructuredOutputsParams(json=given)
         assert _walk(compiler.matcher(so), compiler, '{"n":12}')
         assert not _walk(compiler.matcher(so), compiler, '{"n":"x"}')
+
+
+def test_the_bitmask_is_an_int32_array_with_llguidance_torchs_bits(
+    compiler: GrammarCompiler,
+) -> None:
+    """`fill_bitmask` fills a numpy array (the engine core needs no torch) with the bits that
+    `llguidance.torch` gave, speculated rows included; the matchers are left as they were."""
+    import llguidance.torch
+    import numpy as np
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    matchers = [compiler.matcher(StructuredOutputsParams(json=schema)) for _ in range(2)]
+    ahead = [[], compiler.ll_tokenizer.tokenize_str('{"n":1')]
+    mask = fill_bitmask(matchers, compiler.vocab_size, ahead)
+    assert mask.dtype == np.int32 and mask.shape == (
+        1 + 1 + len(ahead[1]),
+        (compiler.vocab_size + 31) // 32,
+    )
+    want = llguidance.torch.allocate_token_bitmask(mask.shape[0], compiler.vocab_size)
+    llguidance.torch.fill_next_token_bitmask(matchers[0], want, 0)
+    llguidance.torch.fill_next_token_bitmask(matchers[1], want, 1)
+    for i, token in enumerate(ahead[1], 2):
+        assert matchers[1].consume_token(token)
+        llguidance.torch.fill_next_token_bitmask(matchers[1], want, i)
+    assert np.array_equal(mask, want.numpy())
+    assert not np.array_equal(mask[1], mask[2])
+    penalty = token_penalty(torch.from_numpy(mask), compiler.vocab_size)
+    assert torch.equal(penalty, token_penalty(want, compiler.vocab_size))
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,42 @@ def test_engine_core_control_plane_imports_no_torch() -> None:
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
+ENGINE_CORE = """
+import sys
+import numpy as np
+import treadle.core.engine_core, treadle.core.engine_core_proc
+import treadle.worker.cpu_share, treadle.worker.kv_file
+import treadle.structured_outputs, treadle.core.grammar_matchers
+from treadle.config import resolve_model
+from treadle.core.grammar_matchers import GrammarMatchers
+from treadle.model.arch_files import read_arch
+from treadle.sampling_params import StructuredOutputsParams
+modules = sorted(m for m in ("torch",) if m in sys.modules)
+vocab = read_arch(resolve_model(None)).vocab_size
+grammars = GrammarMatchers(None, vocab)
+schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+matcher = grammars.submit(StructuredOutputsParams(json=schema)).result()
+mask = grammars.bitmask([matcher])
+grammars.shutdown()
+assert mask.dtype == np.int32 and mask.shape == (1, (vocab + 31) // 32), (mask.dtype, mask.shape)
+assert 0 < np.unpackbits(mask.view(np.uint8)).sum() < vocab  # some tokens allowed, not all
+print(modules, sorted(m for m in ("torch",) if m in sys.modules))
+"""
+
+
+def test_engine_core_and_its_process_import_no_torch() -> None:
+    """The engine core, its process module and what they import at module level (the thread
+    governor, prompt-cache files, structured outputs) load no torch, and a constrained
+    request's grammar bitmask (a JSON schema, the default model's tokenizer) is filled
+    without it: stage 3 of docs/design/torch-free-engine-core.md. torch comes with the
+    torch runner alone (`executor/uniproc.py` chooses it), a draft model, or several ranks."""
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_CORE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[] []", done.stdout
+
+
 COORDINATOR = """
 import sys
 import treadle.cli.main, treadle.core.dp_coordinator
