@@ -14,6 +14,7 @@ from treadle.config import ModelSource
 from treadle.logger import init_logger
 from treadle.model import cpu_kernels
 from treadle.model.arch import ModelArch, UnsupportedModelError
+from treadle.model.arch_files import ModelLoadError
 from treadle.model.arch_files import read_arch as read_arch  # (its callers import it here too)
 from treadle.model.gguf_file import GGUFFile, GGUFFormatError
 from treadle.model.gguf_layout import unpermute_rope_rows
@@ -44,10 +45,6 @@ _GGUF_TOP_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-
-
-class ModelLoadError(RuntimeError):
-    """The weights could not be read; the message names the file and the cause."""
 
 
 TRIM_EVERY = 16  # tensors read, or modules prepared, between two `_release_freed_memory`
