@@ -9,16 +9,31 @@ not depend on what else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import torch
 
 from treadle.model.cpu_kernels import Kernels
 from treadle.structured_outputs import token_penalty
 from treadle.wire.engine import Logprobs
+from treadle.worker.sampling_rows import (
+    INFILL_MAX_CANDIDATES,
+    Infill,
+    SamplingRow,
+    TokenPieces,
+    infill_keep,
+)
+
+# SamplingRow, Infill and TokenPieces are sampling_rows' (torch-free), re-exported here until
+# their importers import them from there.
+__all__ = [
+    "INFILL_MAX_CANDIDATES",
+    "Infill",
+    "Sampler",
+    "SamplingRow",
+    "TokenPieces",
+    "argmax_rows",
+    "infill_probs",
+]
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -31,109 +46,19 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-@dataclass
-class SamplingRow:
-    """What the sampler needs about one request (one row of logits)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logprobs: int | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    banned_token_ids: list[int]  # eos/stop ids while min_tokens is not reached
-    generator: torch.Generator | None
-    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases)
-    allowed_token_ids: torch.Tensor | None = None
-    bad_words_token_ids: list[list[int]] | None = None
-    infill: Infill | None = None
-
-
-INFILL_MAX_CANDIDATES = 256
-"""The infill sampler compares the texts of every pair of candidates: it sees at most this many
-(the most likely; llama.vscode and llama.vim keep 40 with top_k)."""
-
-
-class TokenPieces:
-    """Each token's text as bytes (special tokens: empty, llama.cpp's `token_to_piece` without
-    `special`), from a tokenizer loaded on first use: only the infill sampler needs it."""
-
-    def __init__(self, load_tokenizer: Callable[[], Any]) -> None:
-        self._load = load_tokenizer
-        self._tokenizer: Any = None
-        self._pieces: dict[int, bytes] = {}
-
-    def __call__(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            if self._tokenizer is None:
-                self._tokenizer = self._load()
-            text = self._tokenizer.decode([token], skip_special_tokens=True)
-            piece = self._pieces[token] = text.encode("utf-8", "surrogatepass")
-        return piece
-
-
-@dataclass(frozen=True)
-class Infill:
-    """What llama.cpp's `infill` sampler needs about one request."""
-
-    end_ids: frozenset[int]
-    """Its end-of-generation tokens (llama.cpp's `is_eog`): eos and the stop token ids."""
-    eot: int
-    """The token it ends with when no candidate is likely enough."""
-    pieces: TokenPieces
-
-
 def infill_probs(probs: torch.Tensor, infill: Infill) -> torch.Tensor:
-    """llama.cpp's `infill` sampler on one row of probabilities (after top-k/top-p/min-p): if
-    end-of-generation tokens are likely enough (3 * p_eog * n > p_text) only they remain;
-    otherwise each token whose text starts another candidate's takes (or gives) that one's
-    probability, tokens under 0.2 go, then those under 1 / (kept + 1); with none left, `eot`."""
+    """llama.cpp's `infill` sampler (`sampling_rows.infill_keep`) on one row of probabilities
+    (after top-k/top-p/min-p), among its `INFILL_MAX_CANDIDATES` most likely tokens."""
     nonzero = (probs > 0).nonzero().squeeze(1)
     if nonzero.numel() > INFILL_MAX_CANDIDATES:
         nonzero = nonzero[probs[nonzero].topk(INFILL_MAX_CANDIDATES).indices]
     values = probs[nonzero]
     order = values.argsort(descending=True)
-    ids: list[int] = nonzero[order].tolist()
     total = float(values.sum())
-    p: list[float] = [v / total for v in values[order].tolist()]
-    end = [t in infill.end_ids for t in ids]
-    n = len(ids)
-    p_end = sum(v for v, e in zip(p, end, strict=True) if e)
-    p_text = sum(v for v, e in zip(p, end, strict=True) if not e)
-    keep: list[int]
-    if 3 * p_end * n > p_text:
-        keep = [i for i in range(n) if end[i]]
-    else:
-        dead = [False] * n
-        for i0 in range(n):
-            for i1 in range(n):
-                if dead[i0]:
-                    break
-                if i0 == i1 or dead[i1]:
-                    continue
-                a, b = infill.pieces(ids[i0]), infill.pieces(ids[i1])
-                if a and b.startswith(a):  # token i0's text starts token i1's
-                    dst, src = (i1, i0) if p[i1] > p[i0] else (i0, i1)
-                    p[dst] += p[src]
-                    p[src], dead[src] = 0.0, True
-        keep = [i for i in range(n) if p[i] >= 0.2 or end[i]]
-        kept_text = sum(1 for i in keep if not end[i])
-        if kept_text == 0:
-            out = torch.zeros_like(probs)
-            out[infill.eot] = 1.0
-            return out
-        mass = sum(p[i] for i in keep)
-        threshold = 1.0 / (kept_text + 1)
-        keep = [i for i in keep if p[i] / mass >= threshold or end[i]]
+    kept = infill_keep(nonzero[order].tolist(), [v / total for v in values[order].tolist()], infill)
     out = torch.zeros_like(probs)
-    mass = sum(p[i] for i in keep)
-    for i in keep:
-        out[ids[i]] = p[i] / mass
+    for token, p in kept.items():
+        out[token] = p
     return out
 
 
@@ -312,8 +237,14 @@ def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     top-p, min-p and the infill sampler applied to the processed logits."""
     device = logits.device
     x = logits / torch.tensor([r.temperature for r in rows], device=device)[:, None]
-    if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
+    # Only the rows that ask for top-k/top-p: the rounding of its cumulative mass drops a row's
+    # least likely tokens even at top_p = 1.0, which must not depend on the other rows.
+    cut = [j for j, r in enumerate(rows) if 0 < r.top_k < x.shape[1] or r.top_p < 1.0]
+    if len(cut) == len(rows):
         x = _top_k_top_p(x, rows)
+    elif cut:
+        idx = torch.tensor(cut, device=device)
+        x[idx] = _top_k_top_p(x[idx], [rows[j] for j in cut])
     probs = torch.softmax(x, dim=-1)
     if any(r.min_p > 0.0 for r in rows):
         min_p = torch.tensor([r.min_p for r in rows], device=device)[:, None]
