@@ -48,16 +48,15 @@ class Draws:
     def __init__(self, seed: int, skip: int = 0) -> None:
         self._mt = np.random.RandomState(seed & 0xFFFFFFFF)
         self._next: list[int] = []
-        if skip:
-            self._words(skip)
+        for start in range(0, skip, 1 << 16):
+            self._words(min(skip - start, 1 << 16))
 
-    def _words(self, n: int) -> list[int]:
-        words: list[int] = self._mt.randint(0, 1 << 32, size=n, dtype=np.uint32).tolist()
-        return words
+    def _words(self, n: int) -> np.ndarray:
+        return self._mt.randint(0, 1 << 32, size=n, dtype=np.uint32)
 
     def uniform(self) -> float:
         if not self._next:
-            self._next = self._words(self._BLOCK)[::-1]
+            self._next = self._words(self._BLOCK)[::-1].tolist()
         return (self._next.pop() & 0xFFFFFF) * 2.0**-24
 
 
