@@ -91,8 +91,10 @@ class EmbeddingRequestOutput:
 
 
 def unit_vector(pooled: Any) -> Any:
-    """A pooled hidden state scaled to length 1 (float32; a zero vector stays zero)."""
-    import torch
+    """A pooled hidden state (a float32 tensor or numpy array) scaled to length 1, as a float32
+    numpy array (a zero vector stays zero)."""
+    import numpy as np
 
-    vector = pooled.float()
-    return vector / torch.linalg.vector_norm(vector).clamp_min(1e-12)
+    vector = np.asarray(pooled, dtype=np.float32)
+    norm = np.float32(np.sqrt(np.dot(vector, vector)))
+    return vector / max(norm, np.float32(1e-12))

@@ -21,6 +21,7 @@ from treadle.core.kv_cache_manager import Block, KVCacheManager
 from treadle.core.prompt_inputs import encoder_cut
 from treadle.core.request import Request, RequestStatus
 from treadle.core.spec_schedule import SpecScheduling
+from treadle.ipc.serial import Array
 from treadle.wire.engine import EngineCoreOutput, FinishReason, Logprobs, SchedulerStats
 from treadle.wire.worker import (
     CachedRequestData,
@@ -30,8 +31,6 @@ from treadle.wire.worker import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from treadle.core.spec_draft import DraftProposer
 
 
@@ -263,7 +262,7 @@ class Scheduler(SpecScheduling):
             outputs.setdefault(req.client_index, []).append(out)
         return outputs
 
-    def _pooled(self, req: Request, pooled: torch.Tensor) -> EngineCoreOutput:
+    def _pooled(self, req: Request, pooled: Array) -> EngineCoreOutput:
         self.kv.cache_full_blocks(req)
         self._finish(req, FinishReason.STOP)
         self.prompt_tokens_total += req.num_prompt_tokens

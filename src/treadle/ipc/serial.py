@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
     from torch import Tensor
+
+    Array = Tensor | np.ndarray
 else:
 
     class _TensorType(type):
@@ -69,8 +71,20 @@ else:
         """`torch.Tensor` to msgspec and to `isinstance`, without importing torch: the type of
         a wire type's tensor field (a decoded tensor field holds a real `torch.Tensor`)."""
 
+    class _ArrayType(type):
+        def __instancecheck__(cls, obj: object) -> bool:
+            torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+            return (torch is not None and isinstance(obj, torch.Tensor)) or (
+                np is not None and isinstance(obj, np.ndarray)
+            )
+
+    class Array(metaclass=_ArrayType):
+        """A `torch.Tensor` or a numpy array, to msgspec and to `isinstance`: the type of a
+        wire field that either runner fills (the lean runner's are numpy arrays)."""
+
 
 __all__ = [
+    "Array",
     "Buffer",
     "DecodeError",
     "MsgpackDecoder",
@@ -303,9 +317,9 @@ def _dec_hook(t: type, obj: Any) -> Any:
 
 
 def _is_array_type(t: type) -> bool:
-    """Whether a field of type `t` may hold a decoded array: `Tensor`, or `torch.Tensor` /
+    """Whether a field of type `t` may hold a decoded array: `Tensor`, `Array`, `torch.Tensor` /
     `np.ndarray` (a type annotated with one of these has imported its module)."""
-    if t is Tensor:
+    if t is Tensor or t is Array:
         return True
     torch, np = _loaded("torch"), _loaded("numpy")
     return (torch is not None and t is torch.Tensor) or (np is not None and t is np.ndarray)

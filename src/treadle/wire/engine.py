@@ -7,7 +7,10 @@ from typing import Any
 
 import msgspec
 
-from treadle.ipc.serial import Tensor  # torch.Tensor to msgspec, without importing torch
+from treadle.ipc.serial import (  # to msgspec, without importing torch
+    Array,  # a torch.Tensor or a numpy array
+    Tensor,  # a torch.Tensor
+)
 from treadle.sampling_params import SamplingParams
 
 
@@ -107,7 +110,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     queue_time: float = 0.0
     prefill_time: float = 0.0
     # A pooling request's result (its last output): float32 [hidden_size], out of band.
-    pooled: Tensor | None = None
+    pooled: Array | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from treadle.ipc.serial import (
+    Array,  # a torch.Tensor or a numpy array
     Buffer,
     MsgpackDecoder,
     MsgpackEncoder,
@@ -85,7 +86,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Per speculating request: the proposed tokens it accepted, which come before `sampled`.
     accepted: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Per pooling request whose prompt ended this step: its pooled hidden state (float32).
-    pooled: dict[str, Tensor] = msgspec.field(default_factory=dict)
+    pooled: dict[str, Array] = msgspec.field(default_factory=dict)
     # The vision encoder this step: images it encoded, images its cache answered, seconds.
     images_encoded: int = 0
     encoder_cache_hits: int = 0

@@ -99,7 +99,7 @@ class EmbeddingServing:
                 raise InvalidRequest("input", f"{reason}")
             vector = unit_vector(out.pooled)
             embedding: Any = (
-                base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+                base64.b64encode(vector.astype("<f4").tobytes()).decode()
                 if req.encoding_format == "base64"
                 else vector.tolist()
             )
