@@ -1,10 +1,9 @@
 """Prompt-cache files (worker/kv_file.py) from numpy caches (the lean runner's) and torch
-tensors (the torch runner's): the same bytes either way, read back into either; the model
-fingerprint computed from numpy arrays equals the torch model's."""
+tensors (the torch runner's): the same bytes either way, read back into either; a GGUF model's
+fingerprint, which both runners use."""
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -71,62 +70,20 @@ def test_a_numpy_cache_refuses_what_a_torch_cache_refuses(tmp_path: Path) -> Non
         kv_file.load_blocks(path, _caches("float32"), {0: 0}, {})
 
 
-def test_fingerprint_arrays_is_the_torch_models_fingerprint() -> None:
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(40, 8), torch.nn.Linear(8, 300), torch.nn.LayerNorm(300)
-    )
-    model.register_buffer("empty", torch.empty(0))
-    named = [(name, t.detach().numpy().copy()) for name, t in model.state_dict().items()]
-    assert kv_file.fingerprint_arrays(named) == kv_file.model_fingerprint(model)
-    assert kv_file.fingerprint_arrays(reversed(named)) == kv_file.model_fingerprint(model)
-    named[1][1][0, 0] += 1
-    assert kv_file.fingerprint_arrays(named) != kv_file.model_fingerprint(model)
-
-
-GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-BLOCK_WEIGHTS = ("mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj")
-
-
-def lean_named_arrays(path: str) -> list[tuple[str, np.ndarray]]:
-    """What a runner without torch passes to `fingerprint_arrays` for a Llama GGUF model whose
-    linear layers (and tied embedding / LM head) run on the GGUF blocks: the torch model's
-    state_dict names, empty float32 arrays for the weights held as blocks (the torch model's
-    parameters are empty placeholders there), the norms as float32 values from the file."""
+def test_a_gguf_fingerprint_reads_the_blocks(tmp_path: Path, default_model_path: str) -> None:
+    """Both runners' fingerprint of a GGUF model: stable, and changed by a byte of a
+    tensor's blocks (two quantizations of one model share their norms, not their blocks)."""
+    first = kv_file.gguf_fingerprint(default_model_path)
+    assert kv_file.gguf_fingerprint(default_model_path) == first
     from treadle.model.gguf_file import GGUFFile
 
-    gguf = GGUFFile(path)
-    empty = np.empty(0, dtype=np.float32)
-    named = [("lm_head.weight", empty), ("model.embed_tokens.weight", empty)]
-    for t in gguf.tensors:
-        if t.name == "output_norm.weight":
-            named.append(("model.norm.weight", t.dequantize().astype(np.float32)))
-        parts = t.name.split(".")  # blk.N.attn_norm.weight
-        if parts[0] == "blk" and parts[2] in GGUF_NORMS:
-            name = f"model.layers.{parts[1]}.{GGUF_NORMS[parts[2]]}.weight"
-            named.append((name, t.dequantize().astype(np.float32)))
-    layers = {int(t.name.split(".")[1]) for t in gguf.tensors if t.name.startswith("blk.")}
-    named += [(f"model.layers.{i}.{w}.weight", empty) for i in layers for w in BLOCK_WEIGHTS]
-    return named
-
-
-def test_the_lean_recipe_gives_the_default_models_fingerprint(default_model_path: str) -> None:
-    """The recipe of `lean_named_arrays` (the names and values a lean runner hashes) against
-    the torch runner's model on this CPU's kernels: a prompt-cache file saved by one runner
-    is read by the other."""
-    from treadle.config import resolve_model
-    from treadle.model.loader import load_model, read_arch
-
-    source = resolve_model(default_model_path)
-    model = load_model(source, read_arch(source), torch.float32, torch.device("cpu"), 512)
-    state = model.state_dict()
-    if any(state[f"model.layers.0.{w}.weight"].numel() for w in BLOCK_WEIGHTS):
-        pytest.skip("the linear layers are not on the GGUF blocks at this CPU's level")
-    lean = lean_named_arrays(source.path)
-    assert {name for name, _ in lean} == set(state)
-    for name, a in itertools.islice(sorted(lean), kv_file.FINGERPRINT_TENSORS):
-        assert np.array_equal(a, state[name].numpy()), name
-    assert kv_file.fingerprint_arrays(lean) == kv_file.model_fingerprint(model)
+    tensor = next(t for t in GGUFFile(default_model_path).tensors if t.kind == "Q4_1")
+    data = bytearray(Path(default_model_path).read_bytes())
+    offset = data.find(tensor.data.reshape(-1)[:64].tobytes())
+    data[offset + 7] ^= 1
+    changed = tmp_path / "changed.gguf"
+    changed.write_bytes(bytes(data))
+    assert kv_file.gguf_fingerprint(str(changed)) != first
 
 
 def test_kv_file_imports_no_torch(tmp_path: Path) -> None:
@@ -136,7 +93,6 @@ def test_kv_file_imports_no_torch(tmp_path: Path) -> None:
         "c = [(np.ones((1, 2, 4, 8), np.float32), np.zeros((1, 2, 4, 8), np.float32))]\n"
         f"kv_file.save_blocks({str(tmp_path / 'f')!r}, c, [1], {{'token_ids': [1, 2, 3, 4]}})\n"
         f"kv_file.load_blocks({str(tmp_path / 'f')!r}, c, {{0: 0}}, {{}})\n"
-        "kv_file.fingerprint_arrays([('a', c[0][0])])\n"
         "print('torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

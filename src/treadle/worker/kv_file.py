@@ -42,6 +42,7 @@ DIGEST_BYTES = 32
 _INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim values, then its float32 scale
 FINGERPRINT_TENSORS = 16  # the first tensors by name that the fingerprint reads ...
 FINGERPRINT_VALUES = 256  # ... and the first values of each
+FINGERPRINT_BYTES = 256  # a GGUF tensor's first bytes that `gguf_fingerprint` reads
 
 Cache: TypeAlias = "torch.Tensor | np.ndarray"
 """One layer's K or V, `[num_kv_heads, blocks, block_size, head_dim]` (int8: head_dim + 4
@@ -59,33 +60,27 @@ def rank_path(path: str, tp_rank: int) -> str:
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """A hash of the model's weights (names, shapes and the first values of the first
-    tensors): cheap, and different for different weights of the same shapes."""
-    return _fingerprint(
-        (name, tuple(t.shape), str(t.dtype), t.detach().reshape(-1)[:FINGERPRINT_VALUES])
-        for name, t in itertools.islice(sorted(model.state_dict().items()), FINGERPRINT_TENSORS)
-    )
-
-
-def fingerprint_arrays(named_arrays: Iterable[tuple[str, np.ndarray]]) -> str:
-    """`model_fingerprint` without torch: the same hash of `(name, array)` pairs as the torch
-    model's `state_dict()` items (dtypes named as torch names them: `torch.float32`). The
-    same names, shapes, dtypes and values give the same fingerprint as the torch runner's."""
-    first = itertools.islice(sorted(named_arrays, key=lambda p: p[0]), FINGERPRINT_TENSORS)
-    return _fingerprint(
-        (name, tuple(a.shape), f"torch.{a.dtype}", a.reshape(-1)[:FINGERPRINT_VALUES])
-        for name, a in first
-    )
-
-
-def _fingerprint(entries: Iterable[tuple[str, tuple[int, ...], str, Any]]) -> str:
-    """sha256 over each `name:shape:dtype` and its first values as float32 bytes."""
+    tensors): cheap, and different for different weights of the same shapes. (A GGUF model's
+    is `gguf_fingerprint`, whichever runner holds it.)"""
     h = hashlib.sha256()
-    for name, shape, dtype, values in entries:
-        h.update(f"{name}:{shape}:{dtype}".encode())
-        if isinstance(values, np.ndarray):
-            h.update(values.astype(np.float32).tobytes())
-        else:
-            h.update(values.float().cpu().numpy().tobytes())
+    for name, t in itertools.islice(sorted(model.state_dict().items()), FINGERPRINT_TENSORS):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.detach().reshape(-1)[:FINGERPRINT_VALUES].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def gguf_fingerprint(path: str) -> str:
+    """A hash of a GGUF file's weights, the same for both runners (no torch): every tensor's
+    name, type and shape and the first `FINGERPRINT_BYTES` of its data, so two quantizations of
+    one model differ (a page of the file per tensor is read, then let go)."""
+    from treadle.model.gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    h = hashlib.sha256()
+    for t in gguf.tensors:
+        h.update(f"{t.name}:{t.shape}:{t.kind}".encode())
+        h.update(t.data.reshape(-1)[:FINGERPRINT_BYTES].tobytes())
+    gguf.release_pages()
     return h.hexdigest()
 
 

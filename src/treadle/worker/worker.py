@@ -23,7 +23,7 @@ from treadle.worker import kv_file
 from treadle.worker.cpu_share import ThreadGovernor, sets_model_threads
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.pp_transfer import StageLink, StageLinkError
-from treadle.worker.sampler import TokenPieces
+from treadle.worker.sampling_rows import TokenPieces
 from treadle.worker.start_checks import (  # the start-up checks, torch-free
     CPU_DEFAULT_KV_CACHE_BYTES,
     check_dtype_name,
@@ -235,7 +235,11 @@ class Worker:
     def _kv_identity(self) -> dict[str, Any]:
         assert self.runner is not None
         if self._fingerprint is None:
-            self._fingerprint = kv_file.model_fingerprint(self.runner.model)
+            self._fingerprint = (
+                kv_file.gguf_fingerprint(self.source.path)
+                if self.source.is_gguf
+                else kv_file.model_fingerprint(self.runner.model)
+            )
         tp = self.config.parallel.tensor_parallel_size
         return {"fingerprint": self._fingerprint, "tp_size": tp, "tp_rank": self.rank}
 
