@@ -4,15 +4,8 @@ import pytest
 import torch
 
 from treadle.model import cpu_kernels
-from treadle.worker.sampler import (
-    Infill,
-    Sampler,
-    SamplingRow,
-    TokenPieces,
-    _apply_grammar,
-    argmax_rows,
-    infill_probs,
-)
+from treadle.worker.sampler import Sampler, _apply_grammar, argmax_rows, infill_probs
+from treadle.worker.sampling_rows import Infill, SamplingRow, TokenPieces
 
 VOCAB = 32
 CPU = torch.device("cpu")

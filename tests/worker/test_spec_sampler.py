@@ -10,7 +10,8 @@ import torch
 from test_sampler import CPU, make_row
 
 from treadle.worker import sampler as sampler_module
-from treadle.worker.sampler import Sampler, SamplingRow
+from treadle.worker.sampler import Sampler
+from treadle.worker.sampling_rows import SamplingRow
 
 
 def chi_square_p(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:

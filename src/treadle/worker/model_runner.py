@@ -28,7 +28,8 @@ from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.encoder_cache import EncoderCache
 from treadle.worker.lora_manager import LoRAManager
 from treadle.worker.pp_transfer import StageLink
-from treadle.worker.sampler import Infill, Sampler, SamplingRow, TokenPieces
+from treadle.worker.sampler import Sampler
+from treadle.worker.sampling_rows import Infill, SamplingRow, TokenPieces
 from treadle.worker.step_results import RequestState, StepResults
 
 

@@ -19,21 +19,8 @@ from treadle.worker.sampling_rows import (
     INFILL_MAX_CANDIDATES,
     Infill,
     SamplingRow,
-    TokenPieces,
     infill_keep,
 )
-
-# SamplingRow, Infill and TokenPieces are sampling_rows' (torch-free), re-exported here until
-# their importers import them from there.
-__all__ = [
-    "INFILL_MAX_CANDIDATES",
-    "Infill",
-    "Sampler",
-    "SamplingRow",
-    "TokenPieces",
-    "argmax_rows",
-    "infill_probs",
-]
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ from treadle.model.llava import LlavaForConditionalGeneration
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs, LoRARequest, MultiModalInput
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.sampler import Sampler, SamplingRow
+from treadle.worker.sampler import Sampler
+from treadle.worker.sampling_rows import SamplingRow
 
 _PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions scored per batch of logits (256 x a 49k vocabulary: 50 MB of float32)."""
