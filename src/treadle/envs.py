@@ -139,6 +139,12 @@ def cpu_kernels() -> bool:
     return _bool("TREADLE_CPU_KERNELS", True)
 
 
+def lean_runner() -> bool:
+    """Run a model the lean runner reads (a Q4/Q8 GGUF Llama on the CPU, one rank) without
+    PyTorch in the engine core (`worker/lean_worker.py`); off: always the torch runner."""
+    return _bool("TREADLE_LEAN_RUNNER", True)
+
+
 def packed_gguf_weights() -> bool:
     """Keep oneDNN's packed float32 copy of each GGUF-block weight, for products of more rows
     than the blocks' crossover (prefill, large decode batches): 4 bytes a weight more (~520 MB

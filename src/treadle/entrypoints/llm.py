@@ -26,7 +26,7 @@ from treadle.frontend.media import MediaPolicy, load_image, to_rgb
 from treadle.frontend.output_processor import OutputProcessor
 from treadle.frontend.sync_client import InprocClient, SyncMPClient
 from treadle.logger import init_logger
-from treadle.model.loader import read_arch
+from treadle.model.arch_files import read_arch
 from treadle.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,

@@ -1,34 +1,42 @@
-"""`UniProcExecutor`: world size 1, so the worker is an object in the engine core process."""
+"""`UniProcExecutor`: world size 1, so the worker is an object in the engine core process: the
+lean runner's (`worker/lean_worker.py`, no torch in the process) where it takes the model,
+else the torch runner's `Worker`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from treadle.config import EngineConfig
+from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.worker import Worker
+from treadle.worker.lean_worker import LeanWorker, lean_refusal
+
+logger = init_logger(__name__)
 
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        if config.parallel.threads_pinned():
-            # The engine core's own process has set it already; in a user's process (`LLM`
-            # with TREADLE_ENABLE_MULTIPROCESSING=0) nothing else would, and `cpu_threads` /
-            # TREADLE_CPU_THREADS would go unheard.
-            torch.set_num_threads(config.parallel.model_threads())
-        self.worker = Worker(config)
+        refusal = lean_refusal(config)
+        self.worker: Any
+        if refusal is None:
+            logger.info("The lean runner (no PyTorch in this process) runs the model")
+            self.worker = LeanWorker(config)
+        else:
+            logger.info("The torch runner runs the model: %s", refusal)
+            from treadle.worker.worker import Worker  # imports torch
+
+            self.worker = Worker(config)
         self.worker.load_model()
 
     @property
     def max_model_len(self) -> int:
-        return self.worker.max_model_len
+        return int(self.worker.max_model_len)
 
     @property
     def arch(self) -> ModelArch:
-        return self.worker.arch
+        arch: ModelArch = self.worker.arch
+        return arch
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         try:
