@@ -35,6 +35,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import numpy  # noqa: F401 (before the native-thread baseline below: see there)
 import setproctitle
 
 from treadle import envs
@@ -141,7 +142,11 @@ def _native_thread_count() -> int:
 
 
 # Importing torch starts one helper thread of its own, harmless to fork; anything beyond it
-# makes fork unsafe. Capped at 1 in case model code already ran before this import.
+# makes fork unsafe. Capped at 1 in case model code already ran before this import. numpy's
+# OpenBLAS starts its pool when numpy is imported (fork-safe: it stops the pool around a
+# fork), and every treadle process imports numpy: it is imported first, so that its pool is
+# in the baseline wherever torch is not (a script's `LLM` without torch in its process).
+
 _BASELINE_NATIVE_THREADS = min(_native_thread_count(), 1)
 
 
