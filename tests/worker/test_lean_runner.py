@@ -104,14 +104,10 @@ def test_prompt_logprobs_and_embeddings_match(runs: dict[str, Any]) -> None:
 
 
 def test_speculation_and_grammar_on_the_lean_runner(monkeypatch: pytest.MonkeyPatch) -> None:
-    """n-gram speculation gives the tokens plain decoding gives; a JSON schema holds."""
+    """n-gram speculation gives the tokens plain decoding gives, under a JSON schema too
+    (each verified position masked by its own bitmask row), and the schema holds."""
     prompt = "one two three four, one two three four, one two three four, one two"
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    plain = _engine(True, monkeypatch).generate(prompt, greedy, use_tqdm=False)
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
-    llm = _engine(True, monkeypatch, speculative_config=spec)
-    fast = llm.generate(prompt, greedy, use_tqdm=False)
-    assert fast[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
@@ -119,12 +115,22 @@ def test_speculation_and_grammar_on_the_lean_runner(monkeypatch: pytest.MonkeyPa
         "additionalProperties": False,
     }
     constrained = SamplingParams(
-        temperature=0.0,
-        max_tokens=48,
-        structured_outputs=StructuredOutputsParams(json=schema),
+        temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema)
     )
-    out = llm.generate("Describe a person as JSON:", constrained, use_tqdm=False)
-    value = json.loads(out[0].outputs[0].text)
+    asked = "Describe a person as JSON: {name: Bob, age: 7}, {name: Bob, age: 7}, again:"
+    got = {}
+    for name, spec in (
+        ("plain", None),
+        ("ngram", {"method": "ngram", "num_speculative_tokens": 4}),
+    ):
+        llm = _engine(True, monkeypatch, speculative_config=spec)
+        outs = llm.generate([prompt, asked], [greedy, constrained], use_tqdm=False)
+        got[name] = [o.outputs[0] for o in outs]
+        if spec:
+            assert llm.engine.engine_core.scheduler.spec_accepted_tokens > 0  # type: ignore[union-attr]
+        llm.shutdown()
+    assert [o.token_ids for o in got["ngram"]] == [o.token_ids for o in got["plain"]]
+    value = json.loads(got["ngram"][1].text)
     assert set(value) == {"name", "age"} and isinstance(value["age"], int)
 
 

@@ -24,6 +24,7 @@ two runners' tables, and logits, may differ in the last bits.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,24 +96,27 @@ class LeanModel:
         self,
         gguf: GGUFFile,
         arch: ModelArch,
+        isa: str,
         lib: ctypes.CDLL,
         activations: str,
         max_positions: int,
     ) -> None:
-        """`activations`: `--cpu-activation-dtype` (float32, int8, int8x2)."""
-        self.arch, self.lib = arch, lib
+        """`lib`: the kernels built for ISA level `isa`; `activations`:
+        `--cpu-activation-dtype` (float32, int8, int8x2)."""
+        self.arch, self.isa, self.lib = arch, isa, lib
         self.activations = activations
         self._linear = getattr(lib, _LINEAR_KERNEL[activations])
         self._g16 = activations != "float32"
         self._g16_kinds = g16_kinds(lib)
         tensors = {t.name: t for t in gguf.tensors}
+        release = gguf.release_pages
         self.layers = (DecodeLayer * arch.num_layers)()
         self._keep: list[np.ndarray] = []  # every array a pointer in the structs points into
         heads = {"attn_q.weight": arch.num_heads, "attn_k.weight": arch.num_kv_heads}
         for i, spec in enumerate(self.layers):
             b = f"blk.{i}."
             for field, names in _LINEARS.items():
-                w = self._weight([(tensors[b + n], heads.get(n, 0)) for n in names])
+                w = self._weight([(tensors[b + n], heads.get(n, 0)) for n in names], release)
                 setattr(spec, field, w.array.ctypes.data)
                 setattr(spec, f"{field}_kind", w.kind)
                 self._keep.append(w.array)
@@ -123,16 +127,15 @@ class LeanModel:
                 norm = _f32(tensors[b + name])
                 setattr(spec, field, norm.ctypes.data)
                 self._keep.append(norm)
-            gguf.release_pages()  # the file's pages leave this process as their copies come
         self.final_norm = _f32(tensors["output_norm.weight"])
         self.vocab_size = tensors["token_embd.weight"].shape[0]
         self.lm_head = self._weight(
-            [(tensors.get("output.weight", tensors["token_embd.weight"]), 0)]
+            [(tensors.get("output.weight", tensors["token_embd.weight"]), 0)], release
         )
         if "output.weight" in tensors:  # untied: the embedding's own rows
             embed = tensors["token_embd.weight"]
             if kernel_type(embed.kind):
-                self.embed = self._weight([(embed, 0)])
+                self.embed = self._weight([(embed, 0)], release)
             else:
                 self.embed = _Weight(_f32(embed), -1, self.vocab_size)
         else:
@@ -156,11 +159,15 @@ class LeanModel:
         )
         self.kv_caches: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def _weight(self, parts: list[tuple[GGUFTensor, int]]) -> _Weight:
+    def _weight(self, parts: list[tuple[GGUFTensor, int]], release: Callable[[], None]) -> _Weight:
         """The parts' rows stacked and laid out as `QuantizedWeight.build` (+ `to_g16` for
         int8 activations where this level runs it) lays them out for the torch runner."""
-        blocks = [
-            GGUFBlocks(t.kind, unpermute_rope_rows(t.data, heads) if heads else t.data)
+        blocks = [  # (`release`: the file's pages unmapped as their rows are copied out)
+            GGUFBlocks(
+                t.kind,
+                unpermute_rope_rows(t.data, heads) if heads else t.data,
+                release,
+            )
             for t, heads in parts
         ]
         rows = sum(t.shape[0] for t, _ in parts)

@@ -25,7 +25,7 @@ from treadle.model import kernel_lib
 from treadle.model.arch import ModelArch
 from treadle.model.arch_files import read_arch
 from treadle.model.gguf_file import GGUFFile
-from treadle.model.lean_model import LeanModel, unsupported
+from treadle.model.lean_model import MAX_ROWS, LeanModel, unsupported
 from treadle.wire.engine import LoRARequest
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker import kv_file
@@ -73,18 +73,17 @@ def lean_refusal(config: EngineConfig) -> str | None:
     if model_refusal is not None:
         return f"a model with {model_refusal}"
     try:
-        _library()
+        _library(kernel_lib.select_isa())
     except (OSError, RuntimeError) as e:
         return f"no kernel library ({e})"
     return None
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    """This level's kernels (built into the cache on first use)."""
+def _library(isa: str) -> ctypes.CDLL:
+    """The kernels of ISA level `isa` (built into the cache on first use)."""
     from treadle.model.kernel_build import build
 
-    isa = kernel_lib.select_isa()
     return kernel_lib.open_library(isa, build(isa))
 
 
@@ -113,9 +112,11 @@ class LeanWorker:
         m = self.config.model
         logger.info("Loading %s (float32, cpu, the lean runner: no torch)", self.source.path)
         self._rss_before_load = _rss()
-        lib = _library()
+        isa = kernel_lib.select_isa()
         gguf = GGUFFile(self.source.path)
-        model = LeanModel(gguf, self.arch, lib, m.cpu_activation_dtype, self.max_model_len)
+        model = LeanModel(
+            gguf, self.arch, isa, _library(isa), m.cpu_activation_dtype, self.max_model_len
+        )
         self._weights_rss = _rss() - self._rss_before_load
         source = self.source
         self.runner = LeanRunner(
@@ -128,10 +129,10 @@ class LeanWorker:
         logger.info(
             "Model runs on treadle's CPU kernels (%s, %s activations) with %d threads; every "
             "step in one call per %d rows",
-            kernel_lib.select_isa(),
+            isa,
             m.cpu_activation_dtype,
             self.threads.threads,
-            256,
+            MAX_ROWS,
         )
 
     def determine_num_blocks(self) -> int:
