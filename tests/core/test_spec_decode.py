@@ -167,6 +167,9 @@ def outputs() -> Iterator[dict[str, object]]:
     """Each prompt's greedy tokens and the speculation counters, plain and with n-gram, on the
     exact float32 path (every GGUF block widened to float32)."""
     os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
+    # the torch runner's fused decode path (the lean runner, which puts every row of a step
+    # in that one call: tests/worker/test_lean_runner.py)
+    os.environ["TREADLE_LEAN_RUNNER"] = "0"
     results: dict[str, object] = {}
     try:
         for name, spec in (
@@ -207,7 +210,7 @@ def outputs() -> Iterator[dict[str, object]]:
             finally:
                 llm.shutdown()
     finally:
-        del os.environ["TREADLE_ENABLE_MULTIPROCESSING"]
+        del os.environ["TREADLE_ENABLE_MULTIPROCESSING"], os.environ["TREADLE_LEAN_RUNNER"]
     yield results
 
 

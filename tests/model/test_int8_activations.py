@@ -10,6 +10,7 @@ import pytest
 
 from treadle import LLM, SamplingParams
 from treadle.model import cpu_kernels, linear_method
+from treadle.model.lean_model import LeanModel
 from treadle.model.linear_method import GGUFLinear
 from treadle.model.quantized import KIND_Q4_G16, KIND_Q8_G16
 
@@ -27,6 +28,7 @@ PROMPTS = [
     "To make a cup of tea, first",
 ]
 NEW_TOKENS = 32
+LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 @pytest.fixture(autouse=True)
@@ -47,13 +49,19 @@ def test_int8_activations_generate_close_to_float32() -> None:
     llm.shutdown()
     int8, llm = greedy("int8")
     model = llm.engine_core.executor.worker.runner.model  # type: ignore[union-attr]
-    methods = [
-        m.method for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear)
-    ]
-    assert methods and all(m.kernels.activations == "int8" for m in methods)
-    # every layer (LM head included) on its blocks laid out 16 wide, for every row count
-    assert all(m.quant.kind in (KIND_Q4_G16, KIND_Q8_G16) and m.beyond is None for m in methods)
-    assert model.fused is not None and model.fused._spec.int8_activations == 1
+    g16 = (KIND_Q4_G16, KIND_Q8_G16)
+    if isinstance(model, LeanModel):  # the default model's runner: every layer in one call
+        kinds = [getattr(layer, f"{w}_kind") for layer in model.layers for w in LINEARS]
+        assert all(k in g16 for k in [*kinds, model.lm_head.kind])
+        assert model.spec.int8_activations == 1
+    else:
+        methods = [
+            m.method for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear)
+        ]
+        assert methods and all(m.kernels.activations == "int8" for m in methods)
+        # every layer (LM head included) on its blocks laid out 16 wide, for every row count
+        assert all(m.quant.kind in g16 and m.beyond is None for m in methods)
+        assert model.fused is not None and model.fused._spec.int8_activations == 1
     llm.shutdown()
     firsts = [
         next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), NEW_TOKENS)
