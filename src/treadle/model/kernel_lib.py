@@ -1,6 +1,6 @@
 """treadle's C kernels below PyTorch: the ISA level a process runs, the compiled library's
 C signatures, and the structs `decode_layers_f32` reads. Nothing here imports torch, so a
-process that runs the kernels on numpy arrays (`benchmarks/torchless_decode.py`, the plan in
+process that runs the kernels on numpy arrays (the lean runner's `lean_model.py`,
 `docs/design/torch-free-engine-core.md`) shares them with `cpu_kernels.py`, which wraps
 the same library for PyTorch tensors.
 

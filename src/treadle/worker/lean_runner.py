@@ -21,7 +21,14 @@ from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.np_sampler import Draws, NumpySampler
-from treadle.worker.sampling_rows import Infill, SamplingRow, TokenPieces
+from treadle.worker.sampling_rows import (
+    SamplingRow,
+    TokenPieces,
+    grammar_rows,
+    sampling_row,
+    verify_grammar_rows,
+    verify_rows,
+)
 
 PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions scored per batch of logits (256 x a 49k vocabulary: 50 MB of float32)."""
@@ -144,7 +151,7 @@ class LeanRunner:
         if sampling:
             tokens, logprobs = self.sampler(
                 logits[: len(sampling)],
-                [self._sampling_row(s) for s, _ in sampling],
+                [sampling_row(s, self.pieces) for s, _ in sampling],
                 self._grammar(sched, [s.request_id for s, _ in sampling]),
             )
             for (state, _), token, lp in zip(sampling, tokens, logprobs, strict=True):
@@ -193,42 +200,6 @@ class LeanRunner:
 
     # -- sampling --------------------------------------------------------------------------
 
-    def _sampling_row(self, state: LeanRequest) -> SamplingRow:
-        p = state.sampling_params
-        outputs = state.token_ids[state.num_prompt_tokens :]
-        banned: list[int] = []
-        if len(outputs) < p.min_tokens:
-            banned = list(p.stop_token_ids)
-            if state.eos_token_id is not None and not p.ignore_eos:
-                banned.append(state.eos_token_id)
-        return SamplingRow(
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            logprobs=p.logprobs,
-            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
-            output_token_ids=outputs,
-            banned_token_ids=banned,
-            generator=state.generator,
-            logit_bias=state.logit_bias,
-            allowed_token_ids=state.allowed_token_ids,
-            bad_words_token_ids=p.bad_words_token_ids or [],
-            infill=self._infill(p, state) if p.infill else None,
-        )
-
-    def _infill(self, p: SamplingParams, state: LeanRequest) -> Infill:
-        if self.pieces is None:
-            raise RuntimeError("the infill sampler needs the tokenizer's token texts")
-        ends = frozenset(p.stop_token_ids) | (
-            frozenset() if state.eos_token_id is None else {state.eos_token_id}
-        )
-        eot = state.eos_token_id if state.eos_token_id is not None else min(ends, default=0)
-        return Infill(ends, eot, self.pieces)
-
     def _verify(
         self,
         verifying: list[tuple[LeanRequest, int, int]],
@@ -246,11 +217,7 @@ class LeanRunner:
             proposal = spec[state.request_id]
             del state.token_ids[len(state.token_ids) - len(proposal) :]
             proposals.append(proposal)
-            base = len(state.token_ids)
-            for j in range(len(proposal) + 1):  # position j reads as if j were sampled
-                state.token_ids.extend(proposal[:j])
-                rows.append(self._sampling_row(state))
-                del state.token_ids[base:]
+            rows.extend(verify_rows(state, proposal, self.pieces))
         verdicts = self.sampler.verify(logits, rows, proposals, grammar)
         for (state, _, _), (accepted, token, lp) in zip(verifying, verdicts, strict=True):
             state.token_ids.extend([*accepted, token])
@@ -264,48 +231,17 @@ class LeanRunner:
         sched: SchedulerOutput, sampled_ids: list[str]
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows of the sampled logits, their bitmask rows) of the structured-output requests
-        (the engine core fills the bitmask once)."""
-        if sched.grammar_bitmask is None or not sched.grammar_request_ids:
-            return None
-        where = {rid: i for i, rid in enumerate(sampled_ids)}
-        rows, mask_rows = [], []
-        for j, rid in enumerate(sched.grammar_request_ids):
-            if rid in where:
-                rows.append(where[rid])
-                mask_rows.append(j)
-        if not rows:
-            return None
-        bitmask = np.asarray(sched.grammar_bitmask)[mask_rows]
-        return np.array(rows, dtype=np.int64), bitmask
+        (`sampling_rows.grammar_rows`)."""
+        return _bitmask_rows(sched, *grammar_rows(sched, sampled_ids))
 
     @staticmethod
     def _verify_grammar(
         sched: SchedulerOutput, verifying: list[tuple[LeanRequest, int, int]]
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """(rows of the verifying logits, their bitmask rows): a speculating request's id
-        repeats in `grammar_request_ids` once per position it verifies."""
-        if sched.grammar_bitmask is None or not sched.grammar_request_ids:
-            return None
-        mask_rows: dict[str, list[int]] = {}
-        for j, rid in enumerate(sched.grammar_request_ids):
-            mask_rows.setdefault(rid, []).append(j)
-        rows: list[int] = []
-        masks: list[int] = []
-        first = 0
-        for state, _, n in verifying:
-            own = mask_rows.get(state.request_id)
-            if own is not None:
-                if len(own) != n:
-                    raise ValueError(
-                        f"request {state.request_id!r} verifies {n} positions but has "
-                        f"{len(own)} grammar bitmask rows"
-                    )
-                rows.extend(range(first, first + n))
-                masks.extend(own)
-            first += n
-        if not rows:
-            return None
-        return np.array(rows, dtype=np.int64), np.asarray(sched.grammar_bitmask)[masks]
+        """(rows of the verifying logits, their bitmask rows) of the speculating requests
+        under a grammar (`sampling_rows.verify_grammar_rows`)."""
+        ids = [(state.request_id, n) for state, _, n in verifying]
+        return _bitmask_rows(sched, *verify_grammar_rows(sched, ids))
 
     # -- pooling and prompt logprobs -------------------------------------------------------
 
@@ -349,6 +285,14 @@ class LeanRunner:
             token_ids += ids.tolist()
             values += vals.tolist()
         return start + 1, Logprobs(token_ids, values, ranks)
+
+
+def _bitmask_rows(
+    sched: SchedulerOutput, rows: list[int], mask_rows: list[int]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    if not rows or sched.grammar_bitmask is None:
+        return None
+    return np.array(rows, dtype=np.int64), np.asarray(sched.grammar_bitmask)[mask_rows]
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

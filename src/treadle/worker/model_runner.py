@@ -29,7 +29,7 @@ from treadle.worker.encoder_cache import EncoderCache
 from treadle.worker.lora_manager import LoRAManager
 from treadle.worker.pp_transfer import StageLink
 from treadle.worker.sampler import Sampler
-from treadle.worker.sampling_rows import Infill, SamplingRow, TokenPieces
+from treadle.worker.sampling_rows import SamplingRow, TokenPieces, sampling_row
 from treadle.worker.step_results import RequestState, StepResults
 
 
@@ -372,40 +372,5 @@ class ModelRunner(StepResults):
         return mask.masked_fill_(ctx[None, :] >= lens[:, None], float("-inf"))
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
-        p = state.sampling_params
-        outputs = state.token_ids[state.num_prompt_tokens :]
-        banned: list[int] = []
-        if len(outputs) < p.min_tokens:
-            banned = list(p.stop_token_ids)
-            if state.eos_token_id is not None and not p.ignore_eos:
-                banned.append(state.eos_token_id)
-        return SamplingRow(
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            logprobs=p.logprobs,
-            # an embeddings prompt has no tokens to penalize (its ids are placeholders)
-            prompt_token_ids=[]
-            if state.prompt_embeds is not None
-            else state.token_ids[: state.num_prompt_tokens],
-            output_token_ids=outputs,
-            banned_token_ids=banned,
-            generator=state.generator,
-            logit_bias=state.logit_bias,
-            allowed_token_ids=state.allowed_token_ids,
-            bad_words_token_ids=p.bad_words_token_ids or [],
-            infill=self._infill(p, state) if p.infill else None,
-        )
-
-    def _infill(self, p: SamplingParams, state: RequestState) -> Infill:
-        if self.pieces is None:
-            raise RuntimeError("the infill sampler needs the tokenizer's token texts")
-        ends = frozenset(p.stop_token_ids) | (
-            frozenset() if state.eos_token_id is None else {state.eos_token_id}
-        )
-        eot = state.eos_token_id if state.eos_token_id is not None else min(ends, default=0)
-        return Infill(ends, eot, self.pieces)
+        # an embeddings prompt has no tokens to penalize (its ids are placeholders)
+        return sampling_row(state, self.pieces, prompt_ids=state.prompt_embeds is None)

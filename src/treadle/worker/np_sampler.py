@@ -26,7 +26,13 @@ import ctypes
 import numpy as np
 
 from treadle.wire.engine import Logprobs
-from treadle.worker.sampling_rows import INFILL_MAX_CANDIDATES, Infill, SamplingRow, infill_keep
+from treadle.worker.sampling_rows import (
+    INFILL_MAX_CANDIDATES,
+    Infill,
+    SamplingRow,
+    greedy_verdict,
+    infill_keep,
+)
 
 CDF_BLOCK = 64  # `_first_past`'s block of probabilities
 
@@ -107,9 +113,7 @@ class NumpySampler:
             row = rows[first]
             chosen: list[int] = []
             if row.temperature == 0.0:
-                while len(chosen) < k and greedy[first + len(chosen)] == proposal[len(chosen)]:
-                    chosen.append(proposal[len(chosen)])
-                chosen.append(greedy[first + len(chosen)])
+                chosen = greedy_verdict(greedy, first, proposal)
             else:
                 draws = self._draws(row)
                 for j in range(k + 1):

@@ -19,6 +19,7 @@ from treadle.worker.sampling_rows import (
     INFILL_MAX_CANDIDATES,
     Infill,
     SamplingRow,
+    greedy_verdict,
     infill_keep,
 )
 
@@ -180,9 +181,7 @@ class Sampler:
             row = rows[first]
             chosen: list[int] = []
             if row.temperature == 0.0:
-                while len(chosen) < k and greedy[first + len(chosen)] == proposal[len(chosen)]:
-                    chosen.append(proposal[len(chosen)])
-                chosen.append(greedy[first + len(chosen)])
+                chosen = greedy_verdict(greedy, first, proposal)
             else:
                 assert probs is not None
                 generator = row.generator or self.generator

@@ -14,7 +14,13 @@ from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs, LoRARequest, MultiModalInput
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.sampler import Sampler
-from treadle.worker.sampling_rows import SamplingRow
+from treadle.worker.sampling_rows import (
+    SamplingRow,
+    TokenPieces,
+    grammar_rows,
+    verify_grammar_rows,
+    verify_rows,
+)
 
 _PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions scored per batch of logits (256 x a 49k vocabulary: 50 MB of float32)."""
@@ -42,14 +48,12 @@ class RequestState:
 
 class StepResults:
     """`ModelRunner`'s part that reads a step's results; it uses the runner's `model`,
-    `sampler`, `device` and `_sampling_row`."""
+    `sampler`, `device` and `pieces`."""
 
     model: LlamaForCausalLM | LlavaForConditionalGeneration
     sampler: Sampler
     device: torch.device
-
-    def _sampling_row(self, state: RequestState) -> SamplingRow:
-        raise NotImplementedError
+    pieces: TokenPieces | None
 
     def _verify(
         self,
@@ -69,7 +73,9 @@ class StepResults:
             proposal = spec[state.request_id]
             del state.token_ids[len(state.token_ids) - len(proposal) :]
             proposals.append(proposal)
-            rows.extend(self._verify_rows(state, proposal))
+            rows.extend(
+                verify_rows(state, proposal, self.pieces, prompt_ids=state.prompt_embeds is None)
+            )
         verdicts = self.sampler.verify(logits, rows, proposals, grammar)
         for (state, _, _), (accepted, token, lp) in zip(verifying, verdicts, strict=True):
             state.token_ids.extend([*accepted, token])
@@ -77,17 +83,6 @@ class StepResults:
             out.sampled[state.request_id] = token
             if lp is not None:
                 out.logprobs[state.request_id] = lp
-
-    def _verify_rows(self, state: RequestState, proposal: list[int]) -> list[SamplingRow]:
-        """A speculating request's sampling rows, one per position: position j reads as if
-        the first j proposals had been sampled (penalties and min_tokens see them)."""
-        rows = []
-        base = len(state.token_ids)
-        for j in range(len(proposal) + 1):
-            state.token_ids.extend(proposal[:j])
-            rows.append(self._sampling_row(state))
-            del state.token_ids[base:]
-        return rows
 
     @staticmethod
     def _pool(
@@ -108,47 +103,22 @@ class StepResults:
         """(rows of the sampled logits, their bitmask rows as an int32 tensor) of the
         structured-output requests (the engine core fills the bitmask once, for all ranks, as
         a numpy array)."""
-        if sched.grammar_bitmask is None or not sched.grammar_request_ids:
-            return None
-        where = {rid: i for i, rid in enumerate(sampled_ids)}
-        rows, mask_rows = [], []
-        for j, rid in enumerate(sched.grammar_request_ids):
-            if rid in where:
-                rows.append(where[rid])
-                mask_rows.append(j)
-        if not rows:
-            return None
-        bitmask = torch.from_numpy(sched.grammar_bitmask[mask_rows])  # (rows copied)
-        return torch.tensor(rows, device=self.device), bitmask
+        return self._bitmask_rows(sched, *grammar_rows(sched, sampled_ids))
 
     def _verify_grammar(
         self, sched: SchedulerOutput, verifying: list[tuple[RequestState, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of the verifying logits, their bitmask rows) of the speculating requests
-        under a grammar: such a request's id repeats in `grammar_request_ids`, once per
-        position it verifies (1 + k consecutive bitmask rows)."""
-        if sched.grammar_bitmask is None or not sched.grammar_request_ids:
+        under a grammar (`sampling_rows.verify_grammar_rows`)."""
+        ids = [(state.request_id, n) for state, _, n in verifying]
+        return self._bitmask_rows(sched, *verify_grammar_rows(sched, ids))
+
+    def _bitmask_rows(
+        self, sched: SchedulerOutput, rows: list[int], mask_rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not rows or sched.grammar_bitmask is None:
             return None
-        mask_rows: dict[str, list[int]] = {}
-        for j, rid in enumerate(sched.grammar_request_ids):
-            mask_rows.setdefault(rid, []).append(j)
-        rows: list[int] = []
-        masks: list[int] = []
-        first = 0
-        for state, _, n in verifying:
-            own = mask_rows.get(state.request_id)
-            if own is not None:
-                if len(own) != n:
-                    raise ValueError(
-                        f"request {state.request_id!r} verifies {n} positions but has "
-                        f"{len(own)} grammar bitmask rows"
-                    )
-                rows.extend(range(first, first + n))
-                masks.extend(own)
-            first += n
-        if not rows:
-            return None
-        bitmask = torch.from_numpy(sched.grammar_bitmask[masks])  # (rows copied)
+        bitmask = torch.from_numpy(sched.grammar_bitmask[mask_rows])  # (rows copied)
         return torch.tensor(rows, device=self.device), bitmask
 
     def _prompt_logprobs(
