@@ -35,7 +35,6 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import numpy  # noqa: F401 (before the native-thread baseline below: see there)
 import setproctitle
 
 from treadle import envs
@@ -142,18 +141,17 @@ def _native_thread_count() -> int:
 
 
 # Importing torch starts one helper thread of its own, harmless to fork; anything beyond it
-# makes fork unsafe. Capped at 1 in case model code already ran before this import. numpy's
-# OpenBLAS starts its pool when numpy is imported (fork-safe: it stops the pool around a
-# fork), and every treadle process imports numpy: it is imported first, so that its pool is
-# in the baseline wherever torch is not (a script's `LLM` without torch in its process).
-
+# makes fork unsafe. Capped at 1 in case model code already ran before this import.
 _BASELINE_NATIVE_THREADS = min(_native_thread_count(), 1)
 
 
 def _harmless_native_threads() -> int:
-    """The native threads that do not make fork unsafe: torch's helper thread once torch is
-    imported (this module does not import it), else what ran when this module was imported."""
-    return 1 if "torch" in sys.modules else _BASELINE_NATIVE_THREADS
+    """The native threads that do not make fork unsafe: one once torch or numpy is imported
+    (torch's helper thread; the pool numpy's OpenBLAS starts on import, which stops it around
+    a fork: a script's `LLM` whose process never imports torch has only that one), else what
+    ran when this module was imported (this module imports neither)."""
+    loaded = "torch" in sys.modules or "numpy" in sys.modules
+    return 1 if loaded else _BASELINE_NATIVE_THREADS
 
 
 def _check_not_bootstrapping() -> None:
