@@ -134,6 +134,31 @@ def test_speculation_and_grammar_on_the_lean_runner(monkeypatch: pytest.MonkeyPa
     assert set(value) == {"name", "age"} and isinstance(value["age"], int)
 
 
+@pytest.mark.parametrize("kv", ["int8", "float16"])
+def test_a_smaller_kv_cache_gives_the_torch_runners_tokens(
+    kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--kv-cache-dtype int8|float16` on the lean runner: the C kernels' rows (int8: values
+    and a float32 scale), a quarter or half the bytes a token, the torch runner's tokens. With
+    int8 the runners' prefills differ in the last bits (the torch runner's goes through its
+    modules) and a row's rounding to int8 can turn that into a step of 1/127 of its largest
+    value: the 64-token-chunked prompt's tokens part after 20 (measured 2026-12-05), so int8
+    is held to its first 16 tokens; float16 to all of them."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = {}
+    for lean in (True, False):
+        llm = _engine(lean, monkeypatch, kv_cache_dtype=kv)
+        worker = llm.engine.engine_core.executor.worker  # type: ignore[union-attr]
+        per_token = worker.kv_bytes_per_block() // 16
+        assert per_token == 30 * 2 * 3 * (64 + 4 if kv == "int8" else 128)
+        got[lean] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+        llm.shutdown()
+    if kv == "int8":
+        assert [t[:16] for t in got[True]] == [t[:16] for t in got[False]]
+    else:
+        assert got[True] == got[False]
+
+
 def _config(**kwargs: Any) -> EngineConfig:
     kwargs.setdefault("model", None)
     args, _ = EngineArgs.from_kwargs(**kwargs)
@@ -145,7 +170,8 @@ def test_the_start_time_choice_names_its_reason(
 ) -> None:
     monkeypatch.delenv("TREADLE_LEAN_RUNNER", raising=False)
     assert lean_refusal(_config()) is None
-    assert lean_refusal(_config(kv_cache_dtype="int8")) == "--kv-cache-dtype int8"
+    assert lean_refusal(_config(kv_cache_dtype="int8")) is None
+    assert lean_refusal(_config(kv_cache_dtype="bfloat16")) == "--kv-cache-dtype bfloat16"
     assert lean_refusal(_config(enable_prompt_embeds=True)) == "--enable-prompt-embeds"
     assert lean_refusal(_config(dtype="bfloat16")) == "--dtype bfloat16"
     config = _config()

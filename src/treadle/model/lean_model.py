@@ -41,7 +41,15 @@ from treadle.model.gguf_layout import (
     tile_layout,
     unpermute_rope_rows,
 )
-from treadle.model.kernel_lib import INT8_ACTIVATIONS, KV_F32, DecodeLayer, DecodeModel, g16_kinds
+from treadle.model.kernel_lib import (
+    INT8_ACTIVATIONS,
+    KV_F16,
+    KV_F32,
+    KV_I8,
+    DecodeLayer,
+    DecodeModel,
+    g16_kinds,
+)
 
 MAX_ROWS = 256
 """Rows per `decode_layers_f32` call: its scratch is ~32 KB a row for the default model (8 MB
@@ -52,6 +60,11 @@ _LINEARS = {  # DecodeLayer field -> the GGUF tensors stacked into it (after `bl
     "o": ("attn_output.weight",),
     "gate_up": ("ffn_gate.weight", "ffn_up.weight"),
     "down": ("ffn_down.weight",),
+}
+KV_LAYOUTS = {  # --kv-cache-dtype -> (element type, bytes a row holds past head_dim, kv_type)
+    "float32": (np.float32, 0, KV_F32),
+    "float16": (np.float16, 0, KV_F16),
+    "int8": (np.int8, 4, KV_I8),  # head_dim int8 values, then the row's float32 scale
 }
 _LINEAR_KERNEL = {
     "float32": "gguf_linear_f32",
@@ -187,19 +200,24 @@ class LeanModel:
             arrays.append(self.embed.array)
         return sum(a.nbytes for a in arrays)
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
+    def kv_bytes_per_block(self, block_size: int, kv_dtype: str) -> int:
         a = self.arch
-        return 2 * a.num_layers * a.num_kv_heads * block_size * a.head_dim * 4
+        dtype, extra, _ = KV_LAYOUTS[kv_dtype]
+        row = a.head_dim * np.dtype(dtype).itemsize + extra
+        return 2 * a.num_layers * a.num_kv_heads * block_size * row
 
-    def initialize_cache(self, num_blocks: int, block_size: int) -> None:
-        """Per layer a K and a V cache `[kv heads, num_blocks, block_size, head_dim]` float32,
-        in fresh anonymous memory (resident as it is written)."""
+    def initialize_cache(self, num_blocks: int, block_size: int, kv_dtype: str) -> None:
+        """Per layer a K and a V cache `[kv heads, num_blocks, block_size, row]` of
+        `KV_LAYOUTS[kv_dtype]` (an int8 row: head_dim values and a float32 scale, as the torch
+        runner's `attention.kv_row_shape`), in fresh anonymous memory (resident as written)."""
         a = self.arch
-        shape = (a.num_kv_heads, num_blocks, block_size, a.head_dim)
-        self.kv_caches = [(_zeros(shape), _zeros(shape)) for _ in range(a.num_layers)]
+        dtype, extra, kv_type = KV_LAYOUTS[kv_dtype]
+        shape = (a.num_kv_heads, num_blocks, block_size, a.head_dim + extra)
+        self.kv_caches = [(_zeros(shape, dtype), _zeros(shape, dtype)) for _ in range(a.num_layers)]
         for spec, (k, v) in zip(self.layers, self.kv_caches, strict=True):
             spec.k_cache, spec.v_cache = k.ctypes.data, v.ctypes.data
         self.spec.num_blocks, self.spec.block_size = num_blocks, block_size
+        self.spec.kv_type = kv_type
 
     def embeddings(self, ids: np.ndarray) -> np.ndarray:
         """float32 [len(ids), hidden]: the embedding's rows of `ids` (int64)."""
@@ -267,15 +285,15 @@ def rope_tables(head_dim: int, max_positions: int, base: float) -> tuple[np.ndar
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
-def _zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """float32 zeros in their own anonymous mapping, committed page by page as they are
+def _zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """Zeros in their own anonymous mapping, committed page by page as they are
     written (as the torch runner's KV cache: `model_runner.zeros`). Not `np.zeros`: numpy
     asks for transparent huge pages for large arrays, and each 2 MB page a prefill first
     writes is then zeroed, and often compacted for, in the step: a 512-token prefill of the
     default model took 320 ms against 265 with a 1 GiB cache."""
-    size = math.prod(shape) * 4
+    size = math.prod(shape) * np.dtype(dtype).itemsize
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(memory, dtype=np.float32).reshape(shape)  # (keeps `memory`)
+    return np.frombuffer(memory, dtype=dtype).reshape(shape)  # (keeps `memory`)
 
 
 def _f32(t: GGUFTensor) -> np.ndarray:

@@ -25,7 +25,7 @@ from treadle.model import kernel_lib
 from treadle.model.arch import ModelArch
 from treadle.model.arch_files import read_arch
 from treadle.model.gguf_file import GGUFFile
-from treadle.model.lean_model import MAX_ROWS, LeanModel, unsupported
+from treadle.model.lean_model import KV_LAYOUTS, MAX_ROWS, LeanModel, unsupported
 from treadle.wire.engine import LoRARequest
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
 from treadle.worker import kv_file
@@ -51,7 +51,7 @@ def lean_refusal(config: EngineConfig) -> str | None:
         (os.path.exists("/proc/driver/nvidia/version"), "an NVIDIA GPU driver (CUDA)"),
         (m.dtype not in ("auto", "float32", "float"), f"--dtype {m.dtype}"),
         (
-            config.cache.kv_cache_dtype not in ("auto", "float32"),
+            config.cache.kv_cache_dtype not in ("auto", *KV_LAYOUTS),
             f"--kv-cache-dtype {config.cache.kv_cache_dtype}",
         ),
         (m.enable_prompt_embeds, "--enable-prompt-embeds"),
@@ -102,6 +102,8 @@ class LeanWorker:
         self.source = model_source(config.model)
         self.arch: ModelArch = read_arch(self.source)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
+        name = config.cache.kv_cache_dtype
+        self.kv_dtype = "float32" if name == "auto" else name  # (the model's dtype is float32)
         self.runner: LeanRunner | None = None
         parallel = config.parallel
         self.threads = ThreadGovernor(parallel.model_threads(), pinned=parallel.threads_pinned())
@@ -150,15 +152,16 @@ class LeanWorker:
 
     def kv_bytes_per_block(self) -> int:
         assert self.runner is not None
-        return self.runner.model.kv_bytes_per_block(self.config.cache.block_size)
+        return self.runner.model.kv_bytes_per_block(self.config.cache.block_size, self.kv_dtype)
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
-        self.runner.model.initialize_cache(num_blocks, self.config.cache.block_size)
+        self.runner.model.initialize_cache(num_blocks, self.config.cache.block_size, self.kv_dtype)
         kv = num_blocks * self.kv_bytes_per_block()
         per_token = self.kv_bytes_per_block() // self.config.cache.block_size
         logger.info(
-            "KV cache: float32, %s tokens of %d bytes each",
+            "KV cache: %s, %s tokens of %d bytes each",
+            self.kv_dtype,
             f"{num_blocks * self.config.cache.block_size:,}",
             per_token,
         )
