@@ -10,23 +10,23 @@ from treadle.config import EngineConfig
 from treadle.logger import init_logger
 from treadle.model.arch import ModelArch
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.lean_worker import LeanWorker, lean_refusal
+from treadle.worker.lean_worker import LeanWorker, open_lean
 
 logger = init_logger(__name__)
 
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        refusal = lean_refusal(config)
+        chosen = open_lean(config)
         self.worker: Any
-        if refusal is None:
-            logger.info("The lean runner (no PyTorch in this process) runs the model")
-            self.worker = LeanWorker(config)
-        else:
-            logger.info("The torch runner runs the model: %s", refusal)
+        if isinstance(chosen, str):
+            logger.info("The torch runner runs the model: %s", chosen)
             from treadle.worker.worker import Worker  # imports torch
 
             self.worker = Worker(config)
+        else:
+            logger.info("The lean runner (no PyTorch in this process) runs the model")
+            self.worker = LeanWorker(config, chosen)
         self.worker.load_model()
 
     @property

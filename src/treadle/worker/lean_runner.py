@@ -20,7 +20,7 @@ from treadle.model.lean_model import LeanModel
 from treadle.sampling_params import SamplingParams
 from treadle.wire.engine import Logprobs
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.np_sampler import Draws, NumpySampler
+from treadle.worker.np_sampler import Draws, NumpySampler, log_softmax
 from treadle.worker.sampling_rows import (
     SamplingRow,
     TokenPieces,
@@ -293,12 +293,6 @@ def _bitmask_rows(
     if not rows or sched.grammar_bitmask is None:
         return None
     return np.array(rows, dtype=np.int64), np.asarray(sched.grammar_bitmask)[mask_rows]
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    """float32 log-softmax of each row."""
-    shifted = x - x.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def top_k(x: np.ndarray, k: int) -> np.ndarray:

@@ -16,15 +16,13 @@ import functools
 import os
 from typing import Any
 
-import psutil
-
 from treadle import envs
 from treadle.config import EngineConfig, ModelSource, model_source
+from treadle.ipc.memory import process_memory
 from treadle.logger import init_logger
 from treadle.model import kernel_lib
 from treadle.model.arch import ModelArch
-from treadle.model.arch_files import read_arch
-from treadle.model.gguf_file import GGUFFile
+from treadle.model.gguf_file import GGUFFile, GGUFFormatError
 from treadle.model.lean_model import KV_LAYOUTS, MAX_ROWS, LeanModel, unsupported
 from treadle.wire.engine import LoRARequest
 from treadle.wire.worker import ModelRunnerOutput, SchedulerOutput
@@ -36,6 +34,7 @@ from treadle.worker.start_checks import (
     CPU_DEFAULT_KV_CACHE_BYTES,
     check_kv_budget,
     resolve_max_model_len,
+    size_text,
 )
 
 logger = init_logger(__name__)
@@ -43,6 +42,13 @@ logger = init_logger(__name__)
 
 def lean_refusal(config: EngineConfig) -> str | None:
     """Why this engine (world size 1) runs on the torch runner; None: the lean runner takes it."""
+    chosen = open_lean(config)
+    return chosen if isinstance(chosen, str) else None
+
+
+def open_lean(config: EngineConfig) -> GGUFFile | str:
+    """The model's GGUF file, open (its header read once, for the choice and the worker),
+    where the lean runner takes this engine (world size 1); else why the torch runner does."""
     m = config.model
     source = model_source(m)
     reasons = [
@@ -69,14 +75,23 @@ def lean_refusal(config: EngineConfig) -> str | None:
             return why
     if kernel_lib.select_isa() == "portable":
         return "the portable kernel level (no GGUF-block products)"
-    model_refusal = unsupported(GGUFFile(source.path), read_arch(source))
+    try:
+        gguf = GGUFFile(source.path)
+    except (OSError, GGUFFormatError) as e:  # (the torch runner's loader says it in full)
+        return f"an unreadable GGUF file ({e})"
+    model_refusal = unsupported(gguf, _arch(gguf))
     if model_refusal is not None:
         return f"a model with {model_refusal}"
     try:
         _library(kernel_lib.select_isa())
     except (OSError, RuntimeError) as e:
         return f"no kernel library ({e})"
-    return None
+    return gguf
+
+
+def _arch(gguf: GGUFFile) -> ModelArch:
+    """`arch_files.read_arch` of an open file (no `--hf-overrides` here: `open_lean`)."""
+    return ModelArch.from_gguf_fields(gguf.fields, {t.name for t in gguf.tensors})
 
 
 @functools.cache
@@ -88,19 +103,18 @@ def _library(isa: str) -> ctypes.CDLL:
 
 
 def _rss() -> int:
-    return int(psutil.Process().memory_info().rss)
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.2f} MiB"
+    memory = process_memory()
+    return 0 if memory is None else memory.rss
 
 
 class LeanWorker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, gguf: GGUFFile, rank: int = 0) -> None:
+        """`gguf`: the model's file, as `open_lean` opened it."""
         self.config = config
         self.rank = rank
         self.source = model_source(config.model)
-        self.arch: ModelArch = read_arch(self.source)
+        self._gguf: GGUFFile | None = gguf  # (until the model is loaded from it)
+        self.arch = _arch(gguf)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
         name = config.cache.kv_cache_dtype
         self.kv_dtype = "float32" if name == "auto" else name  # (the model's dtype is float32)
@@ -115,10 +129,11 @@ class LeanWorker:
         logger.info("Loading %s (float32, cpu, the lean runner: no torch)", self.source.path)
         self._rss_before_load = _rss()
         isa = kernel_lib.select_isa()
-        gguf = GGUFFile(self.source.path)
+        assert self._gguf is not None
         model = LeanModel(
-            gguf, self.arch, isa, _library(isa), m.cpu_activation_dtype, self.max_model_len
+            self._gguf, self.arch, isa, _library(isa), m.cpu_activation_dtype, self.max_model_len
         )
+        self._gguf = None
         self._weights_rss = _rss() - self._rss_before_load
         source = self.source
         self.runner = LeanRunner(
@@ -168,9 +183,9 @@ class LeanWorker:
         logger.info(
             "Memory of this process: %s runtime, %s weights (resident), KV cache %s "
             "reserved, resident as it fills",
-            _mib(self._rss_before_load),
-            _mib(max(0, self._weights_rss)),
-            _mib(kv),
+            size_text(self._rss_before_load),
+            size_text(max(0, self._weights_rss)),
+            size_text(kv),
         )
 
     def weight_bytes(self) -> int:

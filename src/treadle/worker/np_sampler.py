@@ -146,7 +146,7 @@ class NumpySampler:
         """The logits as float32 with each row's penalties and restrictions and the grammar
         applied (in place), and the raw log-softmax of each row that asks for logprobs."""
         logits = np.asarray(logits, dtype=np.float32)
-        raw = {i: _log_softmax(logits[i]) for i, r in enumerate(rows) if r.logprobs is not None}
+        raw = {i: log_softmax(logits[i]) for i, r in enumerate(rows) if r.logprobs is not None}
         for i, row in enumerate(rows):
             if _changes_logits(row):
                 _penalize(logits[i], row)
@@ -235,9 +235,10 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    shifted = x - x.max()
-    return shifted - np.log(np.exp(shifted).sum())
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """float32 log-softmax over the last axis (one row, or each row of a batch)."""
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def _probs(x: np.ndarray, row: SamplingRow) -> tuple[np.ndarray | None, np.ndarray]:

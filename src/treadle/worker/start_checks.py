@@ -74,7 +74,8 @@ def kv_bytes_per_block(arch: ModelArch, kv_dtype: str, block_size: int, tp: int 
     return 2 * kv_heads * row * block_size * arch.num_layers
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """n bytes in GiB, MiB or KiB (two decimals), or bytes."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
             return f"{n / (1 << shift):.2f} {unit}"
@@ -99,7 +100,7 @@ def check_kv_budget(
     needed_mib = -(-needed_blocks * per_block // (1 << 20))
     raise ValueError(
         f"the KV cache is too small for max_model_len {max_model_len}: one request of that "
-        f"length needs {_size(needed_blocks * per_block)} of KV cache, but {_size(budget)} "
+        f"length needs {size_text(needed_blocks * per_block)} of KV cache, but {size_text(budget)} "
         f"({source}) holds {f'only {fits} tokens' if fits else f'no block of {block_size} tokens'}; "
         f"raise --kv-cache-memory to {needed_mib}MiB or more"
         + (f", or pass --max-model-len {fits} or less" if fits else "")

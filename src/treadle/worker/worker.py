@@ -29,6 +29,7 @@ from treadle.worker.start_checks import (  # the start-up checks, torch-free
     check_dtype_name,
     check_kv_budget,
     resolve_max_model_len,
+    size_text,
 )
 
 # Re-exported: their callers import them from here too.
@@ -63,13 +64,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} bytes"
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
@@ -179,7 +173,7 @@ class Worker:
             "KV cache: %s, %s tokens of %s each (%.2fx the tokens of float32 in the same memory)",
             self.kv_dtype,
             f"{num_blocks * self.config.cache.block_size:,}",
-            _size(per_token),
+            size_text(per_token),
             kv_row_bytes("float32", self.arch.head_dim)
             / kv_row_bytes(self.kv_dtype, self.arch.head_dim),
         )
@@ -187,9 +181,9 @@ class Worker:
             logger.info(
                 "Memory of this process: %s runtime, %s weights (resident), KV cache %s "
                 "reserved, resident as it fills",
-                _size(self._rss_before_load),
-                _size(max(0, self._weights_bytes)),
-                _size(kv),
+                size_text(self._rss_before_load),
+                size_text(max(0, self._weights_bytes)),
+                size_text(kv),
             )
 
     def weight_bytes(self) -> int:
