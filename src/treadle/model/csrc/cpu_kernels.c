@@ -660,27 +660,44 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
            and every 16-output group reads them all again: past G16_BLOCK_BYTES they go in
            blocks of whole passes (the same passes, so the same bits), each block over every
            group while it stays in L2; the groups (a few KB each) are read once a block. */
-        int64_t block = (G16_BLOCK_BYTES / K) / (2 * G16_ROWS) * (2 * G16_ROWS);
-        if (block < 2 * G16_ROWS) block = 2 * G16_ROWS;
+        /* int8x2 where the level makes a row's two int8 rows one sum (g16_x2_rows): passes
+           of G16_X2_ROWS rows, each two of xq's; else G16_ROWS of xq's rows, a row's two
+           parts added after. */
+#ifdef G16_X2_ROWS
+        const int64_t step = parts == 2 ? 2 * G16_X2_ROWS : G16_ROWS;
+#else
+        const int64_t step = G16_ROWS;
+#endif
+        int64_t block = (G16_BLOCK_BYTES / K) / step * step;
+        if (block < step) block = step;
         for (int64_t b0 = 0; b0 < R; b0 += block) {
         const int64_t b1 = R - b0 < block ? R : b0 + block;
-        const int64_t passes = (b1 - b0 + G16_ROWS - 1) / G16_ROWS;
+        const int64_t passes = (b1 - b0 + step - 1) / step;
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < ngroups; g++) {
             const char* grp = (const char*)w + g * group_bytes;
             const int64_t valid = N - g * G16 < G16 ? N - g * G16 : G16;
-            for (int64_t r0 = b0; r0 < b1; r0 += G16_ROWS) {
-                const int64_t rows = b1 - r0 < G16_ROWS ? b1 - r0 : G16_ROWS;
+            for (int64_t r0 = b0; r0 < b1; r0 += step) {
+                const int64_t rows = b1 - r0 < step ? b1 - r0 : step;
                 /* Passes after the first read the group from L1 and ask nothing of memory (no
                    miss trains the hardware's prefetcher), so they ask for a share of the next
                    group each, which then streams in beside their arithmetic. */
-                const int64_t pass = (r0 - b0) / G16_ROWS;
+                const int64_t pass = (r0 - b0) / step;
                 if (pass > 0 && g + 1 < ngroups) {
                     const int64_t from = (pass - 1) * group_bytes / (passes - 1);
                     const int64_t to = pass * group_bytes / (passes - 1);
                     for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
                         __builtin_prefetch(grp + group_bytes + off, 0, 2);
                 }
+#ifdef G16_X2_ROWS
+                if (parts == 2) {
+                    float out[G16_X2_ROWS][G16];
+                    g16_x2_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows / 2, out);
+                    for (int64_t r = 0; r < rows / 2; r++)
+                        memcpy(y + (r0 / 2 + r) * y_row_stride + g * G16, out[r], sizeof(float) * valid);
+                    continue;
+                }
+#endif
                 float out[G16_ROWS][G16];
                 g16_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows, out);
                 if (parts == 1) {

@@ -38,25 +38,18 @@
 #define I8_MAX_ROWS 8
 #endif
 
-/* One block of 32 values as int8: q = rint(v / d) with d = max|v| / 127 (half to even, as
-   torch.round), ds = (d, d sum(q)); with AVX2 8 at a time, the same bits (a NaN counts as 0 in
-   the maximum either way). `rest` (or NULL): what the rounding left, v - d q (where the level has FMA
-   the compiler fuses it into one rounding, which can move a quant of the rest by one). */
-static inline void quantize_block_q8(const float* v, int8_t* q, float* ds, float* rest) {
+/* One block of 32 values as int8 on the scale d: q = rint(v / d) clamped to -127..127 (half to
+   even, as torch.round), ds = (d, d sum(q)); with AVX2 8 at a time, the same bits. `rest` (or
+   NULL): what the rounding left, v - d q (where the level has FMA the compiler fuses it into
+   one rounding, which can move a quant of the rest by one). Returns sum(q). */
+static inline int32_t quantize_block_q8_on(const float* v, float d, int8_t* q, float* ds, float* rest) {
+    const float id = d != 0.f ? 1.f / d : 0.f;
 #if defined(__AVX2__)
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 x[4], mx = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-        x[i] = _mm256_loadu_ps(v + 8 * i);
-        mx = _mm256_max_ps(_mm256_andnot_ps(sign, x[i]), mx);  /* (a NaN x gives mx) */
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
     const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    __m256 x[4];
     __m256i qi[4];
     for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
         const __m256 t = _mm256_round_ps(_mm256_mul_ps(x[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, lo), hi));
     }
@@ -68,20 +61,16 @@ static inline void quantize_block_q8(const float* v, int8_t* q, float* ds, float
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    const int32_t sum = _mm_cvtsi128_si32(s4);
     ds[0] = d;
-    ds[1] = d * (float)_mm_cvtsi128_si32(s4);
+    ds[1] = d * (float)sum;
     if (rest) {
         const __m256 vd = _mm256_set1_ps(d);
         for (int i = 0; i < 4; i++)
             _mm256_storeu_ps(rest + 8 * i, _mm256_sub_ps(x[i], _mm256_mul_ps(vd, _mm256_cvtepi32_ps(qi[i]))));
     }
+    return sum;
 #else
-    float amax = 0.f;
-    for (int i = 0; i < 32; i++) {
-        const float a = fabsf(v[i]);
-        amax = a > amax ? a : amax;
-    }
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
     int32_t sum = 0;
     for (int i = 0; i < 32; i++) {
         float t = rintf(v[i] * id);
@@ -97,7 +86,30 @@ static inline void quantize_block_q8(const float* v, int8_t* q, float* ds, float
             rest[i] = v[i] - p;
         }
     }
+    return sum;
 #endif
+}
+
+/* One block of 32 values as int8 on its own scale d = max|v| / 127 (quantize_block_q8_on; a NaN
+   counts as 0 in the maximum at every level). Returns sum(q). */
+static inline int32_t quantize_block_q8(const float* v, int8_t* q, float* ds, float* rest) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++)  /* (a NaN x gives mx) */
+        mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i)), mx);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+#else
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+#endif
+    return quantize_block_q8_on(v, amax / 127.f, q, ds, rest);
 }
 
 /* x's rows (`x_stride` apart) as int8 blocks: xq[r * K + k], xds[2 * (r * nb + b)] = d and
@@ -111,13 +123,24 @@ static void quantize_rows_q8(const float* x, int64_t x_stride, int64_t M, int64_
 }
 
 /* One row as two int8 rows (q, then q + K; their pairs ds, then ds + 2 K / 32): its blocks, then
-   the blocks of what their rounding left. */
+   the blocks of what their rounding left on the fixed scale X2_REST of the first's d. The rest
+   is within d / 2, so its quants within 128 (clamped to 127, which moves one only where the
+   rest is within d / 512 of d / 2): as fine as on its own max / 127 (~d / 254, as 32 rests
+   nearly reach d / 2), and the two rows' integer products q . w and q' . w make one,
+   (q . w) 2^X2_SHIFT + q' . w, exact in int32 (int8_g16.h: one conversion and one scale for
+   both). The first row's s is both rows' sum, d' (2^X2_SHIFT sum(q) + sum(q')) with
+   d' = d X2_REST, and the second's 0: one minimum term m s for the two. */
+#define X2_SHIFT 8
+#define X2_REST (1.f / 256.f)
 static void quantize_row_q8_x2(const float* x, int64_t K, int8_t* q, float* ds) {
     const int64_t nb = K / 32;
     float rest[32];
     for (int64_t b = 0; b < nb; b++) {
-        quantize_block_q8(x + b * 32, q + b * 32, ds + 2 * b, rest);
-        quantize_block_q8(rest, q + K + b * 32, ds + 2 * (nb + b), NULL);
+        const int32_t first = quantize_block_q8(x + b * 32, q + b * 32, ds + 2 * b, rest);
+        const float d2 = ds[2 * b] * X2_REST;
+        const int32_t second = quantize_block_q8_on(rest, d2, q + K + b * 32, ds + 2 * (nb + b), NULL);
+        ds[2 * b + 1] = d2 * (float)(first * (1 << X2_SHIFT) + second);
+        ds[2 * (nb + b) + 1] = 0.f;
     }
 }
 
