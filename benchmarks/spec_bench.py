@@ -42,7 +42,7 @@ os.environ["TREADLE_ENABLE_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_bench import ROOT, LlamaServer, free_port  # noqa: E402
 from treadle import LLM, SamplingParams  # noqa: E402
-from treadle.config import resolve_model  # noqa: E402
+from treadle.config import ModelConfig, resolve_model  # noqa: E402
 from treadle.core.spec_decode import StepTimes  # noqa: E402
 
 PROMPTS: dict[str, list[str]] = json.loads(
@@ -149,7 +149,9 @@ def main() -> None:
         help="concurrency C > 1 runs waves x C requests, C at once (1: one batch of C)",
     )
     ap.add_argument(
-        "--cpu-activation-dtype", default="float32", help="treadle's, for every engine (int8)"
+        "--cpu-activation-dtype",
+        default=ModelConfig.cpu_activation_dtype,
+        help="treadle's, for every engine (default: the engine's own, int8x2)",
     )
     ap.add_argument("--llama-server", type=Path, default=ROOT / ".peers/llama-server-native")
     ap.add_argument(
