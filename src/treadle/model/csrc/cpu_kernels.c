@@ -617,6 +617,64 @@ static inline void quantize_g16_row(const float* x, int64_t x_row_stride, int64_
         quantize_rows_q8(x + r * x_row_stride, x_row_stride, 1, K, xq + r * K, xds + 2 * r * nb);
 }
 
+#if G16_KINDS
+/* How many 16-output groups a pass takes (2: int8x2 where the level has g16_x2p_rows) and how
+   many of xq's rows (a row of int8x2 is two). */
+static inline int g16_width(int parts) {
+#ifdef G16_X2P_ROWS
+    return parts == 2 ? 2 : 1;
+#else
+    (void)parts;
+    return 1;
+#endif
+}
+
+static inline int64_t g16_step(int parts) {
+#ifdef G16_X2P_ROWS
+    if (parts == 2) return 2 * G16_X2P_ROWS;
+#endif
+#ifdef G16_X2_ROWS
+    if (parts == 2) return 2 * G16_X2_ROWS;
+#endif
+    (void)parts;
+    return G16_ROWS;
+}
+
+/* One pass: `rows` of xq's rows against `span` groups (of g16_width) at grp, into y (that
+   pass's first row and group; `valid` of its outputs). */
+static void g16_pass(const char* grp, int64_t group_bytes, int span, int kind, int64_t nb,
+                     const int8_t* xq, int64_t K, const float* xds, int64_t rows, int parts,
+                     float* y, int64_t y_row_stride, int64_t valid) {
+#ifdef G16_X2P_ROWS
+    if (parts == 2 && span == 2) {
+        float out[G16_X2P_ROWS][2 * G16];
+        g16_x2p_rows(grp, group_bytes, kind, nb, xq, K, xds, rows / 2, out);
+        for (int64_t r = 0; r < rows / 2; r++) memcpy(y + r * y_row_stride, out[r], sizeof(float) * valid);
+        return;
+    }
+#else
+    (void)group_bytes;
+    (void)span;
+#endif
+#ifdef G16_X2_ROWS
+    if (parts == 2) {  /* (a lone last group where passes take two) */
+        float out[G16_X2_ROWS][G16];
+        g16_x2_rows(grp, kind, nb, xq, K, xds, rows / 2, out);
+        for (int64_t r = 0; r < rows / 2; r++) memcpy(y + r * y_row_stride, out[r], sizeof(float) * valid);
+        return;
+    }
+#endif
+    float out[G16_ROWS][G16];
+    g16_rows(grp, kind, nb, xq, K, xds, rows, out);
+    if (parts == 1) {
+        for (int64_t r = 0; r < rows; r++) memcpy(y + r * y_row_stride, out[r], sizeof(float) * valid);
+    } else {  /* a row's two int8 rows, added */
+        for (int64_t r = 0; r < rows; r += 2)
+            for (int64_t n = 0; n < valid; n++) y[r / 2 * y_row_stride + n] = out[r][n] + out[r + 1][n];
+    }
+}
+#endif
+
 static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
                             const void* w, int kind, int64_t N, float* y, int64_t y_row_stride,
                             int num_threads, int parts)
@@ -660,55 +718,34 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
            and every 16-output group reads them all again: past G16_BLOCK_BYTES they go in
            blocks of whole passes (the same passes, so the same bits), each block over every
            group while it stays in L2; the groups (a few KB each) are read once a block. */
-        /* int8x2 where the level makes a row's two int8 rows one sum (g16_x2_rows): passes
-           of G16_X2_ROWS rows, each two of xq's; else G16_ROWS of xq's rows, a row's two
-           parts added after. */
-#ifdef G16_X2_ROWS
-        const int64_t step = parts == 2 ? 2 * G16_X2_ROWS : G16_ROWS;
-#else
-        const int64_t step = G16_ROWS;
-#endif
+        const int width = g16_width(parts);
+        const int64_t step = g16_step(parts), ntasks = (ngroups + width - 1) / width;
+        const int64_t task_bytes = width * group_bytes;
         int64_t block = (G16_BLOCK_BYTES / K) / step * step;
         if (block < step) block = step;
         for (int64_t b0 = 0; b0 < R; b0 += block) {
         const int64_t b1 = R - b0 < block ? R : b0 + block;
         const int64_t passes = (b1 - b0 + step - 1) / step;
         #pragma omp for schedule(static)
-        for (int64_t g = 0; g < ngroups; g++) {
+        for (int64_t t = 0; t < ntasks; t++) {
+            const int64_t g = t * width;
             const char* grp = (const char*)w + g * group_bytes;
-            const int64_t valid = N - g * G16 < G16 ? N - g * G16 : G16;
+            const int span = ngroups - g < width ? (int)(ngroups - g) : width;
+            const int64_t valid = N - g * G16 < span * G16 ? N - g * G16 : span * G16;
             for (int64_t r0 = b0; r0 < b1; r0 += step) {
                 const int64_t rows = b1 - r0 < step ? b1 - r0 : step;
-                /* Passes after the first read the group from L1 and ask nothing of memory (no
-                   miss trains the hardware's prefetcher), so they ask for a share of the next
-                   group each, which then streams in beside their arithmetic. */
+                /* Passes after the first read the task's groups from L1 and ask nothing of
+                   memory (no miss trains the hardware's prefetcher), so they ask for a share
+                   of the next task's each, which then streams in beside their arithmetic. */
                 const int64_t pass = (r0 - b0) / step;
-                if (pass > 0 && g + 1 < ngroups) {
-                    const int64_t from = (pass - 1) * group_bytes / (passes - 1);
-                    const int64_t to = pass * group_bytes / (passes - 1);
+                if (pass > 0 && t + 1 < ntasks) {
+                    const int64_t from = (pass - 1) * task_bytes / (passes - 1);
+                    const int64_t to = pass * task_bytes / (passes - 1);
                     for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
-                        __builtin_prefetch(grp + group_bytes + off, 0, 2);
+                        __builtin_prefetch(grp + task_bytes + off, 0, 2);
                 }
-#ifdef G16_X2_ROWS
-                if (parts == 2) {
-                    float out[G16_X2_ROWS][G16];
-                    g16_x2_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows / 2, out);
-                    for (int64_t r = 0; r < rows / 2; r++)
-                        memcpy(y + (r0 / 2 + r) * y_row_stride + g * G16, out[r], sizeof(float) * valid);
-                    continue;
-                }
-#endif
-                float out[G16_ROWS][G16];
-                g16_rows(grp, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows, out);
-                if (parts == 1) {
-                    for (int64_t r = 0; r < rows; r++)
-                        memcpy(y + (r0 + r) * y_row_stride + g * G16, out[r], sizeof(float) * valid);
-                } else {
-                    for (int64_t r = 0; r < rows; r += 2) {
-                        float* yr = y + (r0 + r) / 2 * y_row_stride + g * G16;
-                        for (int64_t n = 0; n < valid; n++) yr[n] = out[r][n] + out[r + 1][n];
-                    }
-                }
+                g16_pass(grp, group_bytes, span, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows,
+                         parts, y + r0 / parts * y_row_stride + g * G16, y_row_stride, valid);
             }
         }
         }
