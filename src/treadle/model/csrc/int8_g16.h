@@ -51,6 +51,23 @@ static inline __attribute__((always_inline)) __m512i g16_dot(const __m512i w[8],
 #endif
 }
 
+/* A block's quants for 16 outputs (w[g]: inputs 4g..4g+3; Q4 from its nibbles, Q8 its u = q +
+   128) and the factor of its minimum term m s_x (Q4: m; Q8: -128 d, taking the 128 back). */
+static inline __attribute__((always_inline)) __m512 g16_weights(const char* blk, const int kind,
+                                                                __m512 d, __m512i w[8]) {
+    if (kind == KIND_Q4_G16) {
+        const __m512i low = _mm512_set1_epi8(15);
+        for (int h = 0; h < 4; h++) {
+            const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * h);
+            w[h] = _mm512_and_si512(v, low);
+            w[4 + h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
+    }
+    for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(blk + 32 + 64 * g);
+    return _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+}
+
 #if !defined(__AVX512VNNI__)
 /* Q8 without vpdpbusd: q . p of `rows` rows' block into s[r], a half of the 8 groups at a
    time (|q| and q's sign mask for 4 groups in registers). */
@@ -102,19 +119,7 @@ static inline __attribute__((always_inline)) void g16_rows_n(
 #endif
         __m512i w[8];
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-        __m512 m;
-        if (kind == KIND_Q4_G16) {
-            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
-            const __m512i low = _mm512_set1_epi8(15);
-            for (int h = 0; h < 4; h++) {
-                const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * h);
-                w[h] = _mm512_and_si512(v, low);
-                w[4 + h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-        } else {
-            m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
-            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(blk + 32 + 64 * g);
-        }
+        const __m512 m = g16_weights(blk, kind, d, w);
         for (int r = 0; r < rows; r++) {
             const float* ds = xds + 2 * (r * nb + b);
             const __m512 f = _mm512_cvtepi32_ps(g16_dot(w, (const int32_t*)(xq + r * K + b * 32)));
@@ -183,19 +188,7 @@ static inline __attribute__((always_inline)) void g16_x2_rows_n(
         }
 #endif
         __m512i w[8];
-        __m512 m;
-        if (kind == KIND_Q4_G16) {
-            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
-            const __m512i low = _mm512_set1_epi8(15);
-            for (int h = 0; h < 4; h++) {
-                const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * h);
-                w[h] = _mm512_and_si512(v, low);
-                w[4 + h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-        } else {
-            m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
-            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(blk + 32 + 64 * g);
-        }
+        const __m512 m = g16_weights(blk, kind, d, w);
         for (int r = 0; r < rows; r++) {
             const int8_t* xh = xq + 2 * r * K + b * 32;
             const float* dh = xds + 2 * (2 * r * nb + b);   /* d, both rows' s */
