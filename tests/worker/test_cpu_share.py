@@ -40,6 +40,8 @@ def feed(g: ThreadGovernor, steps: list[tuple[float, float]], start: float = 100
 def test_threads_waiting_for_a_core_cost_a_thread(governor: ThreadGovernor) -> None:
     feed(governor, [(0.1, 0.0), (0.2, 0.0)])
     assert governor.threads == 2  # under SHRINK_AT: a thread now and then is not a neighbour
+    feed(governor, [(0.4, 0.0)] * 4)
+    assert governor.threads == 2  # nor the server's own work around a single stream
     feed(governor, [(0.6, 0.0)])
     assert governor.threads == 1
     feed(governor, [(0.9, 0.0)] * 4)

@@ -16,6 +16,13 @@ share and a whole core idle for `GROW_AFTER` windows in a row: one more. A neigh
 and goes makes it wait longer before it grows again (`hold`, doubled up to `MAX_HOLD_S`).
 Each change is logged. Where /proc is not Linux's, nothing changes.
 
+`SHRINK_AT` sits between the two cases a 2-core server meets: a busy neighbour (one loop
+beside 2 model threads: 3 threads on 2 cores, ~0.67 core-seconds a second of run delay; more
+cores and threads, nearer 1) and the server's own work around a single stream (the API server
+and a local client took ~0.35-0.4 a second from the model's threads: at 0.3 the count went
+2 -> 1 -> 2 every few seconds, and a served token took 4.0-4.3 ms where 2 threads throughout
+gave 3.4, peer_bench, 2026-12-06).
+
 While they wait for each other, the threads spin briefly and then sleep: libgomp's default
 (`GOMP_SPINCOUNT` 300,000 spins, 100 once there are more threads than CPUs; then a futex),
 which `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment change as usual.
@@ -43,7 +50,7 @@ from treadle.parallel_config import ParallelConfig
 logger = init_logger(__name__)
 
 WINDOW_S = 0.5  # how often (at most) the readings are taken, between steps
-SHRINK_AT = 0.3  # cores' worth of run delay (core-seconds per second) that costs a thread
+SHRINK_AT = 0.5  # cores' worth of run delay (core-seconds per second) that costs a thread
 GROW_IDLE = 0.6  # idle cores (of this process's CPUs) that count as a free core
 GROW_AFTER = 2  # windows in a row with a free core before a thread is added
 MIN_HOLD_S = 1.0  # after a thread is taken away, wait at least this long before adding one
