@@ -618,9 +618,10 @@ static inline void quantize_g16_row(const float* x, int64_t x_row_stride, int64_
 }
 
 #if G16_KINDS
-/* Whether a row of int8x2 makes one sum of its two int8 rows here (g16_x2_rows, g16_x2p_rows)
-   for this kind; how many 16-output groups a pass takes (2: that, where the level has
-   g16_x2p_rows); how many of xq's rows a pass takes (a row of int8x2 is two). */
+/* Whether a row of int8x2 makes one sum of its two int8 rows here (g16_x2_rows,
+   g16_pair_rows) for this kind; how many 16-output groups a pass takes (2 where the level has
+   g16_pair_rows: AVX-512 with vpdpbusd); how many of xq's rows a pass takes (a row of int8x2
+   is two). */
 static inline int g16_x2(int kind, int parts) {
 #ifdef G16_X2_ROWS
     return parts == 2 && (G16_X2_KINDS >> (kind - KIND_Q4_G16) & 1);
@@ -631,19 +632,17 @@ static inline int g16_x2(int kind, int parts) {
 #endif
 }
 
-static inline int g16_width(int kind, int parts) {
-#ifdef G16_X2P_ROWS
-    return g16_x2(kind, parts) ? 2 : 1;
+static inline int g16_width(void) {
+#ifdef G16_PAIR_ROWS
+    return 2;
 #else
-    (void)kind;
-    (void)parts;
     return 1;
 #endif
 }
 
 static inline int64_t g16_step(int kind, int parts) {
-#ifdef G16_X2P_ROWS
-    if (g16_x2(kind, parts)) return 2 * G16_X2P_ROWS;
+#ifdef G16_PAIR_ROWS
+    return parts == 2 ? 2 * G16_X2P_ROWS : G16_X1P_ROWS;
 #endif
 #ifdef G16_X2_ROWS
     if (g16_x2(kind, parts)) return 2 * G16_X2_ROWS;
@@ -658,11 +657,11 @@ static inline int64_t g16_step(int kind, int parts) {
 static void g16_pass(const char* grp, int64_t group_bytes, int span, int kind, int64_t nb,
                      const int8_t* xq, int64_t K, const float* xds, int64_t rows, int parts,
                      float* y, int64_t y_row_stride, int64_t valid) {
-#ifdef G16_X2P_ROWS
+#ifdef G16_PAIR_ROWS
     if (span == 2) {
-        float out[G16_X2P_ROWS][2 * G16];
-        g16_x2p_rows(grp, group_bytes, kind, nb, xq, K, xds, rows / 2, out);
-        for (int64_t r = 0; r < rows / 2; r++) memcpy(y + r * y_row_stride, out[r], sizeof(float) * valid);
+        float out[G16_PAIR_ROWS][2 * G16];
+        g16_pair_rows(grp, group_bytes, kind, parts, nb, xq, K, xds, rows / parts, out);
+        for (int64_t r = 0; r < rows / parts; r++) memcpy(y + r * y_row_stride, out[r], sizeof(float) * valid);
         return;
     }
 #else
@@ -731,7 +730,7 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
            and every 16-output group reads them all again: past G16_BLOCK_BYTES they go in
            blocks of whole passes (the same passes, so the same bits), each block over every
            group while it stays in L2; the groups (a few KB each) are read once a block. */
-        const int width = g16_width(kind, parts);
+        const int width = g16_width();
         const int64_t step = g16_step(kind, parts), ntasks = (ngroups + width - 1) / width;
         const int64_t task_bytes = width * group_bytes;
         int64_t block = (G16_BLOCK_BYTES / K) / step * step;

@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void g16_rows_n(
    2^24, Q8 32 x 255 x 127 x 2^8 < 2^31), taken by one conversion and one scale d_w d': half the
    float work of the two rows apart, and one minimum term. Each row's registers: its two sums
    and its accumulator, so that 6 rows share a pass over the weights where 4 did. With
-   vpdpbusd, g16_x2p_rows below takes two groups a pass instead (this one then only a lone
+   vpdpbusd, g16_pair_rows below takes two groups a pass instead (this one then only a lone
    last group). */
 #ifndef G16_X2_ROWS
 #define G16_X2_ROWS 6
@@ -202,27 +202,28 @@ static inline __attribute__((always_inline)) void g16_x2_rows_n(
 }
 
 #if defined(__AVX512VNNI__)
-/* int8x2 over two groups at once (32 outputs; grp and grp + gbytes), G16_X2P_ROWS rows a pass,
-   each row's sums as g16_x2_rows_n's (the same bits): each activation broadcast serves both
+/* Two groups at once (32 outputs; grp and grp + gbytes), rows of int8x2 (parts 2, up to
+   G16_X2P_ROWS: each row's sums as g16_x2_rows_n's) or int8 (parts 1, up to G16_X1P_ROWS:
+   g16_rows_n's), the same bits as one group a pass: each activation broadcast serves both
    groups' products, where one group's pass takes one broadcast a product. A block in two
    halves of 4 groups of inputs (Q4: its low nibbles, then its high), so that both groups'
-   weights of a half take 8 registers, and a row's 4 sums and 2 accumulators 6. At 64 rows the
-   default model's gate|up product ran 9.3-9.5 -> 11.5 G products/s against one group a pass
-   (EPYC, 2 threads); 3 rows a pass (spilling) 10.9-11.1. */
-#ifndef G16_X2P_ROWS
-#define G16_X2P_ROWS 2
-#endif
-static inline __attribute__((always_inline)) void g16_x2p_rows_n(
-    const char* grp, int64_t gbytes, const int kind, int64_t nb, const int8_t* xq, int64_t K,
-    const float* xds, const int rows, float out[G16_X2P_ROWS][2 * G16]) {
+   weights of a half take 8 registers; a row's sums and accumulators 6 (int8x2) or 4. At 64
+   rows the default model's gate|up product ran 9.3-9.5 -> 11.5 G products/s at int8x2 against
+   one group a pass (EPYC, 2 threads); 3 rows a pass (spilling) 10.9-11.1. */
+#define G16_X2P_ROWS 2  /* (g16_pair_rows's cases) */
+#define G16_X1P_ROWS 4
+#define G16_PAIR_ROWS (G16_X1P_ROWS > G16_X2P_ROWS ? G16_X1P_ROWS : G16_X2P_ROWS)
+static inline __attribute__((always_inline)) void g16_pair_rows_n(
+    const char* grp, int64_t gbytes, const int kind, const int parts, int64_t nb, const int8_t* xq,
+    int64_t K, const float* xds, const int rows, float out[G16_PAIR_ROWS][2 * G16]) {
     const int64_t gb = g16_block_bytes(kind);
-    __m512 acc[G16_X2P_ROWS][2];
+    __m512 acc[G16_PAIR_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const char* blk[2] = {grp + b * gb, grp + gbytes + b * gb};
         for (int j = 0; j < 2; j++)
             for (int64_t off = 0; off < gb; off += 64) _mm_prefetch(blk[j] + 4 * gb + off, _MM_HINT_T0);
-        __m512i S[G16_X2P_ROWS][2], T[G16_X2P_ROWS][2];
+        __m512i S[G16_PAIR_ROWS][2], T[G16_PAIR_ROWS][2];  /* T: the second int8 rows' */
         for (int r = 0; r < rows; r++)
             S[r][0] = S[r][1] = T[r][0] = T[r][1] = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
@@ -237,14 +238,17 @@ static inline __attribute__((always_inline)) void g16_x2p_rows_n(
                     }
                 }
             for (int r = 0; r < rows; r++) {
-                const int32_t* xh = (const int32_t*)(xq + 2 * r * K + b * 32) + 4 * h;
-                const int32_t* xl = (const int32_t*)(xq + (2 * r + 1) * K + b * 32) + 4 * h;
+                const int32_t* xh = (const int32_t*)(xq + parts * r * K + b * 32) + 4 * h;
+                const int32_t* xl = xh + K / 4;  /* (parts 2: the row's second int8 row) */
                 for (int i = 0; i < 4; i++) {
-                    const __m512i ph = _mm512_set1_epi32(xh[i]), pl = _mm512_set1_epi32(xl[i]);
+                    const __m512i ph = _mm512_set1_epi32(xh[i]);
                     S[r][0] = _mm512_dpbusd_epi32(S[r][0], w[0][i], ph);
                     S[r][1] = _mm512_dpbusd_epi32(S[r][1], w[1][i], ph);
-                    T[r][0] = _mm512_dpbusd_epi32(T[r][0], w[0][i], pl);
-                    T[r][1] = _mm512_dpbusd_epi32(T[r][1], w[1][i], pl);
+                    if (parts == 2) {
+                        const __m512i pl = _mm512_set1_epi32(xl[i]);
+                        T[r][0] = _mm512_dpbusd_epi32(T[r][0], w[0][i], pl);
+                        T[r][1] = _mm512_dpbusd_epi32(T[r][1], w[1][i], pl);
+                    }
                 }
             }
         }
@@ -253,10 +257,12 @@ static inline __attribute__((always_inline)) void g16_x2p_rows_n(
             const __m512 m = kind == KIND_Q4_G16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk[j] + 32)))
                                                  : _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
             for (int r = 0; r < rows; r++) {
-                const float s = xds[2 * (2 * r * nb + b) + 1];
-                const float d2 = xds[2 * ((2 * r + 1) * nb + b)];
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(S[r][j], X2_SHIFT), T[r][j]));
-                acc[r][j] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(d2)), acc[r][j]);
+                /* int8x2: the first row's s (both rows' sums), the second row's d; int8: its own */
+                const float s = xds[2 * (parts * r * nb + b) + 1];
+                const float dx = xds[2 * ((parts * r + parts - 1) * nb + b)];
+                const __m512i sum = parts == 2 ? _mm512_add_epi32(_mm512_slli_epi32(S[r][j], X2_SHIFT), T[r][j])
+                                               : S[r][j];
+                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r][j]);
                 acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), acc[r][j]);
             }
         }
@@ -475,18 +481,21 @@ static void g16_x2_rows(const char* grp, int kind, int64_t nb, const int8_t* xq,
 #undef G16_X2_CASES
 #undef G16_X2_CASE
 #endif
-#ifdef G16_X2P_ROWS
-#define G16_X2P_CASE(KIND, R) case R: g16_x2p_rows_n(grp, gbytes, KIND, nb, xq, K, xds, R, out); break
-static void g16_x2p_rows(const char* grp, int64_t gbytes, int kind, int64_t nb, const int8_t* xq,
-                         int64_t K, const float* xds, int64_t rows, float out[G16_X2P_ROWS][2 * G16]) {
-#if G16_X2P_ROWS == 3
-    if (kind == KIND_Q4_G16) switch (rows) { G16_X2P_CASE(KIND_Q4_G16, 1); G16_X2P_CASE(KIND_Q4_G16, 2); G16_X2P_CASE(KIND_Q4_G16, 3); }
-    else switch (rows) { G16_X2P_CASE(KIND_Q8_G16, 1); G16_X2P_CASE(KIND_Q8_G16, 2); G16_X2P_CASE(KIND_Q8_G16, 3); }
-#else
-    if (kind == KIND_Q4_G16) switch (rows) { G16_X2P_CASE(KIND_Q4_G16, 1); G16_X2P_CASE(KIND_Q4_G16, 2); }
-    else switch (rows) { G16_X2P_CASE(KIND_Q8_G16, 1); G16_X2P_CASE(KIND_Q8_G16, 2); }
-#endif
+#ifdef G16_PAIR_ROWS
+#define G16_PAIR_CASE(KIND, P, R) \
+    case R: g16_pair_rows_n(grp, gbytes, KIND, P, nb, xq, K, xds, R, out); break
+#define G16_PAIR_CASES(KIND) \
+    if (parts == 2) switch (rows) { G16_PAIR_CASE(KIND, 2, 1); G16_PAIR_CASE(KIND, 2, 2); } \
+    else switch (rows) { G16_PAIR_CASE(KIND, 1, 1); G16_PAIR_CASE(KIND, 1, 2); \
+                         G16_PAIR_CASE(KIND, 1, 3); G16_PAIR_CASE(KIND, 1, 4); }
+/* `rows` rows (of `parts` int8 rows each) against the two groups at grp (g16_pair_rows_n). */
+static void g16_pair_rows(const char* grp, int64_t gbytes, int kind, int parts, int64_t nb,
+                          const int8_t* xq, int64_t K, const float* xds, int64_t rows,
+                          float out[G16_PAIR_ROWS][2 * G16]) {
+    if (kind == KIND_Q4_G16) { G16_PAIR_CASES(KIND_Q4_G16) }
+    else { G16_PAIR_CASES(KIND_Q8_G16) }
 }
-#undef G16_X2P_CASE
+#undef G16_PAIR_CASES
+#undef G16_PAIR_CASE
 #endif
 #endif
