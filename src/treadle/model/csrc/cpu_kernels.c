@@ -641,15 +641,16 @@ static inline int g16_width(void) {
 }
 
 static inline int64_t g16_step(int kind, int parts) {
-#ifdef G16_PAIR_ROWS
+#if defined(G16_PAIR_ROWS)
+    (void)kind;
     return parts == 2 ? 2 * G16_X2P_ROWS : G16_X1P_ROWS;
-#endif
-#ifdef G16_X2_ROWS
-    if (g16_x2(kind, parts)) return 2 * G16_X2_ROWS;
-#endif
+#elif defined(G16_X2_ROWS)
+    return g16_x2(kind, parts) ? 2 * G16_X2_ROWS : G16_ROWS;
+#else
     (void)kind;
     (void)parts;
     return G16_ROWS;
+#endif
 }
 
 /* One pass: `rows` of xq's rows (g16_step) against `span` groups (g16_width) at grp, into y
@@ -732,7 +733,6 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
            group while it stays in L2; the groups (a few KB each) are read once a block. */
         const int width = g16_width();
         const int64_t step = g16_step(kind, parts), ntasks = (ngroups + width - 1) / width;
-        const int64_t task_bytes = width * group_bytes;
         int64_t block = (G16_BLOCK_BYTES / K) / step * step;
         if (block < step) block = step;
         for (int64_t b0 = 0; b0 < R; b0 += block) {
@@ -750,11 +750,12 @@ static void gguf_linear_g16(const float* x, int64_t x_row_stride, int64_t M, int
                    memory (no miss trains the hardware's prefetcher), so they ask for a share
                    of the next task's each, which then streams in beside their arithmetic. */
                 const int64_t pass = (r0 - b0) / step;
-                if (pass > 0 && t + 1 < ntasks) {
-                    const int64_t from = (pass - 1) * task_bytes / (passes - 1);
-                    const int64_t to = pass * task_bytes / (passes - 1);
+                if (pass > 0 && t + 1 < ntasks) {  /* (a lone last group: its bytes only) */
+                    const int64_t next = (ngroups - g - span < width ? ngroups - g - span : width) * group_bytes;
+                    const int64_t from = (pass - 1) * next / (passes - 1);
+                    const int64_t to = pass * next / (passes - 1);
                     for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
-                        __builtin_prefetch(grp + task_bytes + off, 0, 2);
+                        __builtin_prefetch(grp + span * group_bytes + off, 0, 2);
                 }
                 g16_pass(grp, group_bytes, span, kind, nb, xq + r0 * K, K, xds + 2 * r0 * nb, rows,
                          parts, y + r0 / parts * y_row_stride + g * G16, y_row_stride, valid);
